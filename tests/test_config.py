@@ -1,0 +1,132 @@
+"""FP8Config: defaults, validation messages, NeMo RL layout, env/JSON/YAML round trips."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8_align import CONFIG_ENV_VAR, FP8Config, FP8ConfigError
+
+
+def test_defaults_are_the_aligned_blockwise_recipe():
+    cfg = FP8Config()
+    assert cfg.precision == "fp8" and cfg.fp8_recipe == "blockwise" and cfg.fp8 == "e4m3"
+    assert cfg.weight_block_size == (128, 128) and cfg.activation_group_size == 128
+    assert (cfg.num_first_layers_in_bf16, cfg.num_last_layers_in_bf16) == (0, 0)
+    assert not cfg.use_weight_pow2_scale and not cfg.use_activation_pow2_scale
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_first_layers_in_bf16": -1}, "num_first_layers_in_bf16 must be >= 0"),
+        ({"num_last_layers_in_bf16": -2}, "num_last_layers_in_bf16 must be >= 0"),
+        ({"fp8_attention": True}, "needs kv_cache_dtype='fp8'"),
+        ({"precision": "bf16", "kv_cache_dtype": "fp8"}, "precision='bf16' with an FP8 KV cache"),
+        ({"fp8_recipe": "tensorwise"}, "cannot match the generation recipe"),
+        ({"fp8": "hybrid"}, "allow_recipe_mismatch"),
+        ({"weight_block_size": (64, 64)}, "must be \\(128, 128\\)"),
+        ({"activation_group_size": 64}, "activation_group_size must be 128"),
+        ({"precision": "int4"}, "precision"),
+        ({"use_deepgemm": True}, "unknown field"),
+    ],
+)
+def test_invalid_configs_raise_actionable_errors(kwargs, message):
+    with pytest.raises(FP8ConfigError, match=message):
+        FP8Config.from_kwargs(**kwargs)
+
+
+def test_recipe_mismatch_accepted_only_when_explicit():
+    cfg = FP8Config(fp8_recipe="tensorwise", allow_recipe_mismatch=True)
+    assert cfg.fp8_recipe == "tensorwise"
+
+
+def test_bf16_layer_indices_and_depth_check():
+    cfg = FP8Config(num_first_layers_in_bf16=2, num_last_layers_in_bf16=1)
+    assert cfg.bf16_layer_indices(6) == frozenset({0, 1, 5})
+    assert cfg.bf16_layer_indices(3) == frozenset({0, 1, 2})
+    with pytest.raises(FP8ConfigError, match="larger than the model's 2 decoder layers"):
+        cfg.bf16_layer_indices(2)
+
+
+def _nemo_rl_dict() -> dict:
+    return {
+        "policy": {
+            "model_name": "Qwen/Qwen3-8B-Base",
+            "generation": {
+                "backend": "vllm",
+                "vllm_cfg": {
+                    "precision": "fp8",
+                    "use_deep_gemm": False,
+                    "num_first_layers_in_bf16": 1,
+                    "num_last_layers_in_bf16": 2,
+                    "use_weight_pow2_scale": True,
+                    "use_activation_pow2_scale": True,
+                    "kv_cache_dtype": "fp8",
+                    "gpu_memory_utilization": 0.6,
+                },
+            },
+            "megatron_cfg": {"enabled": True, "fp8_cfg": {"enabled": True, "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True}},
+        },
+        "loss_fn": {"use_importance_sampling_correction": False},
+    }
+
+
+def test_loads_nemo_rl_layout_ignoring_unrelated_keys():
+    cfg = FP8Config.from_nemo_rl(_nemo_rl_dict())
+    assert cfg.use_deep_gemm is False and cfg.num_first_layers_in_bf16 == 1 and cfg.num_last_layers_in_bf16 == 2
+    assert cfg.use_weight_pow2_scale and cfg.use_activation_pow2_scale and cfg.kv_cache_dtype == "fp8"
+    assert cfg.fp8_param and cfg.use_importance_sampling_correction is False
+
+
+def test_nemo_rl_bfloat16_precision_and_disabled_training_fp8():
+    data = {"policy": {"generation": {"vllm_cfg": {"precision": "bfloat16"}}, "megatron_cfg": {"fp8_cfg": {"enabled": False, "fp8_recipe": "tensorwise"}}}}
+    cfg = FP8Config.from_nemo_rl(data)
+    assert cfg.precision == "bf16" and cfg.fp8 is None
+
+
+def test_nemo_rl_round_trip():
+    cfg = FP8Config.from_nemo_rl(_nemo_rl_dict())
+    assert FP8Config.from_nemo_rl(cfg.to_nemo_rl()) == cfg
+
+
+def test_nemo_rl_invalid_values_raise():
+    data = _nemo_rl_dict()
+    data["policy"]["generation"]["vllm_cfg"]["num_first_layers_in_bf16"] = -3
+    with pytest.raises(FP8ConfigError, match="num_first_layers_in_bf16"):
+        FP8Config.from_nemo_rl(data)
+    with pytest.raises(FP8ConfigError, match="must be a mapping"):
+        FP8Config.from_nemo_rl({"policy": ["not", "a", "mapping"]})
+
+
+def test_env_and_json_round_trip(monkeypatch):
+    cfg = FP8Config(num_last_layers_in_bf16=3, use_weight_pow2_scale=True)
+    env = cfg.to_env()
+    assert list(env) == [CONFIG_ENV_VAR]
+    assert FP8Config.from_env(env) == cfg
+    monkeypatch.setenv(CONFIG_ENV_VAR, env[CONFIG_ENV_VAR])
+    assert FP8Config.from_env() == cfg
+    monkeypatch.delenv(CONFIG_ENV_VAR)
+    assert FP8Config.from_env() == FP8Config()
+    with pytest.raises(FP8ConfigError, match="not valid JSON"):
+        FP8Config.from_env({CONFIG_ENV_VAR: "{oops"})
+    with pytest.raises(FP8ConfigError, match="JSON object"):
+        FP8Config.from_env({CONFIG_ENV_VAR: "[1, 2]"})
+
+
+def test_yaml_flat_and_nemo_rl(tmp_path):
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("num_first_layers_in_bf16: 2\nuse_activation_pow2_scale: true\n")
+    assert FP8Config.from_yaml(flat) == FP8Config(num_first_layers_in_bf16=2, use_activation_pow2_scale=True)
+    nested = tmp_path / "nemo.yaml"
+    nested.write_text("policy:\n  generation:\n    vllm_cfg:\n      precision: fp8\n      num_last_layers_in_bf16: 4\n")
+    assert FP8Config.from_yaml(nested).num_last_layers_in_bf16 == 4
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(FP8ConfigError, match="mapping at the top level"):
+        FP8Config.from_yaml(bad)
+
+
+def test_config_is_frozen():
+    cfg = FP8Config()
+    with pytest.raises(Exception):
+        cfg.precision = "bf16"  # type: ignore[misc]

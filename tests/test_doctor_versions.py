@@ -1,0 +1,82 @@
+"""`fp8-align doctor` and the vLLM version gate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from fp8_align.doctor import EnvironmentFacts, build_report, detect_environment, format_report
+from fp8_align.versions import (
+    ALLOW_UNTESTED_ENV_VAR,
+    UnsupportedVLLMVersionError,
+    check_vllm_version,
+    installed_vllm_version,
+    vllm_series,
+)
+
+H100 = EnvironmentFacts(
+    python="3.12.3", torch="2.11.0+cu130", torch_cuda="13.0", cuda_available=True, gpu_name="NVIDIA H100 80GB HBM3",
+    compute_capability=(9, 0), vllm="0.22.0", deep_gemm=True, megatron_core="0.19.2",
+    transformer_engine="2.9.0", te_block_scaling=True,
+)
+
+
+def test_hopper_with_everything_can_run_the_whole_recipe():
+    report = build_report(H100)
+    assert report.vllm_supported is True
+    assert all(o.usable for o in report.options), format_report(report)
+
+
+@pytest.mark.parametrize(
+    ("change", "option", "reason"),
+    [
+        ({"compute_capability": (10, 0), "gpu_name": "B200"}, "training", "Blackwell: use FP8 generation with BF16 training"),
+        ({"compute_capability": (8, 0)}, "use_deep_gemm", "need Hopper"),
+        ({"torch_cuda": "12.4"}, "training", "CUDA 12.4 < 12.9"),
+        ({"te_block_scaling": False}, "training", "no Float8BlockScaling"),
+        ({"transformer_engine": None, "te_block_scaling": False}, "training", "TransformerEngine not installed"),
+        ({"deep_gemm": False}, "use_deep_gemm", "DeepGEMM not found"),
+    ],
+)
+def test_each_missing_piece_is_reported_with_its_reason(change, option, reason):
+    report = build_report(replace(H100, **change))
+    matching = [o for o in report.options if o.name.startswith(option) or option in o.name]
+    assert matching and not matching[0].usable and reason in matching[0].reason
+
+
+def test_untested_vllm_is_flagged_in_report():
+    text = format_report(build_report(replace(H100, vllm="0.25.1")))
+    assert "OUTSIDE the tested range" in text and "0.22.x" in text and "0.32.x" in text
+
+
+def test_detect_environment_reads_this_machine():
+    facts = detect_environment()
+    assert facts.vllm == installed_vllm_version()
+    assert facts.cuda_available == (facts.compute_capability is not None)
+
+
+def test_cli_doctor_json_runs_as_console_script():
+    out = subprocess.run([sys.executable, "-m", "fp8_align.cli", "doctor", "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert {"facts", "vllm_supported", "options"} <= set(data)
+    assert data["facts"]["torch"]
+
+
+@pytest.mark.parametrize(("version", "series"), [("0.22.0", (0, 22)), ("0.32.0+cpu", (0, 32)), ("0.22.1rc1", (0, 22))])
+def test_vllm_series_parsing(version, series):
+    assert vllm_series(version) == series
+
+
+def test_version_gate():
+    assert check_vllm_version("0.22.0", {}) is None
+    assert check_vllm_version("0.32.3", {}) is None
+    with pytest.raises(UnsupportedVLLMVersionError, match=r"0\.22\.x .*0\.32\.x.*installed vLLM is 0\.27\.0"):
+        check_vllm_version("0.27.0", {})
+    warning = check_vllm_version("0.27.0", {ALLOW_UNTESTED_ENV_VAR: "1"})
+    assert warning and "Running anyway" in warning
+    with pytest.raises(UnsupportedVLLMVersionError, match="cannot parse"):
+        check_vllm_version("banana", {})
