@@ -11,7 +11,7 @@ from fp8_align.quant.blockwise import (
     quantize_weight_blockwise,
 )
 from fp8_align.quant.groupwise import DEFAULT_GROUP_SIZE, dequantize_groupwise, quantize_activation_groupwise
-from fp8_align.quant.linear import blockwise_fp8_linear
+from fp8_align.quant.linear import blockwise_fp8_linear, fp8_block_gemm
 from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, round_up_to_pow2, scale_from_amax
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "blockwise_scale_shape",
     "dequantize_blockwise",
     "dequantize_groupwise",
+    "fp8_block_gemm",
     "quantize_activation_groupwise",
     "quantize_weight_blockwise",
     "round_up_to_pow2",

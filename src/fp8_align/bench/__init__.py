@@ -1,0 +1,1 @@
+"""Benchmarks and the vLLM generation runner they (and the tests) use."""

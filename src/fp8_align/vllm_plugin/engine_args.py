@@ -1,0 +1,62 @@
+"""How an `FP8Config` reaches every vLLM process: engine keyword arguments or one env var."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fp8_align.config import FP8Config
+
+QUANTIZATION_NAME = "fp8_align"
+#: Key fp8_align puts into `hf_overrides["quantization_config"]`, as checkpoints do.
+QUANT_METHOD_KEY = "quant_method"
+
+
+def quantization_config_dict(cfg: FP8Config) -> dict[str, Any]:
+    """The `quantization_config` entry (as in a checkpoint's config.json) that carries `cfg`."""
+    return {QUANT_METHOD_KEY: QUANTIZATION_NAME, **cfg.model_dump(mode="json")}
+
+
+def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM(...)` / `EngineArgs(...)` that run `cfg` in every worker.
+
+    The config travels inside `hf_overrides["quantization_config"]`, which vLLM ships with the
+    model config to every worker (multiprocessing and Ray alike). `kv_cache_dtype` follows
+    `cfg.kv_cache_dtype`. Extra keyword arguments are merged in (an `hf_overrides` dict is merged
+    key by key). With `cfg.precision == "bf16"` no quantization is requested at all.
+    """
+    cfg = FP8Config() if cfg is None else cfg
+    kwargs: dict[str, Any] = {}
+    if cfg.precision == "fp8":
+        kwargs["quantization"] = QUANTIZATION_NAME
+        kwargs["hf_overrides"] = {"quantization_config": quantization_config_dict(cfg)}
+        if cfg.kv_cache_dtype == "fp8":
+            kwargs["kv_cache_dtype"] = "fp8"
+    extra_overrides = overrides.pop("hf_overrides", None)
+    if extra_overrides:
+        if "quantization_config" in extra_overrides and "hf_overrides" in kwargs:
+            raise ValueError("hf_overrides['quantization_config'] is set by engine_kwargs(cfg); pass the config as cfg")
+        kwargs["hf_overrides"] = {**kwargs.get("hf_overrides", {}), **extra_overrides}
+    kwargs.update(overrides)
+    return kwargs
+
+
+def config_from_engine(quant_config: dict[str, Any] | None, environ: dict[str, str] | None = None) -> FP8Config:
+    """The FP8Config an engine runs: from its `quantization_config` dict when present, else from
+    the `FP8_ALIGN_CONFIG` env var, else defaults. Both present and different is an error.
+    """
+    env = os.environ if environ is None else environ
+    from_env = FP8Config.from_env(env)
+    if not quant_config:
+        return from_env
+    fields = {k: v for k, v in quant_config.items() if k != QUANT_METHOD_KEY}
+    method = quant_config.get(QUANT_METHOD_KEY, QUANTIZATION_NAME)
+    if method != QUANTIZATION_NAME:
+        raise ValueError(f"quantization_config.quant_method is {method!r}, expected {QUANTIZATION_NAME!r}")
+    from_engine = FP8Config.from_kwargs(**fields)
+    if from_env.model_dump() != from_engine.model_dump() and env.get("FP8_ALIGN_CONFIG"):
+        raise ValueError(
+            "FP8_ALIGN_CONFIG and the engine's quantization_config disagree; set one of them. "
+            f"env: {from_env.to_json()} engine: {from_engine.to_json()}"
+        )
+    return from_engine
