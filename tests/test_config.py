@@ -28,6 +28,8 @@ def test_defaults_are_the_aligned_blockwise_recipe():
         ({"activation_group_size": 64}, "activation_group_size must be 128"),
         ({"precision": "int4"}, "precision"),
         ({"use_deepgemm": True}, "unknown field"),
+        ({"use_weight_pow2_scale": True}, "rounds weight and activation scales the same way"),
+        ({"fp8": None, "fp8_param": True}, "fp8_param=True"),
     ],
 )
 def test_invalid_configs_raise_actionable_errors(kwargs, message):
@@ -59,8 +61,8 @@ def _nemo_rl_dict() -> dict:
                     "use_deep_gemm": False,
                     "num_first_layers_in_bf16": 1,
                     "num_last_layers_in_bf16": 2,
-                    "use_weight_pow2_scale": True,
-                    "use_activation_pow2_scale": True,
+                    "pow2_weight_scaling_factors": True,
+                    "pow2_activation_scaling_factors": True,
                     "kv_cache_dtype": "fp8",
                     "gpu_memory_utilization": 0.6,
                 },
@@ -84,6 +86,18 @@ def test_nemo_rl_bfloat16_precision_and_disabled_training_fp8():
     assert cfg.precision == "bf16" and cfg.fp8 is None
 
 
+def test_nemo_rl_alias_conflict_raises():
+    data = _nemo_rl_dict()
+    data["policy"]["generation"]["vllm_cfg"]["use_weight_pow2_scale"] = False
+    with pytest.raises(FP8ConfigError, match="contradicts"):
+        FP8Config.from_nemo_rl(data)
+
+
+def test_generation_only_config_may_round_weights_only():
+    cfg = FP8Config(use_weight_pow2_scale=True, fp8=None)
+    assert cfg.use_weight_pow2_scale and not cfg.use_activation_pow2_scale
+
+
 def test_nemo_rl_round_trip():
     cfg = FP8Config.from_nemo_rl(_nemo_rl_dict())
     assert FP8Config.from_nemo_rl(cfg.to_nemo_rl()) == cfg
@@ -99,7 +113,7 @@ def test_nemo_rl_invalid_values_raise():
 
 
 def test_env_and_json_round_trip(monkeypatch):
-    cfg = FP8Config(num_last_layers_in_bf16=3, use_weight_pow2_scale=True)
+    cfg = FP8Config(num_last_layers_in_bf16=3, use_weight_pow2_scale=True, use_activation_pow2_scale=True)
     env = cfg.to_env()
     assert list(env) == [CONFIG_ENV_VAR]
     assert FP8Config.from_env(env) == cfg
@@ -115,8 +129,8 @@ def test_env_and_json_round_trip(monkeypatch):
 
 def test_yaml_flat_and_nemo_rl(tmp_path):
     flat = tmp_path / "flat.yaml"
-    flat.write_text("num_first_layers_in_bf16: 2\nuse_activation_pow2_scale: true\n")
-    assert FP8Config.from_yaml(flat) == FP8Config(num_first_layers_in_bf16=2, use_activation_pow2_scale=True)
+    flat.write_text("num_first_layers_in_bf16: 2\nuse_activation_pow2_scale: true\nfp8: null\n")
+    assert FP8Config.from_yaml(flat) == FP8Config(num_first_layers_in_bf16=2, use_activation_pow2_scale=True, fp8=None)
     nested = tmp_path / "nemo.yaml"
     nested.write_text("policy:\n  generation:\n    vllm_cfg:\n      precision: fp8\n      num_last_layers_in_bf16: 4\n")
     assert FP8Config.from_yaml(nested).num_last_layers_in_bf16 == 4

@@ -120,12 +120,21 @@ class FP8Config(BaseModel):
                 "precision='bf16' with an FP8 KV cache or FP8 attention is not a recipe fp8_align "
                 "aligns; set precision='fp8' or kv_cache_dtype='auto'."
             )
+        if self.fp8_param and self.fp8 is None:
+            raise ValueError("fp8_param=True keeps training parameters in FP8 and needs fp8='e4m3' (training in FP8)")
         if self.precision == "fp8" and self.fp8 is not None and not self.allow_recipe_mismatch:
             if self.fp8_recipe != "blockwise":
                 raise ValueError(
                     f"training fp8_recipe='{self.fp8_recipe}' cannot match the generation recipe "
                     "(128x128 weight blocks, 1x128 activation groups): use fp8_recipe='blockwise', "
                     "or set allow_recipe_mismatch=True to accept a misaligned run."
+                )
+            if self.use_weight_pow2_scale != self.use_activation_pow2_scale:
+                raise ValueError(
+                    "use_weight_pow2_scale and use_activation_pow2_scale differ, but TransformerEngine's "
+                    "blockwise recipe rounds weight and activation scales the same way (one switch, "
+                    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES), so training cannot match. Set both flags "
+                    "equal, set fp8=None (BF16 training), or allow_recipe_mismatch=True."
                 )
             if self.fp8 != "e4m3":
                 raise ValueError(
@@ -186,6 +195,14 @@ class FP8Config(BaseModel):
         for name in _GENERATION_FIELDS:
             if name in vllm_cfg and vllm_cfg[name] is not None:
                 kwargs[name] = vllm_cfg[name]
+        for nemo_name, name in _NEMO_RL_GENERATION_ALIASES.items():
+            if vllm_cfg.get(nemo_name) is None:
+                continue
+            if name in kwargs and kwargs[name] != vllm_cfg[nemo_name]:
+                raise FP8ConfigError(
+                    f"vllm_cfg.{nemo_name}={vllm_cfg[nemo_name]!r} contradicts vllm_cfg.{name}={kwargs[name]!r}; keep one"
+                )
+            kwargs[name] = vllm_cfg[nemo_name]
         training_enabled = bool(megatron_cfg.get("enabled", True)) and bool(fp8_cfg.get("enabled", bool(fp8_cfg)))
         if training_enabled:
             for name in _TRAINING_FIELDS:
@@ -200,7 +217,8 @@ class FP8Config(BaseModel):
     def to_nemo_rl(self) -> dict[str, Any]:
         """The NeMo RL dict layout of this config (inverse of `from_nemo_rl`)."""
         vllm_cfg = {name: getattr(self, name) for name in _GENERATION_FIELDS}
-        vllm_cfg["weight_block_size"] = list(self.weight_block_size)
+        for nemo_name, name in _NEMO_RL_GENERATION_ALIASES.items():
+            vllm_cfg[nemo_name] = vllm_cfg.pop(name)
         fp8_cfg: dict[str, Any] = {"enabled": self.fp8 is not None}
         fp8_cfg.update({name: getattr(self, name) for name in _TRAINING_FIELDS})
         return {
@@ -256,6 +274,11 @@ _GENERATION_FIELDS = (
     "fp8_attention",
     "recalibrate_scales_every_step",
 )
+#: NeMo RL's own names for generation fields (its vllm_cfg keys) -> FP8Config field names.
+_NEMO_RL_GENERATION_ALIASES = {
+    "pow2_weight_scaling_factors": "use_weight_pow2_scale",
+    "pow2_activation_scaling_factors": "use_activation_pow2_scale",
+}
 _TRAINING_FIELDS = ("fp8", "fp8_recipe", "fp8_param", "allow_recipe_mismatch")
 
 

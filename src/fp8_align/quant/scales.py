@@ -22,7 +22,11 @@ def scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     which is finite and a power of two; its codes are all zero. Scales never underflow to 0.
     """
     amax = amax.to(torch.float32)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).clamp_min(_FP32_TINY)
+    # Divide by a tensor, not a Python float: on CUDA, `tensor / scalar` is computed as a
+    # multiplication by the rounded reciprocal, which differs from the correctly rounded
+    # quotient (what CPU and the FP8 kernels compute) in about half of all values.
+    divisor = torch.full_like(amax, E4M3_MAX)
+    scale = torch.where(amax > 0, amax / divisor, torch.ones_like(amax)).clamp_min(_FP32_TINY)
     if pow2:
         scale = round_up_to_pow2(scale)
     return scale

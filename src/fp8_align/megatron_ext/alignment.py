@@ -1,0 +1,283 @@
+"""Does the training side quantize the weights exactly as the generation side does?
+
+`alignment_report` quantizes each decoder-layer weight twice: as TransformerEngine's blockwise
+recipe will during training (TE's own `Float8BlockQuantizer` where TE and CUDA are available,
+`te_emulation` otherwise) and as generation does (`fp8_align.quant.quantize_weight_blockwise`),
+then reports per weight how many E4M3 codes and block scales agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import torch
+
+from fp8_align.config import FP8Config, FP8ConfigError
+from fp8_align.megatron_ext.te_emulation import TE_BLOCK_LEN, te_pow2_scales_from_env, te_quantize_weight_2d
+from fp8_align.megatron_ext.validation import TrainingSetupError
+from fp8_align.quant import quantize_weight_blockwise
+
+#: Decoder layer index in HF (`model.layers.3.`) and Megatron (`decoder.layers.3.`) weight names.
+LAYER_INDEX_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+TrainingQuantizerChoice = Literal["auto", "transformer_engine", "emulation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TrainingQuantizer:
+    """A training-side weight quantizer: quantize(w [N, K], pow2, amax_epsilon) -> (codes, scale_inv)."""
+
+    description: str
+    default_pow2_scales: bool  # what TE's recipe uses in this process
+    amax_epsilon: float
+    quantize: Callable[[torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAlignment:
+    """Agreement for one weight. The three numbers are None when the layer is kept in BF16.
+
+    codes_equal: fraction of the N*K E4M3 codes that are bitwise equal.
+    scales_equal: fraction of the ceil(N/128)*ceil(K/128) FP32 block scales that are bitwise equal.
+    max_scale_rel_diff: max over blocks of |s_train - s_gen| / s_gen (dimensionless).
+    """
+
+    name: str
+    shape: tuple[int, int]
+    layer_index: int
+    kept_in_bf16: bool
+    codes_equal: float | None
+    scales_equal: float | None
+    max_scale_rel_diff: float | None
+
+    @property
+    def num_codes(self) -> int:
+        """Number of weight elements."""
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def num_scales(self) -> int:
+        """Number of 128x128 block scales."""
+        return math.ceil(self.shape[0] / TE_BLOCK_LEN) * math.ceil(self.shape[1] / TE_BLOCK_LEN)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignmentReport:
+    """Per-weight agreement plus the summary over every compared weight.
+
+    training_quantizer: which implementation produced the training-side codes.
+    training_pow2_scales / generation_pow2_scales: the weight-scale rounding each side used.
+    skipped: names that are not 2-D weights inside a decoder layer (embeddings, norms, lm_head).
+    """
+
+    layers: tuple[LayerAlignment, ...]
+    training_quantizer: str
+    training_pow2_scales: bool
+    generation_pow2_scales: bool
+    skipped: tuple[str, ...]
+
+    @property
+    def compared(self) -> tuple[LayerAlignment, ...]:
+        """The weights quantized on both sides (not kept in BF16)."""
+        return tuple(layer for layer in self.layers if not layer.kept_in_bf16)
+
+    @property
+    def codes_equal(self) -> float | None:
+        """Fraction of all compared codes that are bitwise equal; None when nothing was compared."""
+        return _weighted_mean([(layer.codes_equal, layer.num_codes) for layer in self.compared])
+
+    @property
+    def scales_equal(self) -> float | None:
+        """Fraction of all compared block scales that are bitwise equal; None when nothing was compared."""
+        return _weighted_mean([(layer.scales_equal, layer.num_scales) for layer in self.compared])
+
+    @property
+    def max_scale_rel_diff(self) -> float | None:
+        """Largest relative scale difference over all compared weights; None when nothing was compared."""
+        diffs = [layer.max_scale_rel_diff for layer in self.compared]
+        return max(diffs) if diffs else None
+
+    @property
+    def bitwise_aligned(self) -> bool:
+        """Every compared code and scale is bitwise equal (and at least one weight was compared)."""
+        return self.codes_equal == 1.0 and self.scales_equal == 1.0
+
+    def to_markdown(self) -> str:
+        """A Markdown section: settings, summary line and one table row per weight."""
+        lines = [
+            "## FP8 weight alignment: training vs generation",
+            "",
+            f"- training side: {self.training_quantizer}, {_rounding(self.training_pow2_scales)} scales",
+            (
+                f"- generation side: fp8_align.quant.quantize_weight_blockwise, "
+                f"{_rounding(self.generation_pow2_scales)} scales"
+            ),
+            (
+                f"- {len(self.compared)} weights compared, {len(self.layers) - len(self.compared)} kept in BF16, "
+                f"{len(self.skipped)} skipped (not 2-D weights of decoder layers)"
+            ),
+        ]
+        if self.compared:
+            lines.append(
+                f"- **codes equal {self.codes_equal:.4%}, scales equal {self.scales_equal:.4%}, "
+                f"max scale rel diff {self.max_scale_rel_diff:.3g}**"
+            )
+        lines += [
+            "",
+            "| weight | shape | codes equal | scales equal | max scale rel diff |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for layer in self.layers:
+            shape = f"{layer.shape[0]}x{layer.shape[1]}"
+            if layer.kept_in_bf16:
+                lines.append(f"| {layer.name} | {shape} | BF16 layer, not compared | | |")
+            else:
+                lines.append(
+                    f"| {layer.name} | {shape} | {layer.codes_equal:.4%} | {layer.scales_equal:.4%} "
+                    f"| {layer.max_scale_rel_diff:.3g} |"
+                )
+        return "\n".join(lines) + "\n"
+
+
+def alignment_report(
+    weights: Mapping[str, torch.Tensor],
+    cfg: FP8Config,
+    *,
+    num_layers: int | None = None,
+    training_quantizer: TrainingQuantizerChoice = "auto",
+    training_pow2_scales: bool | None = None,
+) -> AlignmentReport:
+    """Compare training-side and generation-side block-FP8 quantization of the same weights.
+
+    Args:
+        weights: name -> tensor (HF or Megatron names); 2-D [N, K] tensors inside decoder layers
+            (names matching `LAYER_INDEX_PATTERN`) are compared, everything else is skipped.
+        cfg: the shared config; must train with the blockwise recipe and generate in FP8.
+        num_layers: the model's decoder layers, for the BF16 last layers; default: one more than
+            the largest layer index among the names.
+        training_quantizer: "transformer_engine" (needs TE and CUDA, else raises), "emulation"
+            (`te_emulation`), or "auto" (TE when both are available, else the emulation).
+        training_pow2_scales: the training-side rounding; default: what TE's recipe uses in this
+            process (NVTE_FP8_BLOCK_SCALING_FP32_SCALES).
+    Returns:
+        AlignmentReport with one LayerAlignment per decoder-layer weight, in name order.
+    """
+    if cfg.precision != "fp8" or cfg.fp8 is None or cfg.fp8_recipe != "blockwise":
+        raise FP8ConfigError(
+            "alignment_report compares blockwise FP8 on both sides; cfg has "
+            f"precision={cfg.precision!r}, fp8={cfg.fp8!r}, fp8_recipe={cfg.fp8_recipe!r}"
+        )
+    layer_weights, skipped = _split_by_layer(weights)
+    if not layer_weights:
+        raise ValueError("no 2-D weights inside decoder layers ('...layers.<i>....') among the given names")
+    depth = 1 + max(index for index, _ in layer_weights.values()) if num_layers is None else num_layers
+    bf16_layers = cfg.bf16_layer_indices(depth)
+    trainer = _training_quantizer(training_quantizer)
+    pow2 = trainer.default_pow2_scales if training_pow2_scales is None else training_pow2_scales
+    layers = []
+    for name, (index, weight) in layer_weights.items():
+        if index in bf16_layers:
+            layers.append(LayerAlignment(name, tuple(weight.shape), index, True, None, None, None))
+            continue
+        train_codes, train_scales = trainer.quantize(weight, pow2, trainer.amax_epsilon)
+        gen_codes, gen_scales = quantize_weight_blockwise(weight, cfg.weight_block_size, cfg.use_weight_pow2_scale)
+        layers.append(
+            LayerAlignment(
+                name,
+                tuple(weight.shape),
+                index,
+                False,
+                *_agreement(
+                    train_codes.to(gen_codes.device), train_scales.to(gen_scales.device), gen_codes, gen_scales
+                ),
+            )
+        )
+    return AlignmentReport(tuple(layers), trainer.description, pow2, cfg.use_weight_pow2_scale, tuple(skipped))
+
+
+def _agreement(
+    train_codes: torch.Tensor, train_scales: torch.Tensor, gen_codes: torch.Tensor, gen_scales: torch.Tensor
+) -> tuple[float, float, float]:
+    codes_equal = (train_codes.view(torch.uint8) == gen_codes.view(torch.uint8)).double().mean().item()
+    scales_equal = (train_scales == gen_scales).double().mean().item()
+    rel_diff = ((train_scales.double() - gen_scales.double()).abs() / gen_scales.double()).max().item()
+    return codes_equal, scales_equal, rel_diff
+
+
+def _split_by_layer(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple[int, torch.Tensor]], list[str]]:
+    layer_weights, skipped = {}, []
+    for name in sorted(weights):
+        match = LAYER_INDEX_PATTERN.search(name)
+        if match is None or weights[name].dim() != 2:
+            skipped.append(name)
+        else:
+            layer_weights[name] = (int(match.group(1)), weights[name])
+    return layer_weights, skipped
+
+
+def _training_quantizer(choice: TrainingQuantizerChoice) -> _TrainingQuantizer:
+    if choice not in ("auto", "transformer_engine", "emulation"):
+        raise ValueError(f"training_quantizer must be 'auto', 'transformer_engine' or 'emulation', got {choice!r}")
+    te_usable = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    if choice == "transformer_engine" and not te_usable:
+        raise TrainingSetupError(
+            "training_quantizer='transformer_engine' needs TransformerEngine and a CUDA GPU; "
+            "use 'emulation' (fp8_align.megatron_ext.te_emulation) on this machine"
+        )
+    if choice == "emulation" or not te_usable:
+        return _TrainingQuantizer(
+            "te_emulation (pure-torch emulation of TE's Float8BlockQuantizer)",
+            te_pow2_scales_from_env(),
+            0.0,  # TE's Float8BlockScaling QParams.amax_epsilon
+            te_quantize_weight_2d,
+        )
+    return _transformer_engine_quantizer()
+
+
+def _transformer_engine_quantizer() -> _TrainingQuantizer:
+    import transformer_engine
+    import transformer_engine_torch as tex
+    from transformer_engine.common.recipe import Float8BlockScaling
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    qparams = Float8BlockScaling.fp8_quant_fwd_weight
+
+    def quantize(weight: torch.Tensor, pow2: bool, amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+        quantizer = Float8BlockQuantizer(
+            fp8_dtype=tex.DType.kFloat8E4M3,
+            rowwise=True,
+            columnwise=False,
+            amax_epsilon=amax_epsilon,
+            force_pow_2_scales=pow2,
+            block_scaling_dim=2,
+        )
+        with torch.no_grad():
+            quantized = quantizer(weight.to("cuda"))
+        n, k = weight.shape
+        codes = quantized._rowwise_data.view(torch.float8_e4m3fn)
+        # TE pads the scale columns to a multiple of 4 for the GEMM; keep the logical blocks.
+        scales = quantized._rowwise_scale_inv[: math.ceil(n / TE_BLOCK_LEN), : math.ceil(k / TE_BLOCK_LEN)]
+        return codes, scales
+
+    return _TrainingQuantizer(
+        f"TransformerEngine {transformer_engine.__version__} Float8BlockQuantizer (128x128 blocks)",
+        bool(qparams.power_2_scale),
+        float(qparams.amax_epsilon),
+        quantize,
+    )
+
+
+def _weighted_mean(values: list[tuple[float, int]]) -> float | None:
+    total = sum(weight for _, weight in values)
+    if total == 0:
+        return None
+    return sum(value * weight for value, weight in values) / total
+
+
+def _rounding(pow2: bool) -> str:
+    return "power-of-two" if pow2 else "FP32"
