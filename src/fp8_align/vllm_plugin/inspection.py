@@ -10,9 +10,15 @@ from typing import Any
 
 import torch
 
+from fp8_align.quant import blockwise_fp8_linear
+
+_SELF_CHECK_TOKENS = 5
+
 
 def linear_layer_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Per linear module name: its quant method, and for FP8 layers codes, scales and shards (CPU)."""
+    """Per linear module name: its quant method, and for FP8 layers codes, scales, shards, kernel,
+    and `reference_max_abs_diff`: the largest |difference| between the layer's own forward and
+    `fp8_align.quant.blockwise_fp8_linear` (per shard) on a fixed random [5, K] BF16 input."""
     state: dict[str, dict[str, Any]] = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
@@ -25,6 +31,20 @@ def linear_layer_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
                 weight_scale_inv=module.weight_scale_inv.detach().cpu(),
                 shard_sizes=list(module.fp8_align_shard_sizes),
                 kernel=module.fp8_align_kernel.name,
+                reference_max_abs_diff=_max_diff_to_reference(module),
             )
         state[name] = entry
     return state
+
+
+def _max_diff_to_reference(module: torch.nn.Module) -> float:
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(_SELF_CHECK_TOKENS, module.weight.shape[1], generator=generator).to(torch.bfloat16)
+    x = x.to(module.weight.device)
+    got = module.quant_method.apply(module, x)
+    parts, row, scale_row = [], 0, 0
+    for size in module.fp8_align_shard_sizes:
+        blocks = -(-size // 128)
+        parts.append(blockwise_fp8_linear(x, module.weight[row : row + size], module.weight_scale_inv[scale_row : scale_row + blocks]))
+        row, scale_row = row + size, scale_row + blocks
+    return float((got.float() - torch.cat(parts, dim=-1).float()).abs().max())

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8_align.config import FP8Config
-from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise
+from fp8_align.vllm_plugin.cpu_op import emulated_block_fp8_mm
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -36,27 +36,26 @@ class EmulatedBlockFp8Kernel(BlockFp8Kernel):
     name: str = "emulated"
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act_pow2: bool) -> torch.Tensor:
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        x_fp8, x_scale = quantize_activation_groupwise(x2, pow2_scale=act_pow2, check_inputs=False)
-        outputs, row, scale_row = [], 0, 0
-        for size in layer.fp8_align_shard_sizes:
-            blocks = -(-size // 128)
-            w = layer.weight[row : row + size]
-            s = layer.weight_scale_inv[scale_row : scale_row + blocks]
-            outputs.append(fp8_block_gemm(x_fp8, x_scale, w, s, out_dtype=x.dtype))
-            row += size
-            scale_row += blocks
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = emulated_block_fp8_mm(x2, layer.weight, layer.weight_scale_inv, layer.fp8_align_shard_sizes, act_pow2)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def select_kernel(cfg: FP8Config, weight_shape: torch.Size, shard_sizes: list[int], device: torch.device) -> BlockFp8Kernel:
-    """Pick the backend for a layer on `device`, logging the choice and why others were passed."""
+def select_kernel(
+    cfg: FP8Config,
+    weight_shape: torch.Size,
+    shard_sizes: list[int],
+    device: torch.device,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> BlockFp8Kernel:
+    """Pick the backend for a layer on `device` whose activations/outputs are `out_dtype`.
+
+    On CUDA the choice and why other backends were passed is logged by `kernel.prepare(layer)`.
+    """
     if device.type == "cpu":
         return EmulatedBlockFp8Kernel()
     from fp8_align.vllm_plugin.gpu_kernels import select_gpu_kernel
 
-    return select_gpu_kernel(cfg, weight_shape, shard_sizes, device)
+    return select_gpu_kernel(cfg, weight_shape, shard_sizes, device, out_dtype)

