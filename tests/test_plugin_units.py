@@ -86,3 +86,31 @@ def test_import_changes_nothing_and_register_is_idempotent():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["unchanged"] == [True, True, False]
     assert result["count"] == 1 and result["env_same"]
+
+
+def test_compile_cache_patch_keys_on_the_config_and_undoes():
+    """vLLM's compile-cache hash must differ between two FP8Configs (else a second engine loads
+    the first one's compiled graph) and be untouched for engines without fp8_align."""
+    from types import SimpleNamespace
+
+    from vllm.config.vllm import VllmConfig
+
+    from fp8_align.vllm_plugin import patches
+
+    wrapped = patches._hash_with_fp8_align_config(lambda self: "base123456")
+    plain = SimpleNamespace(quant_config=None)
+    first = SimpleNamespace(quant_config=SimpleNamespace(fp8_config=FP8Config()))
+    second = SimpleNamespace(quant_config=SimpleNamespace(fp8_config=FP8Config(num_first_layers_in_bf16=1)))
+    assert wrapped(plain) == "base123456"
+    assert len({wrapped(first), wrapped(second), wrapped(plain)}) == 3 and len(wrapped(first)) == 10
+
+    original = VllmConfig.compute_hash
+    names = patches.apply_patches(FP8Config())
+    try:
+        assert names == ["compile_cache_key_includes_fp8_config"] == patches.applied_patches()
+        patched = VllmConfig.compute_hash
+        assert patched is not original
+        assert patches.apply_patches(FP8Config()) == names and VllmConfig.compute_hash is patched  # idempotent
+    finally:
+        patches.undo_patches()
+    assert VllmConfig.compute_hash is original and patches.applied_patches() == []

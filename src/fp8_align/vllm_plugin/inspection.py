@@ -42,9 +42,11 @@ def _max_diff_to_reference(module: torch.nn.Module) -> float:
     x = torch.randn(_SELF_CHECK_TOKENS, module.weight.shape[1], generator=generator).to(torch.bfloat16)
     x = x.to(module.weight.device)
     got = module.quant_method.apply(module, x)
+    act_pow2 = module.quant_method.cfg.use_activation_pow2_scale
     parts, row, scale_row = [], 0, 0
     for size in module.fp8_align_shard_sizes:
         blocks = -(-size // 128)
-        parts.append(blockwise_fp8_linear(x, module.weight[row : row + size], module.weight_scale_inv[scale_row : scale_row + blocks]))
+        w, s = module.weight[row : row + size], module.weight_scale_inv[scale_row : scale_row + blocks]
+        parts.append(blockwise_fp8_linear(x, w, s, activation_pow2_scale=act_pow2))
         row, scale_row = row + size, scale_row + blocks
     return float((got.float() - torch.cat(parts, dim=-1).float()).abs().max())

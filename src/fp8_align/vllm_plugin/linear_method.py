@@ -67,7 +67,7 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         """Quantize the loaded BF16 weight to E4M3 codes + FP32 block scales, in place."""
         bf16 = layer.weight.data
         codes, scales = quantize_shards(bf16, layer.fp8_align_shard_sizes, self.cfg.use_weight_pow2_scale)
-        kernel = select_kernel(self.cfg, codes.shape, layer.fp8_align_shard_sizes, bf16.device)
+        kernel = select_kernel(self.cfg, codes.shape, layer.fp8_align_shard_sizes, bf16.device, out_dtype=bf16.dtype)
         layer.weight = torch.nn.Parameter(codes, requires_grad=False)
         layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
         layer.fp8_align_kernel = kernel

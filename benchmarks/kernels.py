@@ -1,0 +1,149 @@
+"""Block-FP8 GEMM throughput per backend vs BF16, and the weight quantizer's bandwidth (CUDA).
+
+    python benchmarks/kernels.py --results DIR
+
+GEMM shapes of an 8B model (Qwen3-8B / Llama-3-8B style), N x K:
+qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288, at M = 4096 (prefill) and
+M = 64 (decode). For each fp8_align backend (`gpu_kernels.GPU_KERNEL_ORDER` minus the torch
+reference and triton_per_shard; a backend not eligible on the device is recorded as skipped,
+with the reason) two timings: `gemm` (pre-quantized activations, the backend's scale layout) and
+`linear` (activation quantization + GEMM, what the plugin runs). BF16 is `F.linear`.
+TFLOP/s = 2 M N K / median time (`triton.testing.do_bench`, which flushes L2 before each run).
+
+Weight quantization: `fp8_align.quant.quantize_weight_blockwise` on CUDA for each weight,
+GB/s = (2 N K bytes read + N K codes + scales written) / median time, next to the measured
+device-to-device copy bandwidth (1 GiB tensor, bytes read + written). The activation
+quantization kernel's bandwidth is reported the same way at M = 4096.
+Writes DIR/kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# This folder holds `kernels.py`, which shadows the `kernels` package that transformers probes
+# for (a circular import when vLLM loads transformers): take the folder off sys.path first.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from fp8_align.config import FP8Config
+from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.vllm_plugin import gpu_kernels as gk
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+M_VALUES = {"prefill": 4096, "decode": 64}
+
+
+def median_ms(fn: Any) -> float:
+    """Median milliseconds of `fn()` over about 200 ms of runs, after 50 ms of warm-up."""
+    return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))
+
+
+def _layer(n: int, k: int) -> torch.nn.Module:
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    codes, scales = quantize_weight_blockwise(w)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+    layer.fp8_align_shard_sizes = [n]
+    layer.bf16_weight = w
+    return layer
+
+
+def gemm_rows(target: Any) -> list[dict[str, Any]]:
+    rows = []
+    for shape_name, (n, k) in SHAPES.items():
+        layer = _layer(n, k)
+        for phase, m in M_VALUES.items():
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            flops = 2.0 * m * n * k
+            bf16_ms = median_ms(lambda: F.linear(x, layer.bf16_weight))
+            rows.append({"shape": shape_name, "phase": phase, "M": m, "N": n, "K": k, "kernel": "bf16", "op": "linear",
+                         "ms": bf16_ms, "tflops": flops / bf16_ms / 1e9})  # fmt: skip
+            for kernel_type in gk.GPU_KERNEL_ORDER:
+                kernel = kernel_type()
+                if kernel.name in ("emulated", "triton_per_shard"):
+                    continue
+                reason = kernel.unsupported_reason(gk.LayerShape(n, k, (n,)), target)
+                if reason is not None:
+                    rows.append({"shape": shape_name, "phase": phase, "M": m, "N": n, "K": k, "kernel": kernel.name, "skipped": reason})
+                    continue
+                x_fp8, x_scale = gk.quantize_activation_triton(x, False, int(kernel.scale_layout))
+                gemm_ms = median_ms(lambda: kernel.gemm(layer, x_fp8, x_scale, torch.bfloat16))
+                linear_ms = median_ms(lambda: kernel.apply(layer, x, None, False))
+                for op, ms in (("gemm", gemm_ms), ("linear", linear_ms)):
+                    rows.append({"shape": shape_name, "phase": phase, "M": m, "N": n, "K": k, "kernel": kernel.name, "op": op,
+                                 "ms": ms, "tflops": flops / ms / 1e9, "speedup_vs_bf16": bf16_ms / ms})  # fmt: skip
+            print(f"timed {shape_name} {phase}", flush=True)
+        del layer
+    return rows
+
+
+def copy_bandwidth_gbps() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def quantizer_rows() -> list[dict[str, Any]]:
+    rows = []
+    for shape_name, (n, k) in SHAPES.items():
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        ms = median_ms(lambda: quantize_weight_blockwise(w))
+        moved = 2 * n * k + n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+        rows.append({"what": "quantize_weight_blockwise", "shape": shape_name, "N": n, "K": k, "ms": ms, "GBps": moved / ms / 1e6})
+        x = torch.randn(M_VALUES["prefill"], k, device="cuda").to(torch.bfloat16)
+        ms = median_ms(lambda: gk.quantize_activation_triton(x, False, int(gk.ScaleLayout.ROW_MAJOR)))
+        moved = 3 * x.numel() + 4 * x.shape[0] * math.ceil(k / 128)
+        rows.append({"what": "quantize_activation_triton", "shape": f"x[{x.shape[0]}, {k}]", "M": x.shape[0], "K": k, "ms": ms,
+                     "GBps": moved / ms / 1e6})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    target = gk.Target(device, torch.cuda.get_device_capability(0), torch.bfloat16, FP8Config())
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=True)
+    import triton
+    import vllm
+
+    copy_gbps = copy_bandwidth_gbps()
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": smi.stdout.strip(),
+        "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__, "vllm": vllm.__version__,
+        "timing": "triton.testing.do_bench median, warmup 50 ms, rep 200 ms, L2 flushed before each run",
+        "copy_bandwidth_GBps": copy_gbps,
+        "quantization": quantizer_rows(),
+        "gemm": gemm_rows(target),
+    }  # fmt: skip
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "kernels.json").write_text(json.dumps(report, indent=2))
+    print(f"\ncopy {copy_gbps:.0f} GB/s; " + "; ".join(f"{r['what']} {r['shape']} {r['GBps']:.0f} GB/s" for r in report["quantization"]))
+    print(f"{'shape':8} {'phase':7} {'kernel':9} {'op':6} {'TFLOP/s':>8} {'x bf16':>7}")
+    for r in report["gemm"]:
+        if "skipped" in r:
+            print(f"{r['shape']:8} {r['phase']:7} {r['kernel']:9} skipped: {r['skipped']}")
+            continue
+        print(f"{r['shape']:8} {r['phase']:7} {r['kernel']:9} {r['op']:6} {r['tflops']:8.0f} {r.get('speedup_vs_bf16', 1.0):7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""Block-FP8 GEMM backends on CUDA (vLLM 0.22, Hopper) and their per-layer selection.
+
+Every backend computes `fp8_align.quant.blockwise_fp8_linear`: activations quantized to E4M3 in
+1x128 groups by `quantize_activation_triton` (bit-identical to
+`fp8_align.quant.quantize_activation_groupwise` on CUDA, tested), then a block-scaled GEMM of
+those codes with the layer's E4M3 weight codes and the FP32 (or power-of-two) scales exactly as
+`fp8_align.quant.quantize_weight_blockwise` computed them. No backend re-rounds a scale:
+DeepGEMM is called with `is_deep_gemm_e8m0_used=False`, so vLLM's VLLM_USE_DEEP_GEMM_E8M0
+default (UE8M0 rounding on Hopper) never reaches these layers. The torch reference of each
+backend is `fp8_align.quant.fp8_block_gemm`; tests/test_gpu_kernels.py checks them against it.
+
+Backends, in the order `select_gpu_kernel` tries them:
+
+    deepgemm          vLLM-bundled DeepGEMM `fp8_gemm_nt` (SM90, bf16 out, uniform 128 grid)
+    cutlass           vLLM `cutlass_scaled_mm` with 1x128 / 128x128 block scales (uniform grid)
+    cublas            `torch._scaled_mm` blockwise (cuBLASLt, SM90; uniform 128 grid; only
+                      where a start-up probe against the reference passes)
+    triton            vLLM `w8a8_triton_block_scaled_mm` on the merged weight (any K, partial
+                      last shard)
+    triton_per_shard  the same Triton GEMM once per shard of a merged weight (any shapes)
+    emulated          the torch reference itself (always possible; slow)
+
+"Uniform 128 grid": N of every shard and K are multiples of 128, so the stacked per-shard
+scale grids (`layer.weight_scale_inv`, [sum ceil(n_s/128), ceil(K/128)]) equal the single
+[N/128, K/128] grid a one-shot kernel expects.
+
+DeepGEMM kernels are JIT-compiled per shape and M tiling; `DeepGemmBlockFp8Kernel.warm_up`
+compiles them while the engine loads, as vLLM does for its own FP8 layers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from dataclasses import dataclass
+from functools import cache
+from typing import ClassVar
+
+import torch
+import triton
+import triton.language as tl
+
+# Importing these vLLM modules registers the custom ops the backends call:
+# torch.ops.vllm.fp8_gemm_nt_op, .padded_cutlass and .w8a8_triton_block_scaled_mm_func.
+import vllm.model_executor.kernels.linear.scaled_mm.cutlass  # noqa: F401
+import vllm.model_executor.kernels.linear.scaled_mm.deep_gemm  # noqa: F401
+import vllm.model_executor.kernels.linear.scaled_mm.triton  # noqa: F401
+from vllm import envs
+from vllm._custom_ops import cutlass_scaled_mm_supports_block_fp8
+from vllm.config import get_current_vllm_config_or_none
+from vllm.triton_utils import HAS_TRITON
+from vllm.utils.deep_gemm import is_deep_gemm_supported
+
+from fp8_align.config import FP8Config
+from fp8_align.quant import E4M3_MAX
+from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, EmulatedBlockFp8Kernel
+
+logger = logging.getLogger("vllm.fp8_align")
+
+BLOCK = 128
+_FP32_TINY = torch.finfo(torch.float32).tiny
+#: M padding for cuBLASLt's block-scaled FP8 GEMM (it needs a multiple of 4). On the H100 box
+#: (torch 2.11.0+cu130) the product was wrong for small M whether padded to 4, 8 or 16 (right
+#: for M >= 33), so `_cublas_probe_error` keeps this backend out of the selection there.
+_CUBLAS_M_MULTIPLE = 4
+#: Groups of 128 channels one program of the activation-quantization kernel handles.
+_GROUPS_PER_PROGRAM = 8
+
+
+class ScaleLayout(enum.IntEnum):
+    """Memory layout of the [M, G] activation scales a GEMM backend reads."""
+
+    ROW_MAJOR = 0  # stride (G, 1): Triton
+    COLUMN_MAJOR = 1  # stride (1, M): CUTLASS, cuBLASLt
+    COLUMN_MAJOR_TMA = 2  # stride (1, M rounded up to 4): DeepGEMM (16-byte TMA alignment)
+
+
+# --------------------------------------------------------------------------- activation quantization
+@triton.jit
+def _quantize_activation_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    num_groups,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sg,
+    TINY: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    valid = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0), TINY)
+    if POW2:
+        # smallest power of two >= scale (scale is a positive normal float): drop the
+        # mantissa and bump the exponent unless the mantissa is already zero.
+        bits = scale.to(tl.int32, bitcast=True)
+        bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
+        scale = bits.to(tl.float32, bitcast=True)
+    q = tl.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=valid)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
+
+
+def _empty_scales(m: int, groups: int, layout: ScaleLayout, device: torch.device) -> torch.Tensor:
+    """Uninitialized float32 [m, groups] scales in `layout`."""
+    if layout == ScaleLayout.ROW_MAJOR:
+        return torch.empty((m, groups), dtype=torch.float32, device=device)
+    lead = m if layout == ScaleLayout.COLUMN_MAJOR else -(-m // 4) * 4
+    return torch.empty_strided((m, groups), (1, max(lead, 1)), dtype=torch.float32, device=device)
+
+
+@torch.library.custom_op("fp8_align::quantize_activation_groupwise", mutates_args=())
+def quantize_activation_triton(x: torch.Tensor, pow2: bool, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 group quantization of a [M, K] bf16/fp16/fp32 CUDA tensor (last dim contiguous).
+
+    Returns (codes [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32 in `ScaleLayout(layout)`),
+    bit-identical to `fp8_align.quant.quantize_activation_groupwise(x, pow2_scale=pow2)`:
+    `scale = amax / 448` (1.0 for an all-zero group, at least FLT_MIN), rounded up to a power of
+    two when `pow2`; `code = RNE(clamp(x / scale, +-448))`; both divisions correctly rounded.
+    """
+    m, k = x.shape
+    groups = math.ceil(k / BLOCK)
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = _empty_scales(m, groups, ScaleLayout(layout), x.device)
+    if m == 0:
+        return codes, scales
+    grid = (m, triton.cdiv(groups, _GROUPS_PER_PROGRAM))
+    _quantize_activation_kernel[grid](
+        x, codes, scales, k, groups,
+        x.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
+        TINY=_FP32_TINY, FP8_MAX=E4M3_MAX,
+        GROUP=BLOCK, GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM, POW2=pow2,
+        num_warps=4,
+    )  # fmt: skip
+    return codes, scales
+
+
+@quantize_activation_triton.register_fake
+def _(x: torch.Tensor, pow2: bool, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    return codes, _empty_scales(m, math.ceil(k / BLOCK), ScaleLayout(layout), x.device)
+
+
+# --------------------------------------------------------------------------- cuBLASLt block GEMM
+@torch.library.custom_op("fp8_align::cublas_block_scaled_mm", mutates_args=())
+def cublas_block_scaled_mm(
+    x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """`torch._scaled_mm` with 1x128 activation / 128x128 weight scales (cuBLASLt, SM90).
+
+    x_fp8 [M, K] e4m3, x_scale [M, K/128] float32 column-major, w_fp8 [N, K] e4m3,
+    w_scale [N/128, K/128] float32. Returns [M, N] in `out_dtype`. M is padded to a multiple
+    of `_CUBLAS_M_MULTIPLE` (zero codes, unit scales) and the padding rows are cut off again.
+    """
+    m = x_fp8.shape[0]
+    pad = (-m) % _CUBLAS_M_MULTIPLE
+    if pad:
+        x_fp8 = torch.cat([x_fp8, x_fp8.new_zeros((pad, x_fp8.shape[1]))])
+        padded_scale = torch.ones((x_scale.shape[1], m + pad), dtype=x_scale.dtype, device=x_scale.device).t()
+        padded_scale[:m] = x_scale
+        x_scale = padded_scale
+    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+    return out[:m] if pad else out
+
+
+@cublas_block_scaled_mm.register_fake
+def _(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((x_fp8.shape[0], w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
+
+
+# --------------------------------------------------------------------------- eligibility
+@dataclass(frozen=True)
+class LayerShape:
+    """The FP8 weight of one layer: [n, k] codes made of `shard_sizes` stacked row blocks."""
+
+    n: int
+    k: int
+    shard_sizes: tuple[int, ...]
+
+    @property
+    def uniform_grid(self) -> bool:
+        """The stacked per-shard scale grids equal one [ceil(n/128), ceil(k/128)] grid."""
+        return all(size % BLOCK == 0 for size in self.shard_sizes[:-1])
+
+    @property
+    def full_blocks(self) -> bool:
+        """Uniform grid of whole 128x128 blocks: every shard and K are multiples of 128."""
+        return self.k % BLOCK == 0 and all(size % BLOCK == 0 for size in self.shard_sizes)
+
+    def describe(self) -> str:
+        return f"N={self.n} K={self.k} shards={list(self.shard_sizes)}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a layer runs: the CUDA device, its capability, the output dtype, the config."""
+
+    device: torch.device
+    capability: tuple[int, int]
+    out_dtype: torch.dtype
+    cfg: FP8Config
+
+
+def _full_blocks_reason(shape: LayerShape) -> str | None:
+    if shape.full_blocks:
+        return None
+    return f"needs every shard and K to be multiples of 128 ({shape.describe()})"
+
+
+@cache
+def _cublas_probe_error(device_index: int) -> str | None:
+    """None when `cublas_block_scaled_mm` reproduces the torch reference here, else why not.
+
+    Probes the cases that went wrong before (small M, padded M) with random operands: the
+    result must be within 1% (relative Frobenius) of `fp8_align.quant.fp8_block_gemm`, where a
+    correct kernel lands near 2e-3 (bf16 output rounding).
+    """
+    from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+
+    device = torch.device("cuda", device_index)
+    g = torch.Generator(device=device).manual_seed(0)
+    w_fp8, w_scale = quantize_weight_blockwise(torch.randn(384, 640, generator=g, device=device))
+    for m in (1, 7, 20):
+        x = torch.randn(m, 640, generator=g, device=device)
+        x_fp8, x_scale = quantize_activation_groupwise(x)
+        col_major_scale = x_scale.t().contiguous().t()
+        try:
+            out = cublas_block_scaled_mm(x_fp8, col_major_scale, w_fp8, w_scale, torch.bfloat16)
+        except RuntimeError as exc:  # the answer to "does this torch/cuBLAS have it"; logged by the caller
+            return f"torch._scaled_mm rejects block scales: {str(exc).splitlines()[0]}"
+        ref = fp8_block_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.float32)
+        error = ((out.float() - ref).norm() / ref.norm()).item()
+        if not error < 1e-2:
+            return f"torch._scaled_mm block-scaled product is wrong at M={m} (relative error {error:.2g})"
+    return None
+
+
+# --------------------------------------------------------------------------- backends
+#: [N, K] shapes DeepGEMM was already JIT-compiled for in this process.
+_DEEPGEMM_WARM_SHAPES: set[tuple[int, int]] = set()
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@dataclass(frozen=True)
+class GpuBlockFp8Kernel(BlockFp8Kernel):
+    """A CUDA backend: activation quantization in `scale_layout`, then `gemm`.
+
+    `passed` records why the backends tried before this one were not chosen.
+    """
+
+    passed: tuple[str, ...] = ()
+    scale_layout: ClassVar[ScaleLayout] = ScaleLayout.ROW_MAJOR
+
+    def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
+        """None when this backend runs `shape` exactly on `target`, else the reason it cannot."""
+        raise NotImplementedError
+
+    def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """[M, N] `out_dtype` block-scaled product of [M, K] e4m3 codes (scales [M, ceil(K/128)]
+        float32 in `scale_layout`) with the layer's weight codes and `weight_scale_inv`."""
+        raise NotImplementedError
+
+    def prepare(self, layer: torch.nn.Module) -> None:
+        """Log the choice for this layer (its name, shape, and why earlier backends were passed)."""
+        logger.info(
+            "fp8_align: %s [%s] -> %s (passed: %s)",
+            layer.fp8_align_prefix,
+            LayerShape(*layer.weight.shape, tuple(layer.fp8_align_shard_sizes)).describe(),
+            self.name,
+            "; ".join(self.passed) or "none",
+        )
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act_pow2: bool) -> torch.Tensor:
+        """[..., K] -> [..., N] in x's dtype: 1x128 FP8 activations, block-FP8 GEMM, + bias."""
+        x2 = _as_2d(x)
+        x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(x2, act_pow2, int(self.scale_layout))
+        out = self.gemm(layer, x_fp8, x_scale, x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@dataclass(frozen=True)
+class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
+    """DeepGEMM `fp8_gemm_nt` (vLLM-bundled) with FP32 scales as given: no UE8M0 cast."""
+
+    name: str = "deepgemm"
+    scale_layout: ClassVar[ScaleLayout] = ScaleLayout.COLUMN_MAJOR_TMA
+
+    def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
+        if not target.cfg.use_deep_gemm:
+            return "use_deep_gemm=False"
+        if target.capability != (9, 0):
+            return f"FP32 block scales are kept exactly only by DeepGEMM's SM90 kernels (device is sm{target.capability[0]}{target.capability[1]})"
+        if not is_deep_gemm_supported():
+            return "DeepGEMM is not available (vllm.utils.deep_gemm.is_deep_gemm_supported() is False)"
+        if target.out_dtype != torch.bfloat16:
+            return f"DeepGEMM writes bf16 only (layer dtype {target.out_dtype})"
+        return _full_blocks_reason(shape)
+
+    def prepare(self, layer: torch.nn.Module) -> None:
+        """Refuse a non-bf16 layer (selection assumed bf16 output), then log the choice."""
+        if layer.params_dtype != torch.bfloat16:
+            raise ValueError(
+                f"fp8_align: {layer.fp8_align_prefix} has dtype {layer.params_dtype} but DeepGEMM was selected for "
+                "bf16 output; pass the layer dtype as select_kernel(..., out_dtype=)"
+            )
+        super().prepare(layer)
+        self.warm_up(layer)
+
+    def warm_up(self, layer: torch.nn.Module) -> None:
+        """JIT-compile DeepGEMM for every M the engine can run this layer's [N, K] with.
+
+        DeepGEMM compiles a kernel per (N, K, M-dependent tiling) on first use; vLLM warms its
+        own FP8 layers up at start (`deep_gemm_warmup`, M values per VLLM_DEEP_GEMM_WARMUP) but
+        not ours, so without this the compiles land inside generate calls. Same M values, our
+        call path (FP32 scales, TMA-aligned activation scales), once per [N, K]. Needs the
+        engine's config (max_num_batched_tokens): outside an engine (unit tests, weight reload,
+        which reuses the compiled kernels) nothing is compiled ahead.
+        """
+        from vllm.model_executor.warmup.deep_gemm_warmup import _generate_optimal_warmup_m_values
+
+        n, k = layer.weight.shape
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is None or envs.VLLM_DEEP_GEMM_WARMUP == "skip" or (n, k) in _DEEPGEMM_WARM_SHAPES:
+            return
+        start = time.perf_counter()
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        device = layer.weight.device
+        if envs.VLLM_DEEP_GEMM_WARMUP == "relax":
+            m_values = _generate_optimal_warmup_m_values(max_tokens, n, device)
+        else:
+            m_values = list(range(1, max_tokens + 1))
+        x_fp8 = torch.zeros((max_tokens, k), dtype=torch.float8_e4m3fn, device=device)
+        for m in m_values:
+            x_scale = _empty_scales(m, k // BLOCK, self.scale_layout, device).fill_(1.0)
+            self.gemm(layer, x_fp8[:m], x_scale, torch.bfloat16)
+        torch.cuda.synchronize(device)
+        _DEEPGEMM_WARM_SHAPES.add((n, k))
+        logger.info("fp8_align: DeepGEMM warm-up N=%d K=%d: %d M values in %.1f s", n, k, len(m_values), time.perf_counter() - start)
+
+    def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty((x_fp8.shape[0], layer.weight.shape[0]), dtype=out_dtype, device=x_fp8.device)
+        torch.ops.vllm.fp8_gemm_nt_op(x_fp8, x_scale, layer.weight, layer.weight_scale_inv, out, False)
+        return out
+
+
+@dataclass(frozen=True)
+class CutlassBlockFp8Kernel(GpuBlockFp8Kernel):
+    """vLLM's CUTLASS block-scaled FP8 GEMM (`padded_cutlass`: M padded to 4 on Hopper)."""
+
+    name: str = "cutlass"
+    scale_layout: ClassVar[ScaleLayout] = ScaleLayout.COLUMN_MAJOR
+
+    def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
+        capability = target.capability[0] * 10 + target.capability[1]
+        if not cutlass_scaled_mm_supports_block_fp8(capability):
+            return f"vLLM's CUTLASS build has no block-FP8 kernel for sm{capability}"
+        if target.out_dtype not in (torch.bfloat16, torch.float16):
+            return f"CUTLASS writes bf16/fp16 only (layer dtype {target.out_dtype})"
+        return _full_blocks_reason(shape)
+
+    def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.vllm.padded_cutlass(x_fp8, layer.weight, x_scale, layer.weight_scale_inv, [BLOCK, BLOCK], out_dtype)
+
+
+@dataclass(frozen=True)
+class CublasBlockFp8Kernel(GpuBlockFp8Kernel):
+    """`torch._scaled_mm` with DeepSeek-style block scales (cuBLASLt, SM90 only)."""
+
+    name: str = "cublas"
+    scale_layout: ClassVar[ScaleLayout] = ScaleLayout.COLUMN_MAJOR
+
+    def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
+        if target.capability != (9, 0):
+            return f"torch's 1x128/128x128 block scaling is SM90-only (device is sm{target.capability[0]}{target.capability[1]})"
+        if target.out_dtype not in (torch.bfloat16, torch.float16):
+            return f"bf16/fp16 output only (layer dtype {target.out_dtype})"
+        reason = _full_blocks_reason(shape)
+        if reason is not None:
+            return reason
+        return _cublas_probe_error(target.device.index if target.device.index is not None else torch.cuda.current_device())
+
+    def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.fp8_align.cublas_block_scaled_mm(x_fp8, x_scale, layer.weight, layer.weight_scale_inv, out_dtype)
+
+
+def _triton_gemm_reason() -> str | None:
+    return None if HAS_TRITON else "vLLM reports no usable Triton"
+
+
+@dataclass(frozen=True)
+class TritonBlockFp8Kernel(GpuBlockFp8Kernel):
+    """vLLM's Triton block-FP8 GEMM on the merged weight (masks partial N and K blocks)."""
+
+    name: str = "triton"
+
+    def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
+        if not shape.uniform_grid:
+            return f"a shard before the last is not a multiple of 128 ({shape.describe()}): the stacked scale grids are not one grid"
+        return _triton_gemm_reason()
+
+    def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.vllm.w8a8_triton_block_scaled_mm_func(
+            x_fp8, layer.weight, x_scale, layer.weight_scale_inv, [BLOCK, BLOCK], out_dtype
+        )
+
+
+@dataclass(frozen=True)
+class ShardedTritonBlockFp8Kernel(GpuBlockFp8Kernel):
+    """vLLM's Triton block-FP8 GEMM once per shard (q|k|v, gate|up), outputs concatenated."""
+
+    name: str = "triton_per_shard"
+
+    def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
+        return _triton_gemm_reason()
+
+    def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        outputs, row, scale_row = [], 0, 0
+        for size in layer.fp8_align_shard_sizes:
+            blocks = -(-size // BLOCK)
+            outputs.append(
+                torch.ops.vllm.w8a8_triton_block_scaled_mm_func(
+                    x_fp8,
+                    layer.weight[row : row + size],
+                    x_scale,
+                    layer.weight_scale_inv[scale_row : scale_row + blocks],
+                    [BLOCK, BLOCK],
+                    out_dtype,
+                )
+            )
+            row += size
+            scale_row += blocks
+        return torch.cat(outputs, dim=-1)
+
+
+@dataclass(frozen=True)
+class ReferenceBlockFp8Kernel(GpuBlockFp8Kernel):
+    """The torch reference (`EmulatedBlockFp8Kernel`) on the GPU: last resort, always possible."""
+
+    name: str = "emulated"
+
+    def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
+        return None
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act_pow2: bool) -> torch.Tensor:
+        return EmulatedBlockFp8Kernel().apply(layer, x, bias, act_pow2)
+
+
+#: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/kernels.py).
+GPU_KERNEL_ORDER: tuple[type[GpuBlockFp8Kernel], ...] = (
+    DeepGemmBlockFp8Kernel,
+    CutlassBlockFp8Kernel,
+    CublasBlockFp8Kernel,
+    TritonBlockFp8Kernel,
+    ShardedTritonBlockFp8Kernel,
+    ReferenceBlockFp8Kernel,
+)
+
+
+def select_gpu_kernel(
+    cfg: FP8Config,
+    weight_shape: torch.Size,
+    shard_sizes: list[int],
+    device: torch.device,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> GpuBlockFp8Kernel:
+    """The first backend in `GPU_KERNEL_ORDER` that runs this layer exactly.
+
+    Args:
+        weight_shape: [N, K] of the FP8 codes; shard_sizes: the N of each stacked shard.
+        device: the CUDA device of the weight; out_dtype: the layer's activation dtype.
+    Returns the backend, carrying in `passed` the reason each earlier backend was not used
+    (logged at INFO by `prepare`).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = Target(device, torch.cuda.get_device_capability(index), out_dtype, cfg)
+    shape = LayerShape(int(weight_shape[0]), int(weight_shape[1]), tuple(int(s) for s in shard_sizes))
+    passed: list[str] = []
+    for kernel_type in GPU_KERNEL_ORDER:
+        reason = kernel_type().unsupported_reason(shape, target)
+        if reason is None:
+            return kernel_type(passed=tuple(passed))
+        passed.append(f"{kernel_type.name}: {reason}")
+    raise AssertionError("ReferenceBlockFp8Kernel accepts every layer")
+

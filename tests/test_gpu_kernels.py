@@ -1,0 +1,299 @@
+"""GPU backends of the vLLM plugin against the torch reference (CUDA + vLLM 0.22 only).
+
+Activation quantization must be bit-identical to `fp8_align.quant.quantize_activation_groupwise`
+(codes and scales). The block GEMMs get bit-identical operands, so they may differ from
+`fp8_align.quant.fp8_block_gemm` only by accumulation rounding and the final output rounding;
+`_error_bound` derives the per-element bound from those two sources.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import pytest
+import torch
+
+from fp8_align.config import FP8Config
+from fp8_align.quant import E4M3_MAX, fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+
+pytestmark = pytest.mark.gpu
+
+#: (M, shard sizes of the merged weight, K): full 128 blocks, partial N/K blocks, uneven shards.
+GEMM_SHAPES = [
+    (1, [256], 128),
+    (7, [128, 256], 640),
+    (33, [2048, 512, 512], 1024),  # q|k|v
+    (130, [1536, 1536], 2048),  # gate|up
+    (257, [1024], 3072),  # down
+    (64, [384, 128], 4096),
+    (5, [200], 200),  # partial N and K block
+    (17, [640], 576),  # partial K block
+    (9, [100, 200], 1000),  # shards not multiples of 128: per-shard scale grids
+]
+EXPECTED_ON_H100 = {  # default FP8Config (use_deep_gemm=True), bf16
+    (256,): "deepgemm", (128, 256): "deepgemm", (2048, 512, 512): "deepgemm", (1536, 1536): "deepgemm",
+    (1024,): "deepgemm", (384, 128): "deepgemm", (200,): "triton", (640,): "triton", (100, 200): "triton_per_shard",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gk() -> ModuleType:
+    """The GPU backend module (imports vLLM and Triton, so only where the GPU tests run)."""
+    import fp8_align.vllm_plugin.gpu_kernels as module
+
+    return module
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _activations(m: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[m, k] normal values whose 128-groups span 2^-12..2^12 in magnitude."""
+    g = _generator(seed)
+    x = torch.randn(m, k, generator=g, device="cuda")
+    groups = math.ceil(k / 128)
+    magnitude = torch.exp2(torch.randint(-12, 13, (m, groups), generator=g, device="cuda").float())
+    return (x * magnitude.repeat_interleave(128, dim=1)[:, :k]).to(dtype)
+
+
+ACTIVATION_CASES = [
+    "mixed_magnitudes", "partial_group_k200", "partial_group_k1000", "one_row", "zeros", "tiny", "huge",
+    "exact_pow2_amax", "fp16", "fp32",
+]  # fmt: skip
+
+
+def _activation_cases() -> dict[str, torch.Tensor]:
+    """Inputs that probe every branch of the scale rule: zeros, tiny/huge, exact powers of two."""
+    g = _generator(1)
+    exact_pow2 = torch.randn(64, 512, generator=g, device="cuda") * 0.1
+    exact_pow2[:, ::128] = E4M3_MAX * torch.exp2(torch.randint(-20, 20, (64, 4), generator=g, device="cuda").float())
+    with_zeros = _activations(48, 384, 2)
+    with_zeros[::3] = 0
+    with_zeros[1, 128:256] = 0
+    return {
+        "mixed_magnitudes": _activations(333, 4096, 3),
+        "partial_group_k200": _activations(31, 200, 4),
+        "partial_group_k1000": _activations(7, 1000, 5),
+        "one_row": _activations(1, 2048, 6),
+        "zeros": with_zeros,
+        "tiny": (torch.randn(16, 256, generator=g, device="cuda") * 1e-30).to(torch.bfloat16),
+        "huge": (torch.randn(16, 256, generator=g, device="cuda") * 1e30).to(torch.bfloat16),
+        "exact_pow2_amax": exact_pow2.to(torch.bfloat16),
+        "fp16": _activations(65, 768, 7, torch.float16),
+        "fp32": _activations(65, 768, 8, torch.float32),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of an FP8 or FP32 tensor as integers, contiguous (for bitwise equality)."""
+    return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+
+
+@pytest.mark.parametrize("case", ACTIVATION_CASES)
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
+def test_activation_quant_bit_identical_to_reference(gk: ModuleType, case: str, pow2: bool) -> None:
+    x = _activation_cases()[case]
+    ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2)
+    for layout in gk.ScaleLayout:
+        codes, scales = gk.quantize_activation_triton(x, pow2, int(layout))
+        assert torch.equal(_bits(codes), _bits(ref_codes)), f"{layout.name}: codes differ"
+        assert torch.equal(_bits(scales), _bits(ref_scales)), f"{layout.name}: scales differ"
+        m, groups = scales.shape
+        expected_stride = {
+            gk.ScaleLayout.ROW_MAJOR: (groups, 1),
+            gk.ScaleLayout.COLUMN_MAJOR: (1, m),
+            gk.ScaleLayout.COLUMN_MAJOR_TMA: (1, -(-m // 4) * 4),
+        }[layout]
+        assert scales.stride() == expected_stride or groups == 1
+
+
+def test_reference_scale_rule_on_cuda() -> None:
+    """The premise of the Triton kernel: on CUDA the reference scale is amax / 448 correctly
+    rounded (not `amax * fl32(1/448)`, which torch computes for `tensor / python_float`)."""
+    x = _activations(4096, 1024, 9)
+    _, scales = quantize_activation_groupwise(x)
+    amax = x.float().abs().view(4096, 8, 128).amax(dim=-1)
+    assert torch.equal(_bits(scales), _bits((amax.double() / E4M3_MAX).float()))
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
+def test_vllm_per_token_group_quant_agreement(pow2: bool) -> None:
+    """Why the plugin does not use vLLM's `per_token_group_quant_fp8`: report where it differs.
+
+    Asserted: wherever vLLM's scale equals the reference scale, the codes are identical, so any
+    difference comes from the scale rule (vLLM clamps amax to eps=1e-10: an all-zero group gets
+    scale 1e-10/448 where fp8_align uses 1.0) and not from the rounding of the codes.
+    """
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    x = _activations(1024, 4096, 10)
+    x[::50] = 0
+    ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2)
+    codes, scales = per_token_group_quant_fp8(x, 128, use_ue8m0=pow2)
+    same_scale = _bits(scales) == _bits(ref_scales)
+    same_codes = (_bits(codes) == _bits(ref_codes)).view(*same_scale.shape, 128).all(dim=-1)
+    print(
+        f"\nvLLM per_token_group_quant_fp8(use_ue8m0={pow2}) vs fp8_align: scales differ in "
+        f"{(~same_scale).float().mean().item():.4%} of groups, codes in {(~same_codes).float().mean().item():.4%}"
+    )
+    assert bool(same_codes[same_scale].all())
+
+
+# --------------------------------------------------------------------------- GEMM backends
+def _layer(shard_sizes: list[int], k: int, pow2: bool, seed: int) -> torch.nn.Module:
+    """A stand-in for a vLLM linear layer after fp8_align quantized it (weights with block
+    magnitudes spanning 2^-4..2^4, so block scales differ)."""
+    from fp8_align.vllm_plugin.linear_method import quantize_shards
+
+    g = _generator(seed)
+    n = sum(shard_sizes)
+    w = torch.randn(n, k, generator=g, device="cuda") * 0.02
+    block_gain = torch.exp2(torch.randint(-4, 5, (math.ceil(n / 128), math.ceil(k / 128)), generator=g, device="cuda").float())
+    w = (w * block_gain.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.bfloat16)
+    codes, scales = quantize_shards(w, shard_sizes, pow2)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+    layer.fp8_align_shard_sizes = list(shard_sizes)
+    layer.fp8_align_prefix = f"test[{shard_sizes}x{k}]"
+    layer.params_dtype = torch.bfloat16
+    return layer
+
+
+def _target(gk: ModuleType, out_dtype: torch.dtype = torch.bfloat16) -> object:
+    return gk.Target(torch.device("cuda", 0), torch.cuda.get_device_capability(0), out_dtype, FP8Config())
+
+
+def _eligible_kernel(gk: ModuleType, name: str, shard_sizes: list[int], k: int, out_dtype: torch.dtype = torch.bfloat16) -> object:
+    """The backend called `name`, or a pytest skip naming why it cannot run this shape here."""
+    kernel = next(t for t in gk.GPU_KERNEL_ORDER if t.name == name)()
+    reason = kernel.unsupported_reason(gk.LayerShape(sum(shard_sizes), k, tuple(shard_sizes)), _target(gk, out_dtype))
+    if reason is not None:
+        pytest.skip(f"{name} not eligible: {reason}")
+    return kernel
+
+
+def _per_shard(layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, absolute: bool) -> torch.Tensor:
+    """`fp8_block_gemm` shard by shard in FP32; with `absolute`, of |codes| (the bound's sum)."""
+    outputs, row, scale_row = [], 0, 0
+    x = x_fp8.float().abs() if absolute else x_fp8
+    for size in layer.fp8_align_shard_sizes:
+        blocks = -(-size // 128)
+        w = layer.weight[row : row + size]
+        outputs.append(
+            fp8_block_gemm(x, x_scale, w.float().abs() if absolute else w, layer.weight_scale_inv[scale_row : scale_row + blocks], torch.float32)
+        )
+        row += size
+        scale_row += blocks
+    return torch.cat(outputs, dim=-1)
+
+
+def _error_bound(ref: torch.Tensor, abs_sum: torch.Tensor, k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-element bound on |kernel - reference| for bit-identical FP8 operands.
+
+    * Accumulation: Hopper FP8 tensor-core MMAs (K=32 per instruction) keep about 14 bits of
+      the running sum (DeepSeek-V3 report, sec. 3.3.2), i.e. a relative error <= 2^-13 of the
+      block's sum of |products| per instruction; the kernels promote to FP32 every 128 K, so a
+      128-wide block accumulates 4 instructions: <= 2^-11 * sum|x_k w_k| * scales. The FP32 scale
+      multiply and the FP32 sum over the K/128 blocks add <= (K/128 + 3) * 2^-24 of the same sum.
+    * Output rounding: round-to-nearest into `out_dtype` adds at most half an ulp, i.e. the unit
+      roundoff 2^-8 |value| for bf16 (8 significant bits; 2^-11 for fp16). Relative to the
+      reference: <= 2^-8 |ref| + 2^-8 * (accumulation error), hence the factor 1.01 below.
+    """
+    unit = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-11
+    accumulation = 2.0**-11 + (math.ceil(k / 128) + 3) * 2.0**-24
+    return unit * ref.abs() + 1.01 * accumulation * abs_sum
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: f"M{s[0]}-N{'+'.join(map(str, s[1]))}-K{s[2]}")
+@pytest.mark.parametrize("kernel_name", ["deepgemm", "cutlass", "cublas", "triton", "triton_per_shard", "emulated"])
+def test_gemm_backend_matches_reference(gk: ModuleType, kernel_name: str, shape: tuple, pow2: bool) -> None:
+    m, shard_sizes, k = shape
+    kernel = _eligible_kernel(gk, kernel_name, shard_sizes, k)
+    layer = _layer(shard_sizes, k, pow2, seed=m + k)
+    kernel.prepare(layer)
+    x = _activations(m, k, seed=m * 7 + k)
+    out = kernel.apply(layer, x, None, pow2)
+    assert out.shape == (m, sum(shard_sizes)) and out.dtype == torch.bfloat16
+    assert bool(torch.isfinite(out).all())
+
+    x_fp8, x_scale = quantize_activation_groupwise(x, pow2_scale=pow2)
+    ref = _per_shard(layer, x_fp8, x_scale, absolute=False)
+    bound = _error_bound(ref, _per_shard(layer, x_fp8, x_scale, absolute=True), k, torch.bfloat16)
+    err = (out.float() - ref).abs()
+    rel_fro = (err.norm() / ref.norm()).item()
+    print(f"\n{kernel_name} {shape} pow2={pow2}: max err/bound {(err / bound).max().item():.3f}, rel Frobenius {rel_fro:.2e}")
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3f}"
+    assert rel_fro < 2.0**-8
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: f"N{'+'.join(map(str, s[1]))}-K{s[2]}")
+def test_selection_on_h100(gk: ModuleType, shape: tuple) -> None:
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("expected choices are for SM90")
+    _, shard_sizes, k = shape
+    device = torch.device("cuda", 0)
+    kernel = gk.select_gpu_kernel(FP8Config(), torch.Size([sum(shard_sizes), k]), shard_sizes, device)
+    assert kernel.name == EXPECTED_ON_H100[tuple(shard_sizes)], kernel.passed
+    assert len(kernel.passed) == [t.name for t in gk.GPU_KERNEL_ORDER].index(kernel.name)
+    without_deepgemm = gk.select_gpu_kernel(FP8Config(use_deep_gemm=False), torch.Size([sum(shard_sizes), k]), shard_sizes, device)
+    if kernel.name == "deepgemm":
+        assert without_deepgemm.name == "cutlass" and "use_deep_gemm=False" in without_deepgemm.passed[0]
+    fp16 = gk.select_gpu_kernel(FP8Config(), torch.Size([sum(shard_sizes), k]), shard_sizes, device, torch.float16)
+    assert fp16.name != "deepgemm"
+
+
+@pytest.mark.parametrize("kernel_name", ["deepgemm", "cutlass", "cublas", "triton", "triton_per_shard"])
+def test_bias_and_leading_dims(gk: ModuleType, kernel_name: str) -> None:
+    """apply(x[..., K], bias) == apply(x.view(-1, K)) + bias, reshaped: same kernel, same bits."""
+    kernel = _eligible_kernel(gk, kernel_name, [256, 128], 512)
+    layer = _layer([256, 128], 512, False, seed=3)
+    x = _activations(12, 512, seed=4)
+    bias = torch.randn(384, generator=_generator(5), device="cuda").to(torch.bfloat16)
+    with_bias = kernel.apply(layer, x.view(3, 4, 512), bias, False)
+    assert with_bias.shape == (3, 4, 384)
+    assert torch.equal(with_bias, (kernel.apply(layer, x, None, False) + bias).view(3, 4, 384))
+
+
+@pytest.mark.parametrize("kernel_name", ["cutlass", "cublas", "triton"])
+def test_fp16_output(gk: ModuleType, kernel_name: str) -> None:
+    kernel = _eligible_kernel(gk, kernel_name, [512], 1024, torch.float16)
+    layer = _layer([512], 1024, False, seed=6)
+    x = _activations(40, 1024, seed=7, dtype=torch.float16)
+    out = kernel.apply(layer, x, None, False)
+    assert out.dtype == torch.float16
+    x_fp8, x_scale = quantize_activation_groupwise(x)
+    ref = _per_shard(layer, x_fp8, x_scale, absolute=False)
+    bound = _error_bound(ref, _per_shard(layer, x_fp8, x_scale, absolute=True), 1024, torch.float16)
+    assert bool(((out.float() - ref).abs() <= bound).all())
+
+
+def test_deepgemm_refuses_non_bf16_layer(gk: ModuleType) -> None:
+    layer = _layer([256], 256, False, seed=8)
+    layer.params_dtype = torch.float16
+    with pytest.raises(ValueError, match="DeepGEMM"):
+        gk.DeepGemmBlockFp8Kernel().prepare(layer)
+
+
+def test_graph_capture_and_compile(gk: ModuleType) -> None:
+    """The backends run inside torch.compile (as vLLM traces them) and CUDA-graph replay."""
+    layer = _layer([512, 256], 1024, False, seed=9)
+    x = _activations(16, 1024, seed=10)
+    for kernel_type in gk.GPU_KERNEL_ORDER[:-1]:
+        kernel = kernel_type()
+        if kernel.unsupported_reason(gk.LayerShape(768, 1024, (512, 256)), _target(gk)) is not None:
+            continue
+        eager = kernel.apply(layer, x, None, False)
+        compiled = torch.compile(lambda inp, k=kernel: k.apply(layer, inp, None, False), fullgraph=True, dynamic=True)
+        assert torch.equal(compiled(x), eager), kernel.name
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        kernel.apply(layer, static_x, None, False)  # warm-up (JIT) outside the capture
+        with torch.cuda.graph(graph):
+            static_out = kernel.apply(layer, static_x, None, False)
+        static_x.copy_(_activations(16, 1024, seed=11))
+        graph.replay()
+        assert torch.equal(static_out, kernel.apply(layer, static_x, None, False)), kernel.name
