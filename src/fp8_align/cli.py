@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from fp8_align.doctor import build_report, format_report
 
@@ -15,6 +16,92 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_error(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import track
+
+    from fp8_align.bench.error import BenchInputError, BenchSettings, parse_variants, run_bench_error
+    from fp8_align.bench.generate import GenerationError
+    from fp8_align.bench.prompts import PromptFileError
+    from fp8_align.bench.report import results_table, write_outputs
+    from fp8_align.config import FP8ConfigError
+
+    console = Console(stderr=True, log_path=False)
+    try:
+        settings = BenchSettings(
+            out_dir=args.out,
+            model=args.model,
+            prompts=args.prompts,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            variants=parse_variants(args.variants),
+            seed=args.seed,
+            device=args.device,
+            vllm_compile=args.vllm_compile,
+            layer_attribution_prompts=args.layer_attribution,
+            command=tuple(args.command_line),
+        )
+        doc = run_bench_error(
+            settings,
+            say=lambda text: console.log(text),
+            status=console.status,
+            progress=lambda items, total: track(items, total=total, description="layers", console=console),
+        )
+    except (BenchInputError, PromptFileError, FP8ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+        return 2
+    except GenerationError as exc:
+        console.print(f"[red]vLLM generation failed:[/] {exc}", soft_wrap=True)
+        return 1
+    written = write_outputs(doc, args.out, plots=not args.no_plots)
+    if not args.json_only:
+        # When piped, rich assumes 80 columns; the table needs about 110.
+        Console(width=None if sys.stdout.isatty() else 120).print(results_table(doc))
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _add_bench_error(sub: argparse._SubParsersAction) -> None:
+    from fp8_align.bench.error import VARIANTS, BenchSettings
+
+    defaults = BenchSettings(out_dir=Path("fp8_align_out/bench_error"))
+
+    bench = sub.add_parser(
+        "bench-error",
+        help="token-probability error of vLLM BF16/FP8 generation vs a BF16/FP8 training-side forward",
+        description="Generate with real vLLM (greedy and sampled) per variant, score the tokens with an HF "
+        "forward in BF16 and in fp8_align's block-FP8 emulation, and report token_mult_prob_error, KL and "
+        "max |dlogp| per pair. Variants: "
+        + "; ".join(f"{v.name} = {v.description}" for v in VARIANTS.values()),
+    )
+    bench.add_argument("--model", type=Path, help="HF checkpoint directory (default: SmolLM2-135M-Instruct, converted once)")
+    bench.add_argument("--prompts", type=Path, help='JSONL, one {"messages": [...]} or {"prompt_token_ids": [...]} per line (default: the shipped set)')
+    bench.add_argument("--num-prompts", type=int, default=defaults.num_prompts, help=f"use the first N prompts (default {defaults.num_prompts})")
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=defaults.max_new_tokens,
+        help=f"new tokens per completion at most (default {defaults.max_new_tokens})",
+    )
+    variants = ",".join(defaults.variants)
+    bench.add_argument(
+        "--variants", default=variants,
+        help=f"comma-separated from {', '.join(VARIANTS)}, or 'all' (default {variants}; one vLLM engine each)",
+    )
+    bench.add_argument("--seed", type=int, default=defaults.seed, help=f"vLLM engine and sampling seed (default {defaults.seed})")
+    bench.add_argument("--out", type=Path, default=defaults.out_dir, help=f"output directory (default ./{defaults.out_dir})")
+    bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available, else cpu")
+    bench.add_argument(
+        "--vllm-compile", choices=("auto", "on", "off"), default="auto",
+        help="vLLM torch.compile (auto: off on CPU, where eager engines start in ~30 s instead of 80+ s; on for CUDA)",
+    )
+    bench.add_argument(
+        "--layer-attribution", type=int, default=0, metavar="N",
+        help="also measure the error of FP8 in each decoder layer alone on N greedy completions (one HF forward per layer; default 0 = off)",
+    )
+    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    bench.add_argument("--json-only", action="store_true", help="do not print the table (the JSON and markdown are still written)")
+    bench.set_defaults(func=_bench_error)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser with one sub-command per job."""
     parser = argparse.ArgumentParser(prog="fp8-align", description="Aligned block-FP8 for RL of language models.")
@@ -22,12 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="report what this environment can run of the FP8 recipe")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(func=_doctor)
+    _add_bench_error(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `fp8-align` console script."""
     args = build_parser().parse_args(argv)
+    args.command_line = ["fp8-align", *(sys.argv[1:] if argv is None else argv)]
     return int(args.func(args))
 
 
