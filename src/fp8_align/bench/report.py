@@ -20,8 +20,9 @@ _ALIGNMENT_STYLE = {"reference": "dim", "misaligned": "red", "aligned": "green"}
 def results_table(doc: dict[str, Any]) -> Table:
     """One row per (generation, training side, sampling) pair with its mismatch metrics."""
     table = Table(title=f"token-probability error, vLLM generation vs HF training side: {doc['model']['description']}")
-    for header in ("generation", "training", "alignment", "sampling", "tokens", "mult. prob. error", "KL k3", "max |Δlogp|"):
-        table.add_column(header, justify="right" if header in ("tokens", "mult. prob. error", "KL k3", "max |Δlogp|") else "left", no_wrap=True)
+    numeric = ("tokens", "mult. prob. error", "KL k3", "max |Δlogp|")
+    for header in ("generation", "training", "alignment", "sampling", *numeric):
+        table.add_column(header, justify="right" if header in numeric else "left", no_wrap=True)
     for pair in doc["pairs"]:
         m = pair["metrics"]
         table.add_row(
