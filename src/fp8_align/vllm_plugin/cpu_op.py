@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise
+from fp8_align.vllm_plugin.shards import shard_slices
 
 
 @torch.library.custom_op("fp8_align::emulated_block_fp8_mm", mutates_args=())
@@ -18,14 +19,10 @@ def emulated_block_fp8_mm(
 ) -> torch.Tensor:
     """[M, K] activations x block-FP8 weight [N, K] (per-shard 128x128 grids) -> [M, N] in x.dtype."""
     x_fp8, x_scale = quantize_activation_groupwise(x, pow2_scale=act_pow2, check_inputs=False)
-    outputs, row, scale_row = [], 0, 0
-    for size in shard_sizes:
-        blocks = -(-size // 128)
-        w = weight[row : row + size]
-        s = weight_scale_inv[scale_row : scale_row + blocks]
-        outputs.append(fp8_block_gemm(x_fp8, x_scale, w, s, out_dtype=x.dtype))
-        row += size
-        scale_row += blocks
+    outputs = [
+        fp8_block_gemm(x_fp8, x_scale, weight[rows], weight_scale_inv[scale_rows], out_dtype=x.dtype)
+        for rows, scale_rows in shard_slices(shard_sizes)
+    ]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 

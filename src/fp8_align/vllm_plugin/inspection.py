@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fp8_align.quant import blockwise_fp8_linear
+from fp8_align.vllm_plugin.shards import shard_slices
 
 _SELF_CHECK_TOKENS = 5
 
@@ -43,10 +44,8 @@ def _max_diff_to_reference(module: torch.nn.Module) -> float:
     x = x.to(module.weight.device)
     got = module.quant_method.apply(module, x)
     act_pow2 = module.quant_method.cfg.use_activation_pow2_scale
-    parts, row, scale_row = [], 0, 0
-    for size in module.fp8_align_shard_sizes:
-        blocks = -(-size // 128)
-        w, s = module.weight[row : row + size], module.weight_scale_inv[scale_row : scale_row + blocks]
-        parts.append(blockwise_fp8_linear(x, w, s, activation_pow2_scale=act_pow2))
-        row, scale_row = row + size, scale_row + blocks
+    parts = [
+        blockwise_fp8_linear(x, module.weight[rows], module.weight_scale_inv[scale_rows], activation_pow2_scale=act_pow2)
+        for rows, scale_rows in shard_slices(module.fp8_align_shard_sizes)
+    ]
     return float((got.float() - torch.cat(parts, dim=-1).float()).abs().max())
