@@ -1,6 +1,6 @@
 """Rollout throughput on a Qwen3-8B-shaped random model: BF16 vs fp8_align vs vLLM's block FP8.
 
-    python benchmarks/rollout_throughput.py --shape short --results DIR
+    python benchmarks/rollout_throughput.py --shape short|long [--variants a,b] [--repeats N] --results DIR
 
 Variants, each in its own process with cold compile/JIT caches (fresh VLLM_CACHE_ROOT,
 TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), all on the same token-id prompts:
@@ -13,15 +13,25 @@ TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), all on the same token-id prompts:
                here from the same BF16 weights (`weight` e4m3 + `weight_scale_inv` FP32,
                quantization_config quant_method fp8, weight_block_size [128, 128]), with
                VLLM_USE_DEEP_GEMM=0: vLLM's CUTLASS block-FP8 kernel, FP32 scales
+    fp8_align_kv   fp8_align + kv_cache_dtype="fp8": FP8 KV cache and, on Hopper with
+               FlashAttention 3, FP8 attention (vLLM quantizes the query too). After the
+               warm-up the K/V scales are calibrated by the engine
+               (`fp8_align.vllm_plugin.kv_calibration.calibrate_kv_scales`, 8 prompts of the
+               benchmark's prompt length; K and V: with an FP8 KV cache vLLM quantizes the query
+               before attention, so q_scale is not calibrated) and that call is timed: the
+               recalibration an RL loop runs every step, reported as a share of the timed
+               rollout step.
+    vllm_fp8_kv    vllm_fp8 + kv_cache_dtype="fp8" (vLLM's default scales, 1.0)
 
 Both FP8 variants use CUTLASS so that they differ only in where the weights are quantized:
 DeepGEMM JIT-compiles a kernel per M tiling at engine start (about 0.8 s per warm-up M value,
 cold, on the H100 box), minutes for an 8B model, which would swamp the start-time comparison.
 
 Per variant: engine start (LLM constructor wall time, and vLLM's own "Model loading took"
-line), one warm-up generate, then the timed generate of `batch` prompts x (`in` tokens in,
-`out` tokens out, ignore_eos, temperature 1). Output tokens/s and the ratio to BF16 measured
-in the same run go to DIR/rollout_throughput_<shape>.json.
+line), one warm-up generate, then `--repeats` timed generates of `batch` prompts x (`in` tokens
+in, `out` tokens out, ignore_eos, temperature 1). Output tokens/s (median over repeats, each
+repeat kept) and the ratio to BF16 measured in the same run go to
+DIR/rollout_throughput_<shape>.json.
 
 The BF16 checkpoint (random init, bf16, seed 0) and the FP8 checkpoint are created under
 --models on first use and reused while the machine lives.
@@ -34,6 +44,7 @@ import datetime
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +57,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
-VARIANTS = ("bf16", "fp8_align", "vllm_fp8")
+VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv")
+#: Prompts in the engine-side KV-scale calibration batch of `fp8_align_kv`.
+CALIBRATION_PROMPTS = 8
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
     head_dim=128, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
@@ -130,7 +143,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     batch, prompt_len, new_tokens = spec["batch"], spec["prompt_len"], spec["new_tokens"]
     kwargs: dict[str, Any] = dict(
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.85,
-        max_model_len=prompt_len + new_tokens, max_num_seqs=batch,
+        max_model_len=prompt_len + new_tokens, max_num_seqs=batch, kv_cache_dtype=spec["kv_cache_dtype"],
     )  # fmt: skip
     if spec["fp8_align"]:
         kwargs.update(engine_kwargs(FP8Config(use_deep_gemm=False)))
@@ -141,20 +154,40 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     warmup = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0)
     llm.generate(prompts[:16], warmup, use_tqdm=False)
+    calibration: dict[str, Any] = {}
+    if spec["calibrate_kv"]:
+        from fp8_align.vllm_plugin.kv_calibration import calibrate_kv_scales
+
+        # K/V only: with an FP8 KV cache vLLM's GPU attention quantizes the query itself, before
+        # any hook can see it, so q_scale keeps its value (see calibrate_kv_scales).
+        calibrate_kv_scales(llm, spec["prompts"][:CALIBRATION_PROMPTS], include_q=False)  # untimed: first call
+        start = time.perf_counter()
+        result = calibrate_kv_scales(llm, spec["prompts"][:CALIBRATION_PROMPTS], include_q=False)
+        calibration = {"kv_calibration_s": time.perf_counter() - start, "kv_calibration_tokens": result.tokens,
+                       "kv_scales_layer0": result.scales[0]}  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
-    start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    generate_s = time.perf_counter() - start
-    output_tokens = sum(len(r.outputs[0].token_ids) for r in results)
-    if output_tokens != batch * new_tokens:
-        raise RuntimeError(f"expected {batch * new_tokens} output tokens, got {output_tokens}")
-    return {
+    generate_s = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        generate_s.append(time.perf_counter() - start)
+        output_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+        if output_tokens != batch * new_tokens:
+            raise RuntimeError(f"expected {batch * new_tokens} output tokens, got {output_tokens}")
+    median_s = statistics.median(generate_s)
+    result = {
         "engine_start_s": engine_start_s,
         "generate_s": generate_s,
+        "generate_median_s": median_s,
         "output_tokens": output_tokens,
-        "output_tok_per_s": output_tokens / generate_s,
-        "total_tok_per_s": (output_tokens + batch * prompt_len) / generate_s,
+        "output_tok_per_s": output_tokens / median_s,
+        "output_tok_per_s_each": [output_tokens / s for s in generate_s],
+        "total_tok_per_s": (output_tokens + batch * prompt_len) / median_s,
+        **calibration,
     }
+    if calibration:
+        result["kv_calibration_share_of_step"] = calibration["kv_calibration_s"] / median_s
+    return result
 
 
 # --------------------------------------------------------------------------- driver
@@ -191,6 +224,7 @@ def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
         "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
         "TRITON_CACHE_DIR": str(caches / "triton"),
         "VLLM_USE_DEEP_GEMM": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # calibrate_kv_scales uses collective_rpc
     }
     spec_path, result_path, log_path = work / f"{name}.spec.json", work / f"{name}.result.json", work / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
@@ -205,6 +239,7 @@ def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
     for field, pattern in _LOG_FIELDS.items():
         match = re.search(pattern, text)
         result[field] = float(match.group(1)) if match else None
+    result["attention_backend"] = sorted(set(re.findall(r"Using (\w+) attention backend", text)))
     warmups = re.findall(r"fp8_align: DeepGEMM warm-up N=\d+ K=\d+: \d+ M values in ([\d.]+) s", text)
     result["fp8_align_deepgemm_warmup_s"] = sum(map(float, warmups)) if warmups else None
     result["fp8_align_kernels"] = sorted(set(re.findall(r"fp8_align: model\.layers\.\S+ \[[^\]]*\]\] -> (\w+)", text)))
@@ -215,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="short")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=1, help="timed generates per variant (median reported)")
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--work", type=Path, default=Path("/root/rollout_work"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -254,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.variants.split(","):
         if "output_tok_per_s" in report["variants"].get(name, {}):
             continue
+        if name not in VARIANTS:
+            parser.error(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
         spec = {
-            "model": str(fp8_dir if name == "vllm_fp8" else bf16_dir), "fp8_align": name == "fp8_align", "prompts": prompts,
-            "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "model": str(fp8_dir if name.startswith("vllm_fp8") else bf16_dir), "fp8_align": name.startswith("fp8_align"),
+            "kv_cache_dtype": "fp8" if name.endswith("_kv") else "auto", "calibrate_kv": name == "fp8_align_kv",
+            "prompts": prompts, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": args.repeats,
         }  # fmt: skip
         try:
             report["variants"][name] = run_variant(name, spec, args.work / f"{args.shape}_{name}")
@@ -280,19 +319,22 @@ def _add_ratios(report: dict[str, Any]) -> None:
         report["fp8_align_extra_engine_start_vs_vllm_fp8_s"] = (
             variants["fp8_align"]["engine_start_s"] - variants["vllm_fp8"]["engine_start_s"]
         )
+    for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv")):
+        if ours in variants and theirs in variants:
+            report[f"{ours}_throughput_vs_{theirs}"] = variants[ours]["output_tok_per_s"] / variants[theirs]["output_tok_per_s"]
 
 
 def _print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['device']} vllm {report['vllm']} shape {report['shape']}")
-    print(f"{'variant':<10} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7}")
+    print(f"{'variant':<13} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
     for name, r in report["variants"].items():
         if "error" in r:
-            print(f"{name:<10} FAILED")
+            print(f"{name:<13} FAILED")
             continue
         load = r.get("model_load_s")
         print(
-            f"{name:<10} {r['output_tok_per_s']:>10.0f} {r.get('throughput_ratio_vs_bf16', float('nan')):>8.3f} "
-            f"{r['engine_start_s']:>8.1f} {load if load is not None else float('nan'):>7.1f}"
+            f"{name:<13} {r['output_tok_per_s']:>10.0f} {r.get('throughput_ratio_vs_bf16', float('nan')):>8.3f} "
+            f"{r['engine_start_s']:>8.1f} {load if load is not None else float('nan'):>7.1f} {len(r.get('generate_s', [0])):>8}"
         )
 
 

@@ -24,3 +24,20 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: int) -> Path:
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def make_tiny_tokenizer(path: Path, vocab_size: int = 512) -> Path:
+    """A word-level tokenizer for `make_tiny_llama`'s vocabulary, saved next to the checkpoint.
+
+    Ids 0/1/2 are <unk>/<s>/</s> (LlamaConfig's defaults), id i >= 3 is the word `t{i}`. Built
+    offline; for engines that load a tokenizer (`vllm serve`), prompts stay token ids.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    return path

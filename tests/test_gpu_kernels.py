@@ -118,6 +118,92 @@ def test_reference_scale_rule_on_cuda() -> None:
     assert torch.equal(_bits(scales), _bits((amax.double() / E4M3_MAX).float()))
 
 
+WEIGHT_CASES = ["qkv_4096", "partial_n_k", "one_row", "zero_blocks", "tiny", "huge", "exact_pow2_amax", "fp16", "fp32"]
+
+
+def _weight_cases() -> dict[str, torch.Tensor]:
+    """Weights whose 128x128 blocks span 2^-12..2^12 in magnitude, and the scale rule's edge cases."""
+    g = _generator(11)
+    with_zeros = _activations(384, 512, 12)
+    with_zeros[128:256, 256:384] = 0
+    exact_pow2 = (torch.randn(256, 256, generator=g, device="cuda") * 0.01).to(torch.bfloat16)
+    exact_pow2[0, 0], exact_pow2[128, 200] = E4M3_MAX * 2.0**-9, E4M3_MAX * 2.0**5
+    return {
+        "qkv_4096": (torch.randn(6144, 4096, generator=g, device="cuda") * 0.02).to(torch.bfloat16),
+        "partial_n_k": _activations(1000, 200, 13),
+        "one_row": _activations(1, 640, 14),
+        "zero_blocks": with_zeros,
+        "tiny": (torch.randn(130, 130, generator=g, device="cuda") * 1e-30).to(torch.bfloat16),
+        "huge": (torch.randn(130, 130, generator=g, device="cuda") * 1e30).to(torch.bfloat16),
+        "exact_pow2_amax": exact_pow2,
+        "fp16": _activations(300, 576, 15, torch.float16),
+        "fp32": _activations(300, 576, 16, torch.float32),
+    }
+
+
+@pytest.mark.parametrize("case", WEIGHT_CASES)
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
+def test_weight_quant_triton_bit_identical_to_reference(case: str, pow2: bool) -> None:
+    """Triton weight quantizer == torch reference (CUDA) == independent numpy reference (small cases)."""
+    from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
+    from tests.fp8_reference import reference_quantize_blocks
+
+    w = _weight_cases()[case]
+    codes, scales = quantize_weight_blockwise_triton(w, pow2)
+    ref_codes, ref_scales = quantize_weight_blockwise(w, pow2_scale=pow2)
+    assert torch.equal(_bits(codes), _bits(ref_codes)), "codes differ from the torch reference"
+    assert torch.equal(_bits(scales), _bits(ref_scales)), "scales differ from the torch reference"
+    if w.numel() <= 2**18:
+        np_values, np_scales = reference_quantize_blocks(w.float().cpu().numpy(), 128, 128, pow2)
+        assert torch.equal(codes.cpu().double(), torch.from_numpy(np_values)), "codes differ from the numpy reference"
+        assert torch.equal(scales.cpu(), torch.from_numpy(np_scales)), "scales differ from the numpy reference"
+
+
+def test_weight_quant_triton_writes_into_merged_storage() -> None:
+    """Per-shard quantization into row views of one merged tensor (the in-place refit path)."""
+    from fp8_align.quant.dispatch import quantize_weight_into
+    from fp8_align.vllm_plugin.linear_method import quantize_shards
+    from fp8_align.vllm_plugin.shards import shard_slices
+
+    sizes = [2048, 512, 200]
+    w = _activations(sum(sizes), 1000, 17)
+    codes = torch.zeros(w.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.zeros((16 + 4 + 2, 8), device="cuda")
+    for rows, scale_rows in shard_slices(sizes):
+        quantize_weight_into(w[rows], False, codes[rows], scales[scale_rows])
+    start, ref_codes, ref_scales = 0, [], []
+    for size in sizes:
+        c, sc = quantize_weight_blockwise(w[start : start + size])
+        ref_codes.append(c)
+        ref_scales.append(sc)
+        start += size
+    assert torch.equal(_bits(codes), _bits(torch.cat(ref_codes)))
+    assert torch.equal(_bits(scales), _bits(torch.cat(ref_scales)))
+    merged_codes, merged_scales = quantize_shards(w, sizes, False)
+    assert torch.equal(_bits(merged_codes), _bits(codes)) and torch.equal(_bits(merged_scales), _bits(scales))
+
+
+def test_weight_quant_triton_rejects_non_finite_and_bad_outputs() -> None:
+    from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
+
+    w = _activations(256, 384, 18)
+    w[130, 300] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_weight_blockwise_triton(w)
+    _, scales = quantize_weight_blockwise_triton(w, check_finite=False)
+    assert torch.isnan(scales[1, 2]) and torch.isfinite(scales).sum() == scales.numel() - 1
+    w[130, 300] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_weight_blockwise_triton(w)
+    good = _activations(256, 384, 19)
+    with pytest.raises(ValueError, match="out_scales"):
+        quantize_weight_blockwise_triton(good, out_scales=torch.empty(2, 2, device="cuda"))
+    with pytest.raises(ValueError, match="out_codes"):
+        quantize_weight_blockwise_triton(good, out_codes=torch.empty(256, 384, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(TypeError):
+        quantize_weight_blockwise_triton(good.t())
+
+
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
 def test_vllm_per_token_group_quant_agreement(pow2: bool) -> None:
     """Why the plugin does not use vLLM's `per_token_group_quant_fp8`: report where it differs.

@@ -130,16 +130,16 @@ def _hf(models: dict[str, Path], model: str, fp8_fields: dict[str, Any] | None, 
 
 
 def _expected_codes(model_dir: Path, layer: int, projection: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference `quantize_weight_blockwise` of each HF projection, stacked in shard order."""
     from safetensors.torch import load_file
 
-    from fp8_align.vllm_plugin.linear_method import quantize_shards
+    from fp8_align.quant import quantize_weight_blockwise
 
     weights = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         weights.update(load_file(file))
-    parts = [weights[f"model.layers.{layer}.{hf}.weight"] for hf in PROJECTIONS[projection]]
-    codes, scales = quantize_shards(torch.cat(parts).cuda(), [p.shape[0] for p in parts], pow2)
-    return codes.cpu(), scales.cpu()
+    parts = [quantize_weight_blockwise(weights[f"model.layers.{layer}.{hf}.weight"], pow2_scale=pow2) for hf in PROJECTIONS[projection]]
+    return torch.cat([codes for codes, _ in parts]), torch.cat([scales for _, scales in parts])
 
 
 def _is_pow2(t: torch.Tensor) -> torch.Tensor:

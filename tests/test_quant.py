@@ -222,3 +222,20 @@ def test_blockwise_linear_rejects_bad_shapes():
         blockwise_fp8_linear(torch.randn(4, 200), codes, scales)
     with pytest.raises(ValueError, match="scale_inv shape"):
         blockwise_fp8_linear(torch.randn(4, 256), codes, scales[:, :1])
+
+
+def test_quantize_weight_into_writes_views_on_cpu() -> None:
+    """The CPU branch of `quantize_weight_into` writes the reference result into row views."""
+    from fp8_align.quant.dispatch import quantize_weight_into
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    codes = torch.zeros(428, 200, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(4, 2)
+    got_codes, got_scales = quantize_weight_into(w, True, codes[128:], scales[1:])
+    ref_codes, ref_scales = quantize_weight_blockwise(w, pow2_scale=True)
+    assert got_codes.data_ptr() == codes[128:].data_ptr()
+    assert torch.equal(codes[128:].view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(scales[1:], ref_scales)
+    assert not codes[:128].view(torch.uint8).any() and not scales[0].any()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_weight_into(torch.full((4, 4), float("nan")), False)

@@ -11,8 +11,10 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from fp8_align.config import FP8Config
-from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE
+from fp8_align.quant.dispatch import quantize_weight_into
 from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, select_kernel
+from fp8_align.vllm_plugin.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -22,15 +24,15 @@ def quantize_shards(weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bo
 
     Each shard gets its own 128x128 block grid, exactly as if the checkpoint's separate
     projections were quantized one by one. Returns (codes [N, K] e4m3, scales [sum_s ceil(n_s/128),
-    ceil(K/128)] float32, the shards' grids stacked in order).
+    ceil(K/128)] float32, the shards' grids stacked in order), via `quantize_weight_into`
+    (the Triton kernel on CUDA, the torch reference elsewhere; same bits).
     """
-    codes, scales, start = [], [], 0
-    for size in shard_sizes:
-        shard_codes, shard_scales = quantize_weight_blockwise(weight[start : start + size], pow2_scale=pow2_scale)
-        codes.append(shard_codes)
-        scales.append(shard_scales)
-        start += size
-    return torch.cat(codes), torch.cat(scales)
+    slices = shard_slices(shard_sizes)
+    codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scales = torch.empty((slices[-1][1].stop, -(-weight.shape[1] // DEFAULT_BLOCK_SIZE[1])), dtype=torch.float32, device=weight.device)
+    for rows, scale_rows in slices:
+        quantize_weight_into(weight[rows], pow2_scale, codes[rows], scales[scale_rows])
+    return codes, scales
 
 
 class Fp8AlignLinearMethod(LinearMethodBase):

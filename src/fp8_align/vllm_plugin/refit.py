@@ -1,30 +1,38 @@
 """Push new weights into a running vLLM engine every RL step, re-quantized with the engine's recipe.
 
-Trainer side: `refit_weights(llm, weights)` with an in-process `vllm.LLM`. The tensors travel to
-every worker as one safetensors file (raw tensors do not survive vLLM's multiprocess RPC), and
-each worker runs `_refit_in_worker`:
+Trainer side: `refit_weights(llm, weights)` with an in-process `vllm.LLM`. Raw tensors do not
+survive vLLM's multiprocess RPC, so CUDA tensors travel as CUDA IPC handles (the worker maps the
+trainer's memory, no copy through the host) and CPU tensors as one safetensors file; each worker
+runs `_refit_in_worker`:
 
 1. Validate everything first (`plan_refit`): every name must be a tensor of the engine's own
    BF16 checkpoint (`model_config.model`), with that tensor's shape and dtype, and all values
    finite. Any problem raises `RefitError` naming the tensor, before anything is written.
 2. FP8 layers (`Fp8AlignLinearMethod`): each Hugging Face tensor (q_proj, k_proj, gate_proj, ...)
-   is mapped onto its vLLM merged module (`packed_modules_mapping`) and shard, quantized with
-   `fp8_align.quant.quantize_weight_blockwise` (the same 128x128 recipe and scale mode the
-   engine loaded with) and copied into the existing `weight` rows and `weight_scale_inv` grid
-   rows in place: data pointers, and so captured graphs, stay valid. Only the sent shards change.
-3. Everything else (BF16 edge layers, which vLLM-CPU repacks, embeddings, norms, lm_head) goes
-   through vLLM's own layerwise reload (`model_runner.reload_weights`), which rebuilds the
-   module from checkpoint format and copies the result into the old kernel tensors. That path
-   rebuilds a whole module, so a module outside FP8 must receive all of its checkpoint tensors
-   (all of q/k/v of a BF16 attention layer); partial sends there raise `RefitError`.
+   is mapped onto its vLLM merged module (`packed_modules_mapping`) and shard, quantized by
+   `fp8_align.quant.dispatch.quantize_weight_into` (the same 128x128 recipe and scale mode the
+   engine loaded with; the Triton kernel on CUDA) straight into the existing `weight` rows and
+   `weight_scale_inv` grid rows: data pointers, and so captured graphs, stay valid. Only the
+   sent shards change.
+3. Everything else (BF16 edge layers, embeddings, norms, lm_head). Where every one of those
+   modules keeps its weights as loaded (`DIRECT_LOAD_METHODS` on CUDA: vLLM post-processes
+   unquantized linears and embeddings only on CPU, where it repacks them) the tensors go
+   through the model's own `load_weights`, a plain copy, as for a BF16 engine. Otherwise
+   (vLLM-CPU) they go through vLLM's layerwise reload (`model_runner.reload_weights`), which
+   rebuilds each module from checkpoint format and copies the result into the old kernel
+   tensors. That path rebuilds a whole module, so on every device a module outside FP8 must
+   receive all of its checkpoint tensors (all of q/k/v of a BF16 attention layer); partial
+   sends there raise `RefitError`.
 
-vLLM's reload resets attention KV scales to 1.0; the worker reads them before and writes them
-back after, so a refit leaves the scales last pushed (`kv_scales.push_kv_scales`) in place.
+vLLM's layerwise reload resets attention KV scales to 1.0; the worker reads them before and
+writes them back after, so a refit leaves the scales last pushed (`kv_scales.push_kv_scales`)
+in place.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Mapping
@@ -36,11 +44,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.quant.dispatch import quantize_weight_into
 from fp8_align.vllm_plugin.kv_scales import read_layer_scales, write_layer_scales
+from fp8_align.vllm_plugin.shards import shard_slices
 
-#: Rows (and columns) of one weight scale block.
-WEIGHT_BLOCK = 128
 #: Where trainer-side tensors are staged for the workers (RAM-backed when available).
 STAGING_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -54,8 +61,11 @@ class RefitResult:
     """What one worker did for one `refit_weights` call."""
 
     fp8_tensors: int  # checkpoint tensors re-quantized in place into FP8 layers
-    reloaded_tensors: int  # checkpoint tensors loaded through vLLM's layerwise reload
+    reloaded_tensors: int  # checkpoint tensors loaded through `load_weights` or vLLM's layerwise reload
     seconds: float  # wall time inside the worker, validation included
+    #: seconds per phase: "receive" (files read, CUDA IPC mapped), "validate", "load" (the
+    #: non-FP8 modules), "quantize" (the FP8 shards); each ends with the device synchronized
+    phase_seconds: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -79,41 +89,70 @@ class Fp8ShardWrite:
 
 @dataclass(frozen=True)
 class RefitPlan:
-    """A validated update: FP8 shards written in place, the rest through vLLM's reload."""
+    """A validated update: FP8 shards written in place, the rest through `load_weights` (`direct`)
+    or vLLM's layerwise reload."""
 
     fp8: list[Fp8ShardWrite]
     reload: dict[str, torch.Tensor]
+    direct: bool
+
+
+#: Quant methods whose layers hold their weights exactly as loaded on CUDA (their
+#: process_weights_after_loading acts only on CPU in vLLM 0.22 and 0.32), so a plain
+#: `load_weights` refits them. Modules without a quant method (norms) qualify too.
+DIRECT_LOAD_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
 def refit_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str]) -> list[RefitResult]:
     """Load `weights` into every worker of `llm` (a `vllm.LLM`), re-quantizing FP8 layers.
 
     weights: checkpoint-format tensors by Hugging Face name (any subset of the checkpoint the
-        engine was started from, same shapes and dtypes, CPU or GPU), or a path to one
-        `.safetensors` file or a directory of them.
+        engine was started from, same shapes and dtypes), or a path to one `.safetensors` file
+        or a directory of them. CUDA tensors are shared with the workers through CUDA IPC (same
+        machine; each worker must see the tensor's GPU under the same device index, as with one
+        GPU); CPU tensors are staged as one safetensors file under /dev/shm.
     Returns one `RefitResult` per worker. A refused update raises `RefitError` here (non-tensor
-    values, bad path) or in the worker, which vLLM 0.32 re-raises here as a plain
+    values, bad path) or in the worker, which vLLM re-raises here as a plain
     `Exception("Worker failed with error '<RefitError message>', ...")`; either message names the
     offending tensor, and the engine still serves the previous weights. Clears the prefix cache,
-    whose KV entries were computed with the old weights.
-    Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the worker function is pickled).
+    whose KV entries were computed with the old weights. Returns after the workers' GPU work
+    finished. Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the worker function is pickled).
     """
-    if isinstance(weights, Mapping):
-        with tempfile.TemporaryDirectory(prefix="fp8_align_refit_", dir=STAGING_ROOT) as staging:
-            return _refit_files(llm, [_stage(weights, Path(staging))])
-    return _refit_files(llm, _safetensors_files(Path(weights)))
+    if not isinstance(weights, Mapping):
+        return _refit(llm, _safetensors_files(Path(weights)), b"")
+    for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise RefitError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    on_gpu = {name: tensor for name, tensor in weights.items() if tensor.is_cuda}
+    on_host = {name: tensor for name, tensor in weights.items() if not tensor.is_cuda}
+    handles = share_cuda_tensors(on_gpu) if on_gpu else b""
+    if not on_host:
+        return _refit(llm, [], handles)
+    with tempfile.TemporaryDirectory(prefix="fp8_align_refit_", dir=STAGING_ROOT) as staging:
+        return _refit(llm, [_stage(on_host, Path(staging))], handles)
 
 
-def _refit_files(llm: Any, files: list[str]) -> list[RefitResult]:
-    results = llm.collective_rpc(_refit_in_worker, args=(files,))
+def _refit(llm: Any, files: list[str], cuda_handles: bytes) -> list[RefitResult]:
+    results = llm.collective_rpc(_refit_in_worker, args=(files, cuda_handles))
     llm.reset_prefix_cache()
     return results
 
 
+def share_cuda_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """Pickled CUDA IPC handles of `tensors` (name -> CUDA tensor), for `open_cuda_tensors` in
+    another process on the same machine. The caller keeps the tensors alive until the receiver
+    is done with them (`refit_weights` does: `collective_rpc` returns after the workers)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps({name: reduce_tensor(tensor.detach()) for name, tensor in tensors.items()})
+
+
+def open_cuda_tensors(handles: bytes) -> dict[str, torch.Tensor]:
+    """The tensors `share_cuda_tensors` shared, mapped into this process (no copy)."""
+    return {name: rebuild(*args) for name, (rebuild, args) in pickle.loads(handles).items()}
+
+
 def _stage(weights: Mapping[str, torch.Tensor], directory: Path) -> str:
-    for name, tensor in weights.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise RefitError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     path = directory / "weights.safetensors"
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in weights.items()}, str(path))
     return str(path)
@@ -126,21 +165,48 @@ def _safetensors_files(path: Path) -> list[str]:
     return [str(f) for f in files]
 
 
-def _refit_in_worker(worker: Any, files: list[str]) -> RefitResult:
+def _refit_in_worker(worker: Any, files: list[str], cuda_handles: bytes) -> RefitResult:
     """Worker side of `refit_weights` (runs in every vLLM worker via collective_rpc)."""
-    start = time.perf_counter()
+    clock = _PhaseClock()
     model = worker.get_model()
-    plan = plan_refit(model, _load_updates(files), checkpoint_layout(worker.vllm_config.model_config.model))
-    if plan.reload:
+    updates = _load_updates(files)
+    for name, tensor in open_cuda_tensors(cuda_handles).items() if cuda_handles else ():
+        if name in updates:
+            raise RefitError(f"{name}: sent twice (as a CPU and as a CUDA tensor)")
+        updates[name] = tensor
+    clock.lap("receive")
+    plan = plan_refit(model, updates, checkpoint_layout(worker.vllm_config.model_config.model))
+    clock.lap("validate")
+    if plan.reload and plan.direct:
+        with torch.no_grad():
+            model.load_weights(iter(plan.reload.items()))
+    elif plan.reload:
         # vLLM's reload resets every attention layer's KV scales to 1.0; keep the pushed ones.
         kv_scales = read_layer_scales(model)
         worker.model_runner.reload_weights(weights_iterator=iter(plan.reload.items()), is_checkpoint_format=True)
         if kv_scales:
             write_layer_scales(model, kv_scales)
+    clock.lap("load")
     with torch.no_grad():
         for write in plan.fp8:
             _write_fp8_shard(write)
-    return RefitResult(len(plan.fp8), len(plan.reload), time.perf_counter() - start)
+    clock.lap("quantize")
+    return RefitResult(len(plan.fp8), len(plan.reload), sum(clock.phases.values()), clock.phases)
+
+
+class _PhaseClock:
+    """Wall time per phase; each lap first waits for the device's queued work."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
 
 
 def _load_updates(files: list[str]) -> dict[str, torch.Tensor]:
@@ -197,6 +263,7 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
         raise RefitError("empty weight update")
     for name, tensor in updates.items():
         _check_tensor(name, tensor, layout)
+    _check_finite(updates)
     modules = dict(model.named_modules())
     packed = dict(getattr(model, "packed_modules_mapping", {}))
     fp8: list[Fp8ShardWrite] = []
@@ -211,7 +278,21 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
         else:
             reload[name] = tensor
     _check_whole_modules(reload, layout, packed)
-    return RefitPlan(fp8, reload)
+    return RefitPlan(fp8, reload, _loads_directly(model, modules, reload, packed))
+
+
+def _loads_directly(
+    model: torch.nn.Module, modules: dict[str, torch.nn.Module], reload: dict[str, torch.Tensor], packed: Mapping[str, list[str]]
+) -> bool:
+    """True when every module `reload` touches keeps its weights as loaded (CUDA, see DIRECT_LOAD_METHODS)."""
+    if not any(p.is_cuda for p in model.parameters()):
+        return False
+    for name in reload:
+        module = modules.get(_vllm_target(name, packed)[0])
+        method = getattr(module, "quant_method", None)
+        if module is None or (method is not None and type(method).__name__ not in DIRECT_LOAD_METHODS):
+            return False
+    return True
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, layout: dict[str, TensorSpec]) -> None:
@@ -222,8 +303,28 @@ def _check_tensor(name: str, tensor: torch.Tensor, layout: dict[str, TensorSpec]
         raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint has {spec.shape}")
     if tensor.dtype != spec.dtype:
         raise RefitError(f"{name}: dtype {tensor.dtype}, the checkpoint has {spec.dtype}")
-    if not bool(torch.isfinite(tensor).all()):
-        raise RefitError(f"{name}: holds NaN or Inf")
+
+
+def _check_finite(updates: dict[str, torch.Tensor]) -> None:
+    """Raise RefitError naming the first tensor holding NaN or Inf (one sync per device in all).
+
+    One read of each tensor, one fused launch per device (`torch._foreach_norm`, what
+    `clip_grad_norm_` uses): the FP32-accumulated L1 norm is finite only if every element is
+    (NaN and +-Inf propagate). A non-finite norm is re-checked element-wise, so finite values
+    whose norm overflows are not refused.
+    """
+    names_by_device: dict[torch.device, list[str]] = {}
+    for name, tensor in updates.items():
+        names_by_device.setdefault(tensor.device, []).append(name)
+    suspects: list[str] = []
+    for names in names_by_device.values():
+        norms = torch._foreach_norm([updates[name] for name in names], 1)
+        finite = torch.stack([norm.float() for norm in norms]).isfinite().tolist()
+        suspects += [name for name, ok in zip(names, finite) if not ok]
+    bad = {name for name in suspects if not bool(torch.isfinite(updates[name]).all())}
+    for name in updates:
+        if name in bad:
+            raise RefitError(f"{name}: holds NaN or Inf")
 
 
 def _vllm_target(name: str, packed: Mapping[str, list[str]]) -> tuple[str, str, int]:
@@ -268,17 +369,12 @@ def _check_whole_modules(reload: dict[str, torch.Tensor], layout: dict[str, Tens
 
 
 def _write_fp8_shard(write: Fp8ShardWrite) -> None:
-    """Quantize one checkpoint shard and copy codes, scales (or bias) into the layer's storage."""
+    """Quantize one checkpoint shard straight into the layer's codes and scales rows (or copy bias rows)."""
     layer = write.layer
-    sizes = layer.fp8_align_shard_sizes
-    row = sum(sizes[: write.shard])
-    rows = slice(row, row + sizes[write.shard])
-    device = layer.weight.device
-    tensor = write.tensor
+    rows, scale_rows = shard_slices(layer.fp8_align_shard_sizes)[write.shard]
+    tensor = write.tensor.to(layer.weight.device).contiguous()
     if write.param == "bias":
-        layer.bias.data[rows].copy_(tensor.to(device))
+        layer.bias.data[rows].copy_(tensor)
         return
-    codes, scales = quantize_weight_blockwise(tensor.to(device), pow2_scale=layer.quant_method.cfg.use_weight_pow2_scale)
-    scale_row = sum(-(-size // WEIGHT_BLOCK) for size in sizes[: write.shard])
-    layer.weight.data[rows].copy_(codes)
-    layer.weight_scale_inv.data[scale_row : scale_row + scales.shape[0]].copy_(scales)
+    pow2 = layer.quant_method.cfg.use_weight_pow2_scale
+    quantize_weight_into(tensor, pow2, layer.weight.data[rows], layer.weight_scale_inv.data[scale_rows], check_finite=False)

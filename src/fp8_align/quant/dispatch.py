@@ -1,0 +1,36 @@
+"""Weight quantization on whatever device the weight lives: the fast exact kernel where one exists."""
+
+from __future__ import annotations
+
+import torch
+
+from fp8_align.quant.blockwise import quantize_weight_blockwise
+
+
+def quantize_weight_into(
+    w: torch.Tensor,
+    pow2_scale: bool,
+    out_codes: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_weight_blockwise(w, pow2_scale=pow2_scale)` (128x128 blocks), optionally written into
+    existing storage.
+
+    w: [N, K] bf16/fp16/fp32. out_codes: [N, K] float8_e4m3fn, out_scales: [ceil(N/128),
+    ceil(K/128)] float32, on w's device (views into larger tensors are fine). On CUDA the Triton
+    kernel (`triton_blockwise`) runs and writes the outputs directly; elsewhere the torch
+    reference runs and its result is copied in. Both give the same bits. check_finite=False skips
+    the NaN/Inf check for a caller that validated `w` already.
+    Returns (codes, scales): the out tensors when given.
+    """
+    if w.is_cuda:
+        from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
+
+        return quantize_weight_blockwise_triton(w, pow2_scale, out_codes, out_scales, check_finite)
+    codes, scales = quantize_weight_blockwise(w, pow2_scale=pow2_scale)
+    if out_codes is not None:
+        codes = out_codes.copy_(codes)
+    if out_scales is not None:
+        scales = out_scales.copy_(scales)
+    return codes, scales
