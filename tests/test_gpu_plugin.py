@@ -52,18 +52,22 @@ EXPECTED_KERNELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Random-init BF16 checkpoints (seed 0) saved with `save_pretrained`."""
+def save_random_qwen3(path: Path, fields: dict[str, Any], seed: int) -> Path:
+    """A random-init BF16 Qwen3 checkpoint with config `fields`, saved with `save_pretrained`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    paths = {}
-    for name, fields in (("small", SMALL), ("odd", ODD)):
-        torch.manual_seed(0)
-        path = tmp_path_factory.mktemp(f"qwen3_{name}")
-        Qwen3ForCausalLM(Qwen3Config(**fields)).to(torch.bfloat16).save_pretrained(path)
-        paths[name] = path
-    return paths
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(Qwen3Config(**fields)).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random-init BF16 checkpoints (seed 0)."""
+    return {
+        name: save_random_qwen3(tmp_path_factory.mktemp(f"qwen3_{name}"), fields, seed=0)
+        for name, fields in (("small", SMALL), ("odd", ODD))
+    }
 
 
 @pytest.fixture(scope="module")

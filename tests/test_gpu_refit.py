@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_gpu_plugin import PROJECTIONS, SMALL, _expected_codes
+from tests.test_gpu_plugin import PROJECTIONS, SMALL, _expected_codes, save_random_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -36,15 +36,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    paths = {}
-    for name, seed in (("w1", 0), ("w2", 1)):
-        torch.manual_seed(seed)
-        path = tmp_path_factory.mktemp(f"refit_{name}")
-        Qwen3ForCausalLM(Qwen3Config(**SMALL)).to(torch.bfloat16).save_pretrained(path)
-        paths[name] = path
-    return paths
+    return {name: save_random_qwen3(tmp_path_factory.mktemp(f"refit_{name}"), SMALL, seed) for name, seed in (("w1", 0), ("w2", 1))}
 
 
 @pytest.fixture(scope="module")

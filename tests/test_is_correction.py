@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fp8_align.is_correction import (
@@ -16,20 +16,7 @@ from fp8_align.is_correction import (
     sequence_truncated_importance_weights,
     truncated_importance_weights,
 )
-
-NAN, INF = float("nan"), float("inf")
-PROPERTY_SETTINGS = settings(max_examples=60, deadline=None)
-
-
-@st.composite
-def logprob_batches(draw: st.DrawFn) -> tuple[torch.Tensor, ...]:
-    """(train, gen, mask): [B, T] float32 log-probs in [-20, 0] and a bool mask, B in 1..4, T in 1..6."""
-    rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 6))
-    values = st.lists(st.floats(-20.0, 0.0, width=32), min_size=rows * cols, max_size=rows * cols)
-    train = torch.tensor(draw(values)).reshape(rows, cols)
-    gen = torch.tensor(draw(values)).reshape(rows, cols)
-    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=rows * cols, max_size=rows * cols))).reshape(rows, cols)
-    return train, gen, mask
+from tests.strategies import INF, NAN, PROPERTY_SETTINGS, logprob_batches
 
 
 def logprobs_with_ratios(ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:

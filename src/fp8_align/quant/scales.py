@@ -11,7 +11,8 @@ import torch
 #: Largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
-_FP32_TINY = torch.finfo(torch.float32).tiny
+#: Smallest positive normal FP32 value: the floor of every scale.
+FP32_TINY = torch.finfo(torch.float32).tiny
 
 
 def scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
@@ -26,7 +27,7 @@ def scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     # multiplication by the rounded reciprocal, which differs from the correctly rounded
     # quotient (what CPU and the FP8 kernels compute) in about half of all values.
     divisor = torch.full_like(amax, E4M3_MAX)
-    scale = torch.where(amax > 0, amax / divisor, torch.ones_like(amax)).clamp_min(_FP32_TINY)
+    scale = torch.where(amax > 0, amax / divisor, torch.ones_like(amax)).clamp_min(FP32_TINY)
     if pow2:
         scale = round_up_to_pow2(scale)
     return scale

@@ -20,15 +20,30 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, check_float_input
+from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
+from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, FP32_TINY, check_float_input
 
-BLOCK = 128
-_FP32_TINY = torch.finfo(torch.float32).tiny
+BLOCK = DEFAULT_BLOCK_SIZE[0]
 
 
 #: Launch configuration: 128x128 blocks one program quantizes (along K), warps, loop stages.
 #: Chosen with benchmarks/tune_weight_quant.py on the H100 box (see benchmarks/RESULTS.md).
 LAUNCH = {"k_blocks": 1, "num_warps": 8, "num_stages": 1}
+
+
+@triton.jit
+def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """`fp8_align.quant.scale_from_amax` in Triton, for FP32 amax tensors of any shape: amax / 448
+    correctly rounded (1.0 where amax is 0, at least TINY), rounded up to a power of two when POW2.
+    Shared by the weight kernel here and the activation kernel of the vLLM plugin."""
+    scale = tl.maximum(tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0), TINY)
+    if POW2:
+        # smallest power of two >= scale (a positive normal float): clear the mantissa and bump
+        # the exponent unless the mantissa already is zero.
+        bits = scale.to(tl.int32, bitcast=True)
+        bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
+        scale = bits.to(tl.float32, bitcast=True)
+    return scale
 
 
 @triton.jit
@@ -64,13 +79,7 @@ def _quantize_weight_block_kernel(
         # 1 where an element is NaN or +-Inf (both compare false with `<= FLT_MAX`), else 0.
         non_finite = tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0)
         amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-        scale = tl.maximum(tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0), TINY)
-        if POW2:
-            # smallest power of two >= scale (a positive normal float): clear the mantissa and
-            # bump the exponent unless the mantissa already is zero.
-            bits = scale.to(tl.int32, bitcast=True)
-            bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
-            scale = bits.to(tl.float32, bitcast=True)
+        scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
         q = tl.div_rn(w, scale)
         q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
@@ -110,7 +119,7 @@ def quantize_weight_blockwise_triton(
     _quantize_weight_block_kernel[(scale_shape[0], triton.cdiv(scale_shape[1], k_blocks))](
         w, codes, scales, n, k, scale_shape[1],
         w.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
-        TINY=_FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
+        TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
         K_BLOCKS=k_blocks, NUM_STAGES=LAUNCH["num_stages"], POW2=pow2_scale, num_warps=LAUNCH["num_warps"],
     )  # fmt: skip
     if check_finite and not bool(torch.isfinite(scales).all()):

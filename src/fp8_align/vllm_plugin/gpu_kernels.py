@@ -55,12 +55,13 @@ from vllm.utils.deep_gemm import is_deep_gemm_supported
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import E4M3_MAX
+from fp8_align.quant.scales import FP32_TINY
+from fp8_align.quant.triton_blockwise import BLOCK, scale_from_amax_triton
 from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, EmulatedBlockFp8Kernel
+from fp8_align.vllm_plugin.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
 
-BLOCK = 128
-_FP32_TINY = torch.finfo(torch.float32).tiny
 #: M padding for cuBLASLt's block-scaled FP8 GEMM (it needs a multiple of 4). On the H100 box
 #: (torch 2.11.0+cu130) the product was wrong for small M whether padded to 4, 8 or 16 (right
 #: for M >= 33), so `_cublas_probe_error` keeps this backend out of the selection there.
@@ -101,13 +102,7 @@ def _quantize_activation_kernel(
     valid = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0), TINY)
-    if POW2:
-        # smallest power of two >= scale (scale is a positive normal float): drop the
-        # mantissa and bump the exponent unless the mantissa is already zero.
-        bits = scale.to(tl.int32, bitcast=True)
-        bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
-        scale = bits.to(tl.float32, bitcast=True)
+    scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
     q = tl.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=valid)
@@ -141,7 +136,7 @@ def quantize_activation_triton(x: torch.Tensor, pow2: bool, layout: int) -> tupl
     _quantize_activation_kernel[grid](
         x, codes, scales, k, groups,
         x.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
-        TINY=_FP32_TINY, FP8_MAX=E4M3_MAX,
+        TINY=FP32_TINY, FP8_MAX=E4M3_MAX,
         GROUP=BLOCK, GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM, POW2=pow2,
         num_warps=4,
     )  # fmt: skip
@@ -434,21 +429,12 @@ class ShardedTritonBlockFp8Kernel(GpuBlockFp8Kernel):
         return _triton_gemm_reason()
 
     def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        outputs, row, scale_row = [], 0, 0
-        for size in layer.fp8_align_shard_sizes:
-            blocks = -(-size // BLOCK)
-            outputs.append(
-                torch.ops.vllm.w8a8_triton_block_scaled_mm_func(
-                    x_fp8,
-                    layer.weight[row : row + size],
-                    x_scale,
-                    layer.weight_scale_inv[scale_row : scale_row + blocks],
-                    [BLOCK, BLOCK],
-                    out_dtype,
-                )
+        outputs = [
+            torch.ops.vllm.w8a8_triton_block_scaled_mm_func(
+                x_fp8, layer.weight[rows], x_scale, layer.weight_scale_inv[scale_rows], [BLOCK, BLOCK], out_dtype
             )
-            row += size
-            scale_row += blocks
+            for rows, scale_rows in shard_slices(layer.fp8_align_shard_sizes)
+        ]
         return torch.cat(outputs, dim=-1)
 
 

@@ -62,10 +62,14 @@ class RefitResult:
 
     fp8_tensors: int  # checkpoint tensors re-quantized in place into FP8 layers
     reloaded_tensors: int  # checkpoint tensors loaded through `load_weights` or vLLM's layerwise reload
-    seconds: float  # wall time inside the worker, validation included
     #: seconds per phase: "receive" (files read, CUDA IPC mapped), "validate", "load" (the
     #: non-FP8 modules), "quantize" (the FP8 shards); each ends with the device synchronized
     phase_seconds: dict[str, float]
+
+    @property
+    def seconds(self) -> float:
+        """Wall time inside the worker, all phases."""
+        return sum(self.phase_seconds.values())
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,7 @@ def _refit_in_worker(worker: Any, files: list[str], cuda_handles: bytes) -> Refi
         for write in plan.fp8:
             _write_fp8_shard(write)
     clock.lap("quantize")
-    return RefitResult(len(plan.fp8), len(plan.reload), sum(clock.phases.values()), clock.phases)
+    return RefitResult(len(plan.fp8), len(plan.reload), clock.phases)
 
 
 class _PhaseClock:
