@@ -13,8 +13,10 @@ TFLOP/s = 2 M N K / median time (`triton.testing.do_bench`, which flushes L2 bef
 Weight quantization: the torch reference `fp8_align.quant.quantize_weight_blockwise` and the
 Triton kernel the plugin runs on CUDA (`quant.triton_blockwise.quantize_weight_blockwise_triton`,
 bit-identical) for each weight, GB/s = (2 N K bytes read + N K codes + scales written) / median
-time, next to the measured device-to-device copy bandwidth (1 GiB tensor, bytes read + written). The activation
-quantization kernel's bandwidth is reported the same way at M = 4096.
+time, next to two measured device-to-device copy bandwidths (bytes read + written): a 1 GiB
+tensor (`copy_bandwidth_GBps`, the device's best) and a copy of that same [N, K] bf16 weight
+(`copy_same_shape_GBps`: the same launch, wave and tail effects as the quantizer, which reads
+the same bytes). The activation quantization kernel's bandwidth is reported the same way at M = 4096.
 Writes DIR/kernels.json (DIR/kernels_quant.json with --skip-gemm: quantization rows only).
 """
 
@@ -103,6 +105,8 @@ def quantizer_rows() -> list[dict[str, Any]]:
     for shape_name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         moved = 2 * n * k + n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+        w_copy = torch.empty_like(w)
+        copy_gbps = 4 * n * k / median_ms(lambda: w_copy.copy_(w)) / 1e6
         kernels = {
             "quantize_weight_blockwise": lambda: quantize_weight_blockwise(w),
             # as the refit runs it: the input was validated before (no NaN check, no sync)
@@ -110,12 +114,16 @@ def quantizer_rows() -> list[dict[str, Any]]:
         }
         for what, fn in kernels.items():
             ms = median_ms(fn)
-            rows.append({"what": what, "shape": shape_name, "N": n, "K": k, "ms": ms, "GBps": moved / ms / 1e6})
+            rows.append({"what": what, "shape": shape_name, "N": n, "K": k, "ms": ms, "GBps": moved / ms / 1e6,
+                         "copy_same_shape_GBps": copy_gbps, "share_of_same_shape_copy": moved / ms / 1e6 / copy_gbps})  # fmt: skip
         x = torch.randn(M_VALUES["prefill"], k, device="cuda").to(torch.bfloat16)
         ms = median_ms(lambda: gk.quantize_activation_triton(x, False, int(gk.ScaleLayout.ROW_MAJOR)))
         moved = 3 * x.numel() + 4 * x.shape[0] * math.ceil(k / 128)
+        x_copy = torch.empty_like(x)
+        copy_gbps = 4 * x.numel() / median_ms(lambda: x_copy.copy_(x)) / 1e6
         rows.append({"what": "quantize_activation_triton", "shape": f"x[{x.shape[0]}, {k}]", "M": x.shape[0], "K": k, "ms": ms,
-                     "GBps": moved / ms / 1e6})  # fmt: skip
+                     "GBps": moved / ms / 1e6, "copy_same_shape_GBps": copy_gbps,
+                     "share_of_same_shape_copy": moved / ms / 1e6 / copy_gbps})  # fmt: skip
     return rows
 
 
@@ -144,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / ("kernels_quant.json" if args.skip_gemm else "kernels.json")).write_text(json.dumps(report, indent=2))
-    print(f"\ncopy {copy_gbps:.0f} GB/s; " + "; ".join(f"{r['what']} {r['shape']} {r['GBps']:.0f} GB/s ({r['GBps'] / copy_gbps:.0%})" for r in report["quantization"]))
+    print(f"\ncopy {copy_gbps:.0f} GB/s; " + "; ".join(
+        f"{r['what']} {r['shape']} {r['GBps']:.0f} GB/s ({r['GBps'] / copy_gbps:.0%}; same-shape copy {r['copy_same_shape_GBps']:.0f}, "
+        f"{r['share_of_same_shape_copy']:.0%})" for r in report["quantization"]))
     print(f"{'shape':8} {'phase':7} {'kernel':9} {'op':6} {'TFLOP/s':>8} {'x bf16':>7}")
     for r in report["gemm"]:
         if "skipped" in r:

@@ -12,13 +12,15 @@ only in what the worker does with them:
                what RL frameworks call to refit a BF16 engine), then `llm.reset_prefix_cache()`
     fp8_align  LLM(BF16 checkpoint, quantization="fp8_align"); `refit_weights(llm, tensors)`:
                validation (names, shapes, dtypes, finiteness) of all 399 tensors, then the
-               Triton re-quantization of the 252 projection weights straight into the FP8
-               storage, and vLLM's layerwise reload for embeddings, norms and lm_head
+               model's `load_weights` for embeddings, norms and lm_head, and the Triton
+               re-quantization of the 252 projection weights straight into the FP8 storage
 
 Each engine runs in its own process (enforce_eager: CUDA graphs do not change refit time; the
 in-place refit keeps them valid, tests/test_gpu_refit.py). After one untimed push, `--repeats`
 timed pushes, each the wall time of the trainer-side call (it returns after the workers' GPU
-work is done). Median and spread go to DIR/refit_time.json with the ratio fp8_align / bf16.
+work is done), with the worker's time per phase (receive, [validate,] load, [quantize,]
+release) and, separately, the trainer-side time to produce the IPC handles. Median and spread
+go to DIR/refit_time.json with the ratio fp8_align / bf16.
 """
 
 from __future__ import annotations
@@ -42,17 +44,29 @@ from benchmarks.rollout_throughput import QWEN3_8B, _device_and_versions, ensure
 VARIANTS = ("bf16", "fp8_align")
 
 
-def _load_bf16_in_worker(worker: Any, handles: bytes) -> float:
-    """Worker side of the BF16 baseline: vLLM's `load_weights` of the shared tensors; seconds."""
+def _load_bf16_in_worker(worker: Any, handles: bytes) -> dict[str, float]:
+    """Worker side of the BF16 baseline: vLLM's `load_weights` of the shared tensors; seconds per
+    phase, split like `RefitResult.phase_seconds` (receive, load, release)."""
     import torch
 
     from fp8_align.vllm_plugin.refit import open_cuda_tensors
 
-    start = time.perf_counter()
+    phases, last = {}, time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal last
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        phases[phase], last = now - last, now
+
+    tensors = open_cuda_tensors(handles)
+    lap("receive")
     with torch.no_grad():
-        worker.get_model().load_weights(iter(open_cuda_tensors(handles).items()))
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+        worker.get_model().load_weights(iter(tensors.items()))
+    lap("load")
+    del tensors
+    lap("release")
+    return phases
 
 
 def run_engine(variant: str, model: str, repeats: int) -> dict[str, Any]:
@@ -92,17 +106,23 @@ def run_engine(variant: str, model: str, repeats: int) -> dict[str, Any]:
     def push() -> tuple[float, float]:
         start = time.perf_counter()
         if variant == "fp8_align":
-            result = refit_weights(llm, weights)[0]
-            worker_s = result.seconds
-            phases.append(result.phase_seconds)
+            worker_phases = refit_weights(llm, weights)[0].phase_seconds
         else:
-            worker_s = llm.collective_rpc(bf16_load, args=(share_cuda_tensors(weights),))[0]
+            worker_phases = llm.collective_rpc(bf16_load, args=(share_cuda_tensors(weights),))[0]
             llm.reset_prefix_cache()  # cached KV came from the old weights (refit_weights does this too)
-        return time.perf_counter() - start, worker_s
+        wall = time.perf_counter() - start
+        phases.append(worker_phases)
+        return wall, sum(worker_phases.values())
 
     push()  # untimed: first IPC mappings, Triton compile
     phases.clear()
     timings = [push() for _ in range(repeats)]
+    # trainer side alone: producing the CUDA IPC handles (part of both variants' wall time)
+    share_s = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        share_cuda_tensors(weights)
+        share_s.append(time.perf_counter() - start)
     walls = [wall for wall, _ in timings]
     prompt = TokensPrompt(prompt_token_ids=list(range(100, 164)))
     out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0]
@@ -115,6 +135,8 @@ def run_engine(variant: str, model: str, repeats: int) -> dict[str, Any]:
         "push_wall_s": walls,
         "push_worker_s": [worker for _, worker in timings],
         "push_worker_phases_s": phases,
+        "push_worker_phase_median_s": {key: statistics.median(p[key] for p in phases) for key in phases[0]},
+        "trainer_share_cuda_tensors_s": share_s,
         "push_wall_median_s": statistics.median(walls),
         "push_wall_min_s": min(walls),
         "push_wall_max_s": max(walls),

@@ -1,6 +1,6 @@
 """Rollout throughput on a Qwen3-8B-shaped random model: BF16 vs fp8_align vs vLLM's block FP8.
 
-    python benchmarks/rollout_throughput.py --shape short|long [--variants a,b] [--repeats N] --results DIR
+    python benchmarks/rollout_throughput.py --shapes short,long [--variants a,b] [--repeats short=3,long=1] --results DIR
 
 Variants, each in its own process with cold compile/JIT caches (fresh VLLM_CACHE_ROOT,
 TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), all on the same token-id prompts:
@@ -27,11 +27,13 @@ Both FP8 variants use CUTLASS so that they differ only in where the weights are 
 DeepGEMM JIT-compiles a kernel per M tiling at engine start (about 0.8 s per warm-up M value,
 cold, on the H100 box), minutes for an 8B model, which would swamp the start-time comparison.
 
-Per variant: engine start (LLM constructor wall time, and vLLM's own "Model loading took"
-line), one warm-up generate, then `--repeats` timed generates of `batch` prompts x (`in` tokens
-in, `out` tokens out, ignore_eos, temperature 1). Output tokens/s (median over repeats, each
-repeat kept) and the ratio to BF16 measured in the same run go to
-DIR/rollout_throughput_<shape>.json.
+Per variant one engine serves every requested shape: it is sized for the largest (max_num_seqs =
+most prompts, max_model_len = longest prompt + output), so each variant starts once. Engine
+start (LLM constructor wall time, and vLLM's own "Model loading took" line), one warm-up
+generate, then per shape (fp8_align_kv: the K/V calibration on that shape's prompts first)
+`--repeats` timed generates of `batch` prompts x (`in` tokens in, `out` tokens out, ignore_eos,
+temperature 1). Output tokens/s (median over repeats, each repeat kept) and the ratio to BF16
+measured in the same run go to DIR/rollout_throughput_<shapes>.json.
 
 The BF16 checkpoint (random init, bf16, seed 0) and the FP8 checkpoint are created under
 --models on first use and reused while the machine lives.
@@ -133,41 +135,51 @@ def ensure_vllm_fp8_checkpoint(bf16_path: Path, fp8_path: Path) -> float | None:
 
 # --------------------------------------------------------------------------- one engine (worker)
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    """Start one engine, warm up, time one generate; returns the measurements (worker process)."""
+    """Start one engine, warm up, time each shape's generates; returns the measurements (worker process)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from fp8_align.config import FP8Config
     from fp8_align.vllm_plugin import engine_kwargs
 
-    batch, prompt_len, new_tokens = spec["batch"], spec["prompt_len"], spec["new_tokens"]
+    shapes = spec["shapes"]
     kwargs: dict[str, Any] = dict(
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.85,
-        max_model_len=prompt_len + new_tokens, max_num_seqs=batch, kv_cache_dtype=spec["kv_cache_dtype"],
+        max_model_len=max(s["prompt_len"] + s["new_tokens"] for s in shapes), max_num_seqs=max(s["batch"] for s in shapes),
+        kv_cache_dtype=spec["kv_cache_dtype"],
     )  # fmt: skip
     if spec["fp8_align"]:
         kwargs.update(engine_kwargs(FP8Config(use_deep_gemm=False)))
     start = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - start
-
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     warmup = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0)
-    llm.generate(prompts[:16], warmup, use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in shapes[0]["prompts"][:16]], warmup, use_tqdm=False)
+    by_shape = {shape["name"]: _time_shape(llm, shape, spec["calibrate_kv"]) for shape in shapes}
+    return {"engine_start_s": engine_start_s, "engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"}, "by_shape": by_shape}
+
+
+def _time_shape(llm: Any, shape: dict[str, Any], calibrate_kv: bool) -> dict[str, Any]:
+    """`shape["repeats"]` timed generates of the shape's prompts (after the K/V calibration when asked)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    batch, new_tokens = shape["batch"], shape["new_tokens"]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in shape["prompts"]]
     calibration: dict[str, Any] = {}
-    if spec["calibrate_kv"]:
+    if calibrate_kv:
         from fp8_align.vllm_plugin.kv_calibration import calibrate_kv_scales
 
         # K/V only: with an FP8 KV cache vLLM's GPU attention quantizes the query itself, before
         # any hook can see it, so q_scale keeps its value (see calibrate_kv_scales).
-        calibrate_kv_scales(llm, spec["prompts"][:CALIBRATION_PROMPTS], include_q=False)  # untimed: first call
+        calibrate_kv_scales(llm, shape["prompts"][:CALIBRATION_PROMPTS], include_q=False)  # untimed: first call
         start = time.perf_counter()
-        result = calibrate_kv_scales(llm, spec["prompts"][:CALIBRATION_PROMPTS], include_q=False)
+        result = calibrate_kv_scales(llm, shape["prompts"][:CALIBRATION_PROMPTS], include_q=False)
         calibration = {"kv_calibration_s": time.perf_counter() - start, "kv_calibration_tokens": result.tokens,
                        "kv_scales_layer0": result.scales[0]}  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
     generate_s = []
-    for _ in range(spec["repeats"]):
+    for _ in range(shape["repeats"]):
         start = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         generate_s.append(time.perf_counter() - start)
@@ -176,13 +188,12 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"expected {batch * new_tokens} output tokens, got {output_tokens}")
     median_s = statistics.median(generate_s)
     result = {
-        "engine_start_s": engine_start_s,
         "generate_s": generate_s,
         "generate_median_s": median_s,
         "output_tokens": output_tokens,
         "output_tok_per_s": output_tokens / median_s,
         "output_tok_per_s_each": [output_tokens / s for s in generate_s],
-        "total_tok_per_s": (output_tokens + batch * prompt_len) / median_s,
+        "total_tok_per_s": (output_tokens + batch * shape["prompt_len"]) / median_s,
         **calibration,
     }
     if calibration:
@@ -246,11 +257,24 @@ def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
     return result
 
 
+def _parse_repeats(text: str, shapes: list[str]) -> dict[str, int]:
+    """Timed generates per shape from --repeats: "3" (every shape) or "short=3,long=1" (missing: 1)."""
+    if "=" not in text:
+        return dict.fromkeys(shapes, int(text))
+    repeats = dict.fromkeys(shapes, 1)
+    for item in text.split(","):
+        name, _, count = item.partition("=")
+        if name not in shapes:
+            raise ValueError(f"--repeats names shape {name!r}, not one of {shapes}")
+        repeats[name] = int(count)
+    return repeats
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="short")
+    parser.add_argument("--shapes", default="short", help=f"comma-separated, from {', '.join(SHAPES)}; one engine per variant serves all")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--repeats", type=int, default=1, help="timed generates per variant (median reported)")
+    parser.add_argument("--repeats", default="1", help="timed generates per shape (median reported): N, or short=N,long=M")
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--work", type=Path, default=Path("/root/rollout_work"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -263,13 +287,23 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    batch, prompt_len, new_tokens = SHAPES[args.shape]
+    shape_names = args.shapes.split(",")
+    for name in shape_names:
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            parser.error(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    try:
+        repeats = _parse_repeats(args.repeats, shape_names)
+    except ValueError as exc:
+        parser.error(str(exc))
     bf16_dir, fp8_dir = args.models / "qwen3_8b_random_bf16", args.models / "qwen3_8b_random_vllm_fp8"
     args.work.mkdir(parents=True, exist_ok=True)
     args.results.mkdir(parents=True, exist_ok=True)
     # Variants already measured on this machine (an earlier call of this script) are kept, so
-    # one shape can be completed over several calls; every variant shares model and prompts.
-    state_path = args.work / f"rollout_throughput_{args.shape}.json"
+    # one run can be completed over several calls; every variant shares model and prompts.
+    state_path = args.work / f"rollout_throughput_{'_'.join(shape_names)}.json"
     if state_path.exists():
         report = json.loads(state_path.read_text())
     else:
@@ -279,26 +313,29 @@ def main(argv: list[str] | None = None) -> int:
             **_device_and_versions(),
             "model": {"config": QWEN3_8B, "init": "random, bf16, torch.manual_seed(0)"},
             "fp8_gemm_backend": "CUTLASS in both FP8 variants (VLLM_USE_DEEP_GEMM=0, FP8Config(use_deep_gemm=False))",
-            "shape": {"name": args.shape, "prompts": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens},
+            "shapes": {name: dict(zip(("prompts", "prompt_tokens", "new_tokens"), SHAPES[name]), repeats=repeats[name]) for name in shape_names},
             "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir),
             "create_vllm_fp8_checkpoint_s": ensure_vllm_fp8_checkpoint(bf16_dir, fp8_dir),
             "variants": {},
         }
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, QWEN3_8B["vocab_size"], (batch, prompt_len), generator=g).tolist()
+    shapes = []
+    for name in shape_names:
+        batch, prompt_len, new_tokens = SHAPES[name]
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, QWEN3_8B["vocab_size"], (batch, prompt_len), generator=g).tolist()
+        shapes.append({"name": name, "prompts": prompts, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                       "repeats": repeats[name]})  # fmt: skip
     failed = []
     for name in args.variants.split(","):
-        if "output_tok_per_s" in report["variants"].get(name, {}):
+        if "by_shape" in report["variants"].get(name, {}):
             continue
-        if name not in VARIANTS:
-            parser.error(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
         spec = {
             "model": str(fp8_dir if name.startswith("vllm_fp8") else bf16_dir), "fp8_align": name.startswith("fp8_align"),
             "kv_cache_dtype": "fp8" if name.endswith("_kv") else "auto", "calibrate_kv": name == "fp8_align_kv",
-            "prompts": prompts, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": args.repeats,
+            "shapes": shapes,
         }  # fmt: skip
         try:
-            report["variants"][name] = run_variant(name, spec, args.work / f"{args.shape}_{name}")
+            report["variants"][name] = run_variant(name, spec, args.work / name)
         except VariantError as exc:  # recorded in the report and in the exit status
             report["variants"][name] = {"error": str(exc)}
             failed.append(name)
@@ -311,31 +348,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_ratios(report: dict[str, Any]) -> None:
-    variants = {name: r for name, r in report["variants"].items() if "output_tok_per_s" in r}
-    if "bf16" in variants:
-        for result in variants.values():
-            result["throughput_ratio_vs_bf16"] = result["output_tok_per_s"] / variants["bf16"]["output_tok_per_s"]
+    """Per shape: each variant's throughput over BF16's, and fp8_align over vLLM's own FP8 path."""
+    variants = {name: r for name, r in report["variants"].items() if "by_shape" in r}
     if "fp8_align" in variants and "vllm_fp8" in variants:
         report["fp8_align_extra_engine_start_vs_vllm_fp8_s"] = (
             variants["fp8_align"]["engine_start_s"] - variants["vllm_fp8"]["engine_start_s"]
         )
-    for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv")):
-        if ours in variants and theirs in variants:
-            report[f"{ours}_throughput_vs_{theirs}"] = variants[ours]["output_tok_per_s"] / variants[theirs]["output_tok_per_s"]
+    report["ratios"] = {}
+    for shape in report["shapes"]:
+        ratios: dict[str, float] = {}
+        tok_s = {name: r["by_shape"][shape]["output_tok_per_s"] for name, r in variants.items()}
+        if "bf16" in tok_s:
+            for name, value in tok_s.items():
+                ratios[f"{name}_vs_bf16"] = value / tok_s["bf16"]
+        for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv")):
+            if ours in tok_s and theirs in tok_s:
+                ratios[f"{ours}_vs_{theirs}"] = tok_s[ours] / tok_s[theirs]
+        report["ratios"][shape] = ratios
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    print(f"\n{report['device']} vllm {report['vllm']} shape {report['shape']}")
-    print(f"{'variant':<13} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
-    for name, r in report["variants"].items():
-        if "error" in r:
-            print(f"{name:<13} FAILED")
-            continue
-        load = r.get("model_load_s")
-        print(
-            f"{name:<13} {r['output_tok_per_s']:>10.0f} {r.get('throughput_ratio_vs_bf16', float('nan')):>8.3f} "
-            f"{r['engine_start_s']:>8.1f} {load if load is not None else float('nan'):>7.1f} {len(r.get('generate_s', [0])):>8}"
-        )
+    print(f"\n{report['device']} vllm {report['vllm']}")
+    print(f"{'shape':<6} {'variant':<13} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
+    for shape in report["shapes"]:
+        for name, r in report["variants"].items():
+            if "error" in r:
+                print(f"{shape:<6} {name:<13} FAILED")
+                continue
+            timed, load = r["by_shape"][shape], r.get("model_load_s")
+            ratio = report["ratios"].get(shape, {}).get(f"{name}_vs_bf16", float("nan"))
+            print(
+                f"{shape:<6} {name:<13} {timed['output_tok_per_s']:>10.0f} {ratio:>8.3f} {r['engine_start_s']:>8.1f} "
+                f"{load if load is not None else float('nan'):>7.1f} {len(timed['generate_s']):>8}"
+            )
 
 
 if __name__ == "__main__":

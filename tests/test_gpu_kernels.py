@@ -204,6 +204,55 @@ def test_weight_quant_triton_rejects_non_finite_and_bad_outputs() -> None:
         quantize_weight_blockwise_triton(good.t())
 
 
+@pytest.mark.parametrize("subset", ["all", "aligned"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
+def test_grouped_weight_quant_bit_identical_to_reference(pow2: bool, subset: str) -> None:
+    """Weight cases (three dtypes, partial blocks, zeros, extremes) in one grouped launch per dtype,
+    half of them into row views of merged storage: each == the torch reference, bit for bit.
+    "all" includes odd shapes (the kernel's unhinted path); "aligned" only shapes whose N and K
+    are multiples of 16 (the path with vectorization hints, what an 8B refit runs)."""
+    from fp8_align.quant.dispatch import quantize_weights_into
+    from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
+    from fp8_align.vllm_plugin.shards import shard_slices
+
+    cases = [w for w in _weight_cases().values() if subset == "all" or (w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)]
+    assert len(cases) >= 3
+    weights, out_codes, out_scales = [], [], []
+    for i, w in enumerate(cases):
+        if i % 2:  # a shard in the middle of a merged tensor, as in a refit of qkv_proj
+            sizes = [256, w.shape[0], 130]
+            merged_codes = torch.zeros((sum(sizes), w.shape[1]), dtype=torch.float8_e4m3fn, device="cuda")
+            merged_scales = torch.zeros((sum(-(-n // 128) for n in sizes), -(-w.shape[1] // 128)), device="cuda")
+            rows, scale_rows = shard_slices(sizes)[1]
+            out_codes.append(merged_codes[rows])
+            out_scales.append(merged_scales[scale_rows])
+        else:
+            out_codes.append(torch.zeros(w.shape, dtype=torch.float8_e4m3fn, device="cuda"))
+            out_scales.append(torch.zeros((-(-w.shape[0] // 128), -(-w.shape[1] // 128)), device="cuda"))
+        weights.append(w)
+    quantize_weights_blockwise_triton(weights, out_codes, out_scales, pow2)
+    for w, codes, scales in zip(weights, out_codes, out_scales):
+        ref_codes, ref_scales = quantize_weight_blockwise(w, pow2_scale=pow2)
+        assert torch.equal(_bits(codes), _bits(ref_codes)), (tuple(w.shape), w.dtype)
+        assert torch.equal(_bits(scales), _bits(ref_scales)), (tuple(w.shape), w.dtype)
+    again = [torch.zeros_like(c) for c in out_codes], [torch.zeros_like(s) for s in out_scales]
+    quantize_weights_into(weights, *again, pow2)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(again[0], out_codes))
+
+
+def test_grouped_weight_quant_rejects_bad_outputs() -> None:
+    from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
+
+    w = _activations(256, 384, 20)
+    codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    with pytest.raises(ValueError, match="weights"):
+        quantize_weights_blockwise_triton([w], [codes], [], False)
+    with pytest.raises(ValueError, match="out_scales"):
+        quantize_weights_blockwise_triton([w], [codes], [torch.empty(2, 2, device="cuda")], False)
+    with pytest.raises(TypeError):
+        quantize_weights_blockwise_triton([w.t()], [codes], [torch.empty(2, 3, device="cuda")], False)
+
+
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
 def test_vllm_per_token_group_quant_agreement(pow2: bool) -> None:
     """Why the plugin does not use vLLM's `per_token_group_quant_fp8`: report where it differs.

@@ -24,7 +24,8 @@ at once and on which CPU cores. The spec is a JSON-able dict:
 The output (torch.save) holds `outputs_by_sampling` ({setting name: per prompt `prompt_ids`,
 `token_ids`, `logprobs` of the sampled tokens}), `outputs` (the outputs of the top-level
 setting, present when `sampling` is absent), `layers` (when inspect), `linear_kernels` (when
-report_kernels), `logprobs_mode`, `vllm_version`, `engine_start_s`, `generate_s`.
+report_kernels), `layers_by_worker` (when inspect: one `layers` per worker, in rank order),
+`logprobs_mode`, `vllm_version`, `engine_start_s`, `generate_s`.
 """
 
 from __future__ import annotations
@@ -298,7 +299,8 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("inspect"):
         from fp8_align.vllm_plugin.inspection import linear_layer_state
 
-        out["layers"] = llm.apply_model(linear_layer_state)[0]
+        out["layers_by_worker"] = llm.apply_model(linear_layer_state)
+        out["layers"] = out["layers_by_worker"][0]
     if spec.get("report_kernels"):
         # This file runs as __main__; vLLM pickles functions by module name, so pass the copy
         # importable as fp8_align.bench.generate.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from fp8_align.quant.blockwise import quantize_weight_blockwise
@@ -34,3 +36,25 @@ def quantize_weight_into(
     if out_scales is not None:
         scales = out_scales.copy_(scales)
     return codes, scales
+
+
+def quantize_weights_into(
+    weights: Sequence[torch.Tensor],
+    out_codes: Sequence[torch.Tensor],
+    out_scales: Sequence[torch.Tensor],
+    pow2_scale: bool,
+) -> None:
+    """`quantize_weight_into(w, pow2_scale, codes, scales, check_finite=False)` for each triple of the
+    lists: on CUDA one grouped Triton launch (`triton_blockwise.quantize_weights_blockwise_triton`,
+    all weights on one device), elsewhere one reference call per weight. Same bits either way.
+    The caller has validated the inputs (finite).
+    """
+    if weights and weights[0].is_cuda:
+        from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
+
+        quantize_weights_blockwise_triton(weights, out_codes, out_scales, pow2_scale)
+        return
+    if not (len(weights) == len(out_codes) == len(out_scales)):
+        raise ValueError(f"got {len(weights)} weights, {len(out_codes)} code and {len(out_scales)} scale outputs")
+    for w, codes, scales in zip(weights, out_codes, out_scales):
+        quantize_weight_into(w, pow2_scale, codes, scales, check_finite=False)

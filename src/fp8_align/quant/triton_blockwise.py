@@ -9,12 +9,15 @@ straight into existing storage (the rows of a merged vLLM weight, for an in-plac
 
 A block holding NaN or Inf gets a NaN scale; `quantize_weight_blockwise_triton` raises on it
 unless the caller has validated the input already (`check_finite=False`).
-Import only where Triton and CUDA exist.
+`quantize_weights_blockwise_triton` quantizes a list of weights (a whole model's refit) in one
+launch with the same per-block code (`_quantize_block`). Import only where Triton and CUDA exist.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -24,6 +27,10 @@ from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
 from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, FP32_TINY, check_float_input
 
 BLOCK = DEFAULT_BLOCK_SIZE[0]
+#: Under the Triton interpreter (TRITON_INTERPRET=1, how the CPU tests run these kernels) CPU
+#: tensors are accepted too.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 #: Launch configuration: 128x128 blocks one program quantizes (along K), warps, loop stages.
@@ -47,44 +54,98 @@ def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2
 
 
 @triton.jit
-def _quantize_weight_block_kernel(
-    w_ptr,
-    q_ptr,
-    s_ptr,
-    N,
-    K,
-    num_k_blocks,
-    stride_wn,
-    stride_qn,
-    stride_sn,
-    stride_sk,
-    TINY: tl.constexpr,
-    FP32_MAX: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    K_BLOCKS: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+def _quantize_block(
+    w_ptr, q_ptr, s_ptr, block_n, block_k, N, K, num_k_blocks, stride_wn, stride_qn, stride_sn, stride_sk,
+    TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     POW2: tl.constexpr,
-):
-    block_n = tl.program_id(0)
+):  # fmt: skip
+    """Quantize block (block_n, block_k) of w [N, K] into q and its scale into s (the math of both kernels)."""
     rows = (block_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = block_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    valid = (rows[:, None] < N) & (cols[None, :] < K)
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+    magnitude = tl.abs(w)
+    # 1 where an element is NaN or +-Inf (both compare false with `<= FLT_MAX`), else 0.
+    non_finite = tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0)
+    amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+    scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
+    q = tl.div_rn(w, scale)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
     nan = tl.full([], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    scale_ptr = s_ptr + block_n * stride_sn + block_k * stride_sk
+    tl.store(scale_ptr, tl.where(non_finite > 0, nan, scale), mask=block_k < num_k_blocks)
+
+
+@triton.jit
+def _quantize_weight_block_kernel(
+    w_ptr, q_ptr, s_ptr, N, K, num_k_blocks, stride_wn, stride_qn, stride_sn, stride_sk,
+    TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, POW2: tl.constexpr,
+):  # fmt: skip
     for i in tl.range(0, K_BLOCKS, num_stages=NUM_STAGES):
-        block_k = tl.program_id(1) * K_BLOCKS + i
-        cols = block_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        valid = (rows[:, None] < N) & (cols[None, :] < K)
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0).to(tl.float32)
-        magnitude = tl.abs(w)
-        # 1 where an element is NaN or +-Inf (both compare false with `<= FLT_MAX`), else 0.
-        non_finite = tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0)
-        amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-        scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
-        q = tl.div_rn(w, scale)
-        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
-        scale_ptr = s_ptr + block_n * stride_sn + block_k * stride_sk
-        tl.store(scale_ptr, tl.where(non_finite > 0, nan, scale), mask=block_k < num_k_blocks)
+        _quantize_block(
+            w_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1) * K_BLOCKS + i, N, K, num_k_blocks,
+            stride_wn, stride_qn, stride_sn, stride_sk, TINY, FP32_MAX, FP8_MAX, BLOCK_N, BLOCK_K, POW2,
+        )  # fmt: skip
+
+
+@triton.jit
+def _quantize_weights_grouped_kernel(
+    table, weight_of_block, first_block, num_weights,
+    TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    POW2: tl.constexpr, W_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """One program per 128x128 block of any of the weights in `table` (one launch for all).
+
+    table: int64 [10, num_weights], rows: addresses of w, q, s; N; K; scale columns; the row
+    strides of w, q, s and the column stride of s. weight_of_block: int32 [total blocks];
+    first_block: int64 [num_weights], each weight's first block (row-major over its grid).
+    ALIGNED: every address is a multiple of 16 bytes and every N, K and row stride a multiple of
+    16 elements. Values loaded from memory carry no such facts (kernel arguments do: Triton
+    specializes on them), and without them the loads and stores are not vectorized.
+    """
+    block = tl.program_id(0)
+    i = tl.load(weight_of_block + block)
+    field = table + i
+    w_ptr = tl.load(field).to(tl.pointer_type(W_DTYPE))
+    q_ptr = tl.load(field + num_weights).to(tl.pointer_type(tl.float8e4nv))
+    s_ptr = tl.load(field + 2 * num_weights).to(tl.pointer_type(tl.float32))
+    n = tl.load(field + 3 * num_weights)
+    k = tl.load(field + 4 * num_weights)
+    stride_wn = tl.load(field + 6 * num_weights)
+    stride_qn = tl.load(field + 7 * num_weights)
+    if ALIGNED:
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        q_ptr = tl.multiple_of(q_ptr, 16)
+        n = tl.multiple_of(n, 16)
+        k = tl.multiple_of(k, 16)
+        stride_wn = tl.multiple_of(stride_wn, 16)
+        stride_qn = tl.multiple_of(stride_qn, 16)
+    k_blocks = tl.load(field + 5 * num_weights)
+    local = block - tl.load(first_block + i)
+    _quantize_block(
+        w_ptr, q_ptr, s_ptr, local // k_blocks, local % k_blocks, n, k, k_blocks, stride_wn, stride_qn,
+        tl.load(field + 8 * num_weights), tl.load(field + 9 * num_weights), TINY, FP32_MAX, FP8_MAX, BLOCK_N, BLOCK_K, POW2,
+    )  # fmt: skip
+
+
+def _checked_outputs(
+    w: torch.Tensor, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate one weight and its optional output tensors; allocate the missing outputs."""
+    check_float_input(w, "weight")
+    if w.dim() != 2 or not (w.is_cuda or INTERPRETED) or (w.numel() and w.stride(1) != 1):
+        raise TypeError(f"weight must be a 2-D CUDA tensor with a contiguous last dim, got {tuple(w.shape)} on {w.device}")
+    n, k = w.shape
+    scale_shape = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
+    codes = torch.empty((n, k), dtype=FP8_DTYPE, device=w.device) if out_codes is None else out_codes
+    scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device) if out_scales is None else out_scales
+    if codes.shape != w.shape or codes.dtype != FP8_DTYPE or codes.device != w.device or (codes.numel() and codes.stride(1) != 1):
+        raise ValueError(f"out_codes must be a [{n}, {k}] float8_e4m3fn tensor on {w.device} with a contiguous last dim")
+    if tuple(scales.shape) != scale_shape or scales.dtype != torch.float32 or scales.device != w.device:
+        raise ValueError(f"out_scales must be a {list(scale_shape)} float32 tensor on {w.device}")
+    return codes, scales
 
 
 def quantize_weight_blockwise_triton(
@@ -102,22 +163,13 @@ def quantize_weight_blockwise_triton(
     check_finite: raise ValueError when `w` holds NaN/Inf (one device sync); with False the
     caller must have checked, and such a block's scale is NaN.
     """
-    check_float_input(w, "weight")
-    if w.dim() != 2 or not w.is_cuda or (w.numel() and w.stride(1) != 1):
-        raise TypeError(f"weight must be a 2-D CUDA tensor with a contiguous last dim, got {tuple(w.shape)} on {w.device}")
-    n, k = w.shape
-    scale_shape = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
-    codes = torch.empty((n, k), dtype=FP8_DTYPE, device=w.device) if out_codes is None else out_codes
-    scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device) if out_scales is None else out_scales
-    if codes.shape != w.shape or codes.dtype != FP8_DTYPE or codes.device != w.device or (codes.numel() and codes.stride(1) != 1):
-        raise ValueError(f"out_codes must be a [{n}, {k}] float8_e4m3fn tensor on {w.device} with a contiguous last dim")
-    if tuple(scales.shape) != scale_shape or scales.dtype != torch.float32 or scales.device != w.device:
-        raise ValueError(f"out_scales must be a {list(scale_shape)} float32 tensor on {w.device}")
+    codes, scales = _checked_outputs(w, out_codes, out_scales)
     if w.numel() == 0:
         return codes, scales
+    n, k = w.shape
     k_blocks = LAUNCH["k_blocks"]
-    _quantize_weight_block_kernel[(scale_shape[0], triton.cdiv(scale_shape[1], k_blocks))](
-        w, codes, scales, n, k, scale_shape[1],
+    _quantize_weight_block_kernel[(scales.shape[0], triton.cdiv(scales.shape[1], k_blocks))](
+        w, codes, scales, n, k, scales.shape[1],
         w.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
         TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
         K_BLOCKS=k_blocks, NUM_STAGES=LAUNCH["num_stages"], POW2=pow2_scale, num_warps=LAUNCH["num_warps"],
@@ -125,3 +177,47 @@ def quantize_weight_blockwise_triton(
     if check_finite and not bool(torch.isfinite(scales).all()):
         raise ValueError(f"weight of shape {tuple(w.shape)} contains NaN or Inf; FP8 scales would be invalid")
     return codes, scales
+
+
+def quantize_weights_blockwise_triton(
+    weights: Sequence[torch.Tensor],
+    out_codes: Sequence[torch.Tensor],
+    out_scales: Sequence[torch.Tensor],
+    pow2_scale: bool = False,
+) -> None:
+    """`quantize_weight_blockwise_triton(w, pow2_scale, codes, scales, check_finite=False)` for every
+    (w, codes, scales) of the three lists, in one kernel launch per weight dtype.
+
+    Same bits as one call per weight (the same per-block code); what changes is launch cost and
+    the tail: the blocks of all weights form one grid. weights: [N_i, K_i] bf16/fp16/fp32 on one
+    CUDA device, last dim contiguous; out_codes / out_scales as in the single-weight function
+    (views into larger tensors are fine). Inputs must be finite (validated by the caller):
+    a block holding NaN or Inf gets a NaN scale.
+    """
+    if not (len(weights) == len(out_codes) == len(out_scales)):
+        raise ValueError(f"got {len(weights)} weights, {len(out_codes)} code and {len(out_scales)} scale outputs")
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    for w, codes, scales in zip(weights, out_codes, out_scales):
+        _checked_outputs(w, codes, scales)
+        if w.device != weights[0].device:
+            raise ValueError(f"all weights must be on one device: {weights[0].device} and {w.device}")
+        if w.numel():
+            by_dtype.setdefault(w.dtype, []).append((w, codes, scales))
+    for dtype, group in by_dtype.items():
+        device = group[0][0].device
+        rows = [
+            [w.data_ptr() for w, _, _ in group], [c.data_ptr() for _, c, _ in group], [s.data_ptr() for _, _, s in group],
+            [w.shape[0] for w, _, _ in group], [w.shape[1] for w, _, _ in group], [s.shape[1] for _, _, s in group],
+            [w.stride(0) for w, _, _ in group], [c.stride(0) for _, c, _ in group],
+            [s.stride(0) for _, _, s in group], [s.stride(1) for _, _, s in group],
+        ]  # fmt: skip
+        blocks = torch.tensor([s.numel() for _, _, s in group], dtype=torch.int64)
+        first_block = torch.cumsum(blocks, 0) - blocks
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        weight_of_block = torch.repeat_interleave(torch.arange(len(group), dtype=torch.int32), blocks).to(device)
+        aligned = all(ptr % 16 == 0 for ptr in rows[0] + rows[1]) and all(v % 16 == 0 for row in (rows[3], rows[4], rows[6], rows[7]) for v in row)
+        _quantize_weights_grouped_kernel[(int(blocks.sum()),)](
+            table, weight_of_block, first_block.to(device), len(group),
+            TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
+            POW2=pow2_scale, W_DTYPE=_TRITON_DTYPES[dtype], ALIGNED=aligned, num_warps=LAUNCH["num_warps"],
+        )  # fmt: skip

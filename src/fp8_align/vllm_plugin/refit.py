@@ -10,10 +10,10 @@ runs `_refit_in_worker`:
    finite. Any problem raises `RefitError` naming the tensor, before anything is written.
 2. FP8 layers (`Fp8AlignLinearMethod`): each Hugging Face tensor (q_proj, k_proj, gate_proj, ...)
    is mapped onto its vLLM merged module (`packed_modules_mapping`) and shard, quantized by
-   `fp8_align.quant.dispatch.quantize_weight_into` (the same 128x128 recipe and scale mode the
-   engine loaded with; the Triton kernel on CUDA) straight into the existing `weight` rows and
-   `weight_scale_inv` grid rows: data pointers, and so captured graphs, stay valid. Only the
-   sent shards change.
+   `fp8_align.quant.dispatch.quantize_weights_into` (the same 128x128 recipe and scale mode the
+   engine loaded with; on CUDA one grouped Triton launch for all shards) straight into the
+   existing `weight` rows and `weight_scale_inv` grid rows: data pointers, and so captured
+   graphs, stay valid. Only the sent shards change.
 3. Everything else (BF16 edge layers, embeddings, norms, lm_head). Where every one of those
    modules keeps its weights as loaded (`DIRECT_LOAD_METHODS` on CUDA: vLLM post-processes
    unquantized linears and embeddings only on CPU, where it repacks them) the tensors go
@@ -44,7 +44,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fp8_align.quant.dispatch import quantize_weight_into
+from fp8_align.checks import nonfinite_tensors
+from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
 from fp8_align.vllm_plugin.kv_scales import read_layer_scales, write_layer_scales
 from fp8_align.vllm_plugin.shards import shard_slices
 
@@ -63,7 +64,8 @@ class RefitResult:
     fp8_tensors: int  # checkpoint tensors re-quantized in place into FP8 layers
     reloaded_tensors: int  # checkpoint tensors loaded through `load_weights` or vLLM's layerwise reload
     #: seconds per phase: "receive" (files read, CUDA IPC mapped), "validate", "load" (the
-    #: non-FP8 modules), "quantize" (the FP8 shards); each ends with the device synchronized
+    #: non-FP8 modules), "quantize" (the FP8 shards), "release" (received tensors dropped, CUDA
+    #: IPC mappings closed); each ends with the device synchronized
     phase_seconds: dict[str, float]
 
     @property
@@ -172,6 +174,14 @@ def _safetensors_files(path: Path) -> list[str]:
 def _refit_in_worker(worker: Any, files: list[str], cuda_handles: bytes) -> RefitResult:
     """Worker side of `refit_weights` (runs in every vLLM worker via collective_rpc)."""
     clock = _PhaseClock()
+    fp8_tensors, reloaded_tensors = _apply_update(worker, files, cuda_handles, clock)
+    # the received tensors were dropped on return: their CUDA IPC mappings are closed by now
+    clock.lap("release")
+    return RefitResult(fp8_tensors, reloaded_tensors, clock.phases)
+
+
+def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: _PhaseClock) -> tuple[int, int]:
+    """Receive, validate and write one update; (FP8 tensors, reloaded tensors)."""
     model = worker.get_model()
     updates = _load_updates(files)
     for name, tensor in open_cuda_tensors(cuda_handles).items() if cuda_handles else ():
@@ -192,10 +202,9 @@ def _refit_in_worker(worker: Any, files: list[str], cuda_handles: bytes) -> Refi
             write_layer_scales(model, kv_scales)
     clock.lap("load")
     with torch.no_grad():
-        for write in plan.fp8:
-            _write_fp8_shard(write)
+        _write_fp8_shards(plan.fp8)
     clock.lap("quantize")
-    return RefitResult(len(plan.fp8), len(plan.reload), clock.phases)
+    return len(plan.fp8), len(plan.reload)
 
 
 class _PhaseClock:
@@ -310,25 +319,15 @@ def _check_tensor(name: str, tensor: torch.Tensor, layout: dict[str, TensorSpec]
 
 
 def _check_finite(updates: dict[str, torch.Tensor]) -> None:
-    """Raise RefitError naming the first tensor holding NaN or Inf (one sync per device in all).
+    """Raise RefitError naming the first tensor holding NaN or Inf.
 
-    One read of each tensor, one fused launch per device (`torch._foreach_norm`, what
-    `clip_grad_norm_` uses): the FP32-accumulated L1 norm is finite only if every element is
-    (NaN and +-Inf propagate). A non-finite norm is re-checked element-wise, so finite values
-    whose norm overflows are not refused.
+    `fp8_align.checks.nonfinite_tensors`: on CUDA one Triton pass over all tensors of a device
+    (each element read once) and one sync per device.
     """
-    names_by_device: dict[torch.device, list[str]] = {}
-    for name, tensor in updates.items():
-        names_by_device.setdefault(tensor.device, []).append(name)
-    suspects: list[str] = []
-    for names in names_by_device.values():
-        norms = torch._foreach_norm([updates[name] for name in names], 1)
-        finite = torch.stack([norm.float() for norm in norms]).isfinite().tolist()
-        suspects += [name for name, ok in zip(names, finite) if not ok]
-    bad = {name for name in suspects if not bool(torch.isfinite(updates[name]).all())}
-    for name in updates:
-        if name in bad:
-            raise RefitError(f"{name}: holds NaN or Inf")
+    names = list(updates)
+    bad = nonfinite_tensors([updates[name] for name in names])
+    if bad:
+        raise RefitError(f"{names[bad[0]]}: holds NaN or Inf")
 
 
 def _vllm_target(name: str, packed: Mapping[str, list[str]]) -> tuple[str, str, int]:
@@ -372,13 +371,28 @@ def _check_whole_modules(reload: dict[str, torch.Tensor], layout: dict[str, Tens
             )
 
 
-def _write_fp8_shard(write: Fp8ShardWrite) -> None:
-    """Quantize one checkpoint shard straight into the layer's codes and scales rows (or copy bias rows)."""
-    layer = write.layer
-    rows, scale_rows = shard_slices(layer.fp8_align_shard_sizes)[write.shard]
-    tensor = write.tensor.to(layer.weight.device).contiguous()
-    if write.param == "bias":
-        layer.bias.data[rows].copy_(tensor)
-        return
-    pow2 = layer.quant_method.cfg.use_weight_pow2_scale
-    quantize_weight_into(tensor, pow2, layer.weight.data[rows], layer.weight_scale_inv.data[scale_rows], check_finite=False)
+def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
+    """Quantize each planned shard straight into its layer's codes and scales rows (bias rows: copied).
+
+    Tensors already on the layer's device go through one `quantize_weights_into` call (one grouped
+    launch on CUDA); host tensors bound for a GPU engine are moved and quantized one at a time,
+    so the device holds at most one extra BF16 tensor.
+    """
+    grouped: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+    for write in writes:
+        layer = write.layer
+        rows, scale_rows = shard_slices(layer.fp8_align_shard_sizes)[write.shard]
+        if write.param == "bias":
+            layer.bias.data[rows].copy_(write.tensor)
+            continue
+        pow2 = layer.quant_method.cfg.use_weight_pow2_scale
+        codes, scales = layer.weight.data[rows], layer.weight_scale_inv.data[scale_rows]
+        if write.tensor.device != layer.weight.device:
+            quantize_weight_into(write.tensor.to(layer.weight.device).contiguous(), pow2, codes, scales, check_finite=False)
+            continue
+        weights, all_codes, all_scales = grouped.setdefault(pow2, ([], [], []))
+        weights.append(write.tensor.contiguous())
+        all_codes.append(codes)
+        all_scales.append(scales)
+    for pow2, (weights, all_codes, all_scales) in grouped.items():
+        quantize_weights_into(weights, all_codes, all_scales, pow2)

@@ -1,0 +1,5 @@
+"""Input checks shared by the plugin and the refit: which tensors hold NaN or Inf."""
+
+from fp8_align.checks.finite import nonfinite_tensors, nonfinite_tensors_reference
+
+__all__ = ["nonfinite_tensors", "nonfinite_tensors_reference"]
