@@ -93,11 +93,15 @@ def gemm_rows(target: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def copy_bandwidth_gbps() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+def copy_gbps(src: torch.Tensor) -> float:
+    """Device-to-device copy bandwidth of `src` into a new tensor: GB/s, bytes read + written."""
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
+    return 2 * src.numel() * src.element_size() / median_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def copy_bandwidth_gbps() -> float:
+    """The device's copy bandwidth, measured on a 1 GiB tensor."""
+    return copy_gbps(torch.empty(2**30, dtype=torch.uint8, device="cuda").random_())
 
 
 def quantizer_rows() -> list[dict[str, Any]]:
@@ -105,8 +109,7 @@ def quantizer_rows() -> list[dict[str, Any]]:
     for shape_name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         moved = 2 * n * k + n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
-        w_copy = torch.empty_like(w)
-        copy_gbps = 4 * n * k / median_ms(lambda: w_copy.copy_(w)) / 1e6
+        same_shape_gbps = copy_gbps(w)
         kernels = {
             "quantize_weight_blockwise": lambda: quantize_weight_blockwise(w),
             # as the refit runs it: the input was validated before (no NaN check, no sync)
@@ -115,15 +118,14 @@ def quantizer_rows() -> list[dict[str, Any]]:
         for what, fn in kernels.items():
             ms = median_ms(fn)
             rows.append({"what": what, "shape": shape_name, "N": n, "K": k, "ms": ms, "GBps": moved / ms / 1e6,
-                         "copy_same_shape_GBps": copy_gbps, "share_of_same_shape_copy": moved / ms / 1e6 / copy_gbps})  # fmt: skip
+                         "copy_same_shape_GBps": same_shape_gbps, "share_of_same_shape_copy": moved / ms / 1e6 / same_shape_gbps})  # fmt: skip
         x = torch.randn(M_VALUES["prefill"], k, device="cuda").to(torch.bfloat16)
         ms = median_ms(lambda: gk.quantize_activation_triton(x, False, int(gk.ScaleLayout.ROW_MAJOR)))
         moved = 3 * x.numel() + 4 * x.shape[0] * math.ceil(k / 128)
-        x_copy = torch.empty_like(x)
-        copy_gbps = 4 * x.numel() / median_ms(lambda: x_copy.copy_(x)) / 1e6
+        same_shape_gbps = copy_gbps(x)
         rows.append({"what": "quantize_activation_triton", "shape": f"x[{x.shape[0]}, {k}]", "M": x.shape[0], "K": k, "ms": ms,
-                     "GBps": moved / ms / 1e6, "copy_same_shape_GBps": copy_gbps,
-                     "share_of_same_shape_copy": moved / ms / 1e6 / copy_gbps})  # fmt: skip
+                     "GBps": moved / ms / 1e6, "copy_same_shape_GBps": same_shape_gbps,
+                     "share_of_same_shape_copy": moved / ms / 1e6 / same_shape_gbps})  # fmt: skip
     return rows
 
 
@@ -139,21 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     import triton
     import vllm
 
-    copy_gbps = copy_bandwidth_gbps()
+    device_copy_gbps = copy_bandwidth_gbps()
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": smi.stdout.strip(),
         "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__, "vllm": vllm.__version__,
         "timing": "triton.testing.do_bench median, warmup 50 ms, rep 200 ms, L2 flushed before each run",
-        "copy_bandwidth_GBps": copy_gbps,
+        "copy_bandwidth_GBps": device_copy_gbps,
         "quantization": quantizer_rows(),
         "gemm": [] if args.skip_gemm else gemm_rows(target),
     }  # fmt: skip
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / ("kernels_quant.json" if args.skip_gemm else "kernels.json")).write_text(json.dumps(report, indent=2))
-    print(f"\ncopy {copy_gbps:.0f} GB/s; " + "; ".join(
-        f"{r['what']} {r['shape']} {r['GBps']:.0f} GB/s ({r['GBps'] / copy_gbps:.0%}; same-shape copy {r['copy_same_shape_GBps']:.0f}, "
+    print(f"\ncopy {device_copy_gbps:.0f} GB/s; " + "; ".join(
+        f"{r['what']} {r['shape']} {r['GBps']:.0f} GB/s ({r['GBps'] / device_copy_gbps:.0%}; same-shape copy {r['copy_same_shape_GBps']:.0f}, "
         f"{r['share_of_same_shape_copy']:.0%})" for r in report["quantization"]))
     print(f"{'shape':8} {'phase':7} {'kernel':9} {'op':6} {'TFLOP/s':>8} {'x bf16':>7}")
     for r in report["gemm"]:

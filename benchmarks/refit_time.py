@@ -49,24 +49,17 @@ def _load_bf16_in_worker(worker: Any, handles: bytes) -> dict[str, float]:
     phase, split like `RefitResult.phase_seconds` (receive, load, release)."""
     import torch
 
-    from fp8_align.vllm_plugin.refit import open_cuda_tensors
+    from fp8_align.vllm_plugin.refit import PhaseClock, open_cuda_tensors
 
-    phases, last = {}, time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal last
-        torch.cuda.synchronize()
-        now = time.perf_counter()
-        phases[phase], last = now - last, now
-
+    clock = PhaseClock()
     tensors = open_cuda_tensors(handles)
-    lap("receive")
+    clock.lap("receive")
     with torch.no_grad():
         worker.get_model().load_weights(iter(tensors.items()))
-    lap("load")
+    clock.lap("load")
     del tensors
-    lap("release")
-    return phases
+    clock.lap("release")
+    return clock.phases
 
 
 def run_engine(variant: str, model: str, repeats: int) -> dict[str, Any]:

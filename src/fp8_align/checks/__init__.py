@@ -1,4 +1,4 @@
-"""Input checks shared by the plugin and the refit: which tensors hold NaN or Inf."""
+"""Input checks (the weight refit's validation): which tensors hold NaN or Inf."""
 
 from fp8_align.checks.finite import nonfinite_tensors, nonfinite_tensors_reference
 

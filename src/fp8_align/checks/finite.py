@@ -17,7 +17,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def nonfinite_tensors_reference(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Ascending indices of the `tensors` (any shapes, floating dtypes, devices) holding NaN or +-Inf."""
-    return [i for i, tensor in enumerate(tensors) if tensor.numel() and not bool(torch.isfinite(tensor).all())]
+    return [i for i, tensor in enumerate(tensors) if not bool(torch.isfinite(tensor).all())]
 
 
 def nonfinite_tensors(tensors: Sequence[torch.Tensor]) -> list[int]:

@@ -15,14 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8_align.quant.triton_blockwise import TRITON_DTYPES
+
 #: Elements one program reads per step, warps per program, programs per tensor per SM.
 BLOCK = 4096
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 2
 #: Grid dimension 1 (tensors per launch) is limited by CUDA.
 MAX_TENSORS_PER_LAUNCH = 65535
-
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -60,8 +60,8 @@ def flag_nonfinite_triton(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         raise ValueError("flag_nonfinite_triton needs at least one tensor")
     device = tensors[0].device
     for tensor in tensors:
-        if tensor.device != device or tensor.dtype not in _TRITON_DTYPES:
-            raise TypeError(f"expected {list(_TRITON_DTYPES)} tensors on {device}, got {tensor.dtype} on {tensor.device}")
+        if tensor.device != device or tensor.dtype not in TRITON_DTYPES:
+            raise TypeError(f"expected {list(TRITON_DTYPES)} tensors on {device}, got {tensor.dtype} on {tensor.device}")
     flags = torch.zeros(len(tensors), dtype=torch.int32, device=device)
     contiguous = [tensor if tensor.is_contiguous() else tensor.contiguous() for tensor in tensors]
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -80,7 +80,7 @@ def flag_nonfinite_triton(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             grid = (min(programs, triton.cdiv(largest, BLOCK)), len(group))
             aligned = all(address % 16 == 0 for address in rows[0]) and all(numel % 16 == 0 for numel in rows[1])
             _flag_nonfinite_kernel[grid](
-                table, flags, len(group), FP32_MAX=torch.finfo(torch.float32).max, DTYPE=_TRITON_DTYPES[dtype],
+                table, flags, len(group), FP32_MAX=torch.finfo(torch.float32).max, DTYPE=TRITON_DTYPES[dtype],
                 BLOCK=BLOCK, ALIGNED=aligned, num_warps=NUM_WARPS,
             )  # fmt: skip
     # Freeing `contiguous` copies and tables now is safe: the caching allocator reuses their

@@ -49,12 +49,12 @@ def quantize_weights_into(
     all weights on one device), elsewhere one reference call per weight. Same bits either way.
     The caller has validated the inputs (finite).
     """
+    if not (len(weights) == len(out_codes) == len(out_scales)):
+        raise ValueError(f"got {len(weights)} weights, {len(out_codes)} code and {len(out_scales)} scale outputs")
     if weights and weights[0].is_cuda:
         from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
 
         quantize_weights_blockwise_triton(weights, out_codes, out_scales, pow2_scale)
         return
-    if not (len(weights) == len(out_codes) == len(out_scales)):
-        raise ValueError(f"got {len(weights)} weights, {len(out_codes)} code and {len(out_scales)} scale outputs")
     for w, codes, scales in zip(weights, out_codes, out_scales):
         quantize_weight_into(w, pow2_scale, codes, scales, check_finite=False)

@@ -30,7 +30,8 @@ BLOCK = DEFAULT_BLOCK_SIZE[0]
 #: Under the Triton interpreter (TRITON_INTERPRET=1, how the CPU tests run these kernels) CPU
 #: tensors are accepted too.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+#: Input dtypes the kernels read, and their Triton types.
+TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 #: Launch configuration: 128x128 blocks one program quantizes (along K), warps, loop stages.
@@ -219,5 +220,5 @@ def quantize_weights_blockwise_triton(
         _quantize_weights_grouped_kernel[(int(blocks.sum()),)](
             table, weight_of_block, first_block.to(device), len(group),
             TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
-            POW2=pow2_scale, W_DTYPE=_TRITON_DTYPES[dtype], ALIGNED=aligned, num_warps=LAUNCH["num_warps"],
+            POW2=pow2_scale, W_DTYPE=TRITON_DTYPES[dtype], ALIGNED=aligned, num_warps=LAUNCH["num_warps"],
         )  # fmt: skip

@@ -173,14 +173,14 @@ def _safetensors_files(path: Path) -> list[str]:
 
 def _refit_in_worker(worker: Any, files: list[str], cuda_handles: bytes) -> RefitResult:
     """Worker side of `refit_weights` (runs in every vLLM worker via collective_rpc)."""
-    clock = _PhaseClock()
+    clock = PhaseClock()
     fp8_tensors, reloaded_tensors = _apply_update(worker, files, cuda_handles, clock)
     # the received tensors were dropped on return: their CUDA IPC mappings are closed by now
     clock.lap("release")
     return RefitResult(fp8_tensors, reloaded_tensors, clock.phases)
 
 
-def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: _PhaseClock) -> tuple[int, int]:
+def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: PhaseClock) -> tuple[int, int]:
     """Receive, validate and write one update; (FP8 tensors, reloaded tensors)."""
     model = worker.get_model()
     updates = _load_updates(files)
@@ -207,8 +207,8 @@ def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: _Ph
     return len(plan.fp8), len(plan.reload)
 
 
-class _PhaseClock:
-    """Wall time per phase; each lap first waits for the device's queued work."""
+class PhaseClock:
+    """Wall time per phase (`phases`: name -> seconds); each `lap` first waits for the device's queued work."""
 
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
