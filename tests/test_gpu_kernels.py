@@ -141,13 +141,22 @@ def _weight_cases() -> dict[str, torch.Tensor]:
     }
 
 
+#: `rows_per_pass` of the weight kernels: 128 = one pass over a register-held block, fewer = two passes.
+ROWS_PER_PASS = [128, 64, 32]
+
+
+@pytest.mark.parametrize("rows_per_pass", ROWS_PER_PASS, ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("case", WEIGHT_CASES)
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
-def test_weight_quant_triton_bit_identical_to_reference(case: str, pow2: bool) -> None:
+def test_weight_quant_triton_bit_identical_to_reference(
+    case: str, pow2: bool, rows_per_pass: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Triton weight quantizer == torch reference (CUDA) == independent numpy reference (small cases)."""
+    from fp8_align.quant import triton_blockwise
     from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
     from tests.fp8_reference import reference_quantize_blocks
 
+    monkeypatch.setitem(triton_blockwise.LAUNCH, "rows_per_pass", rows_per_pass)
     w = _weight_cases()[case]
     codes, scales = quantize_weight_blockwise_triton(w, pow2)
     ref_codes, ref_scales = quantize_weight_blockwise(w, pow2_scale=pow2)
@@ -204,17 +213,22 @@ def test_weight_quant_triton_rejects_non_finite_and_bad_outputs() -> None:
         quantize_weight_blockwise_triton(good.t())
 
 
+@pytest.mark.parametrize("rows_per_pass", ROWS_PER_PASS, ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("subset", ["all", "aligned"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
-def test_grouped_weight_quant_bit_identical_to_reference(pow2: bool, subset: str) -> None:
+def test_grouped_weight_quant_bit_identical_to_reference(
+    pow2: bool, subset: str, rows_per_pass: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Weight cases (three dtypes, partial blocks, zeros, extremes) in one grouped launch per dtype,
     half of them into row views of merged storage: each == the torch reference, bit for bit.
     "all" includes odd shapes (the kernel's unhinted path); "aligned" only shapes whose N and K
     are multiples of 16 (the path with vectorization hints, what an 8B refit runs)."""
+    from fp8_align.quant import triton_blockwise
     from fp8_align.quant.dispatch import quantize_weights_into
     from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
     from fp8_align.vllm_plugin.shards import shard_slices
 
+    monkeypatch.setitem(triton_blockwise.GROUPED_LAUNCH, "rows_per_pass", rows_per_pass)
     cases = [w for w in _weight_cases().values() if subset == "all" or (w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)]
     assert len(cases) >= 3
     weights, out_codes, out_scales = [], [], []

@@ -12,9 +12,8 @@ are powers of two; generation works and its sampled-token logprobs agree with th
 emulation as well as the single-GPU test requires.
 
 Run on the box with `--basetemp $OUT/pt` so the engine logs (next to each run's output) come
-back. Status: the one run so far (nvidia-h200-x2, 2026-11-23) failed for both executors with
-the cause unrecorded (benchmarks/RESULTS.md); the same layout passes on CPU
-(tests/test_vllm_plugin_tp.py).
+back. Status: passed under both executors on nvidia-h200-x2 (2026-11-23, benchmarks/RESULTS.md
+session 5); the same layout passes on CPU (tests/test_vllm_plugin_tp.py).
 """
 
 from __future__ import annotations

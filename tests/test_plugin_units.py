@@ -114,3 +114,25 @@ def test_compile_cache_patch_keys_on_the_config_and_undoes():
     finally:
         patches.undo_patches()
     assert VllmConfig.compute_hash is original and patches.applied_patches() == []
+
+
+def test_fp8_layer_state_survives_executor_pickling():
+    """Worker results cross vLLM's multiprocessing/Ray executors as pickle protocol 5 with
+    out-of-band buffers; FP8 codes go as uint8 and come back as the same float8 bits."""
+    import pickle
+
+    import torch
+
+    from fp8_align.quant import quantize_weight_blockwise
+    from fp8_align.vllm_plugin.inspection import _fp8_codes_restored, portable_fp8_codes
+
+    codes, scales = quantize_weight_blockwise(torch.randn(256, 384, generator=torch.Generator().manual_seed(0)))
+    entry = {"method": "Fp8AlignLinearMethod", **portable_fp8_codes(codes), "weight_scale_inv": scales}
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps({"layer": entry, "bf16": {"method": "UnquantizedLinearMethod"}}, protocol=5, buffer_callback=buffers.append)
+    received = pickle.loads(payload, buffers=buffers)
+    restored = _fp8_codes_restored(received["layer"])
+    assert restored["weight"].dtype == codes.dtype and "weight_dtype" not in restored
+    assert torch.equal(restored["weight"].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(restored["weight_scale_inv"], scales)
+    assert _fp8_codes_restored(received["bf16"]) == {"method": "UnquantizedLinearMethod"}

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from fp8_align.bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
-from fp8_align.vllm_plugin.inspection import linear_layer_state
+from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv_scales import push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
 from tests.model_factory import make_tiny_llama
@@ -113,7 +113,7 @@ def _generate(llm) -> list[dict[str, Any]]:
 
 
 def _layers(llm) -> dict[str, dict[str, Any]]:
-    return llm.apply_model(linear_layer_state)[0]
+    return read_linear_layers(llm)[0]
 
 
 def _fp8_storage_pointers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

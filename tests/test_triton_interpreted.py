@@ -19,9 +19,11 @@ import sys
 import pytest
 
 _SCRIPT = """
+import sys
 import torch
 from fp8_align.quant import quantize_weight_blockwise
-from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton, quantize_weights_blockwise_triton
+from fp8_align.quant.triton_blockwise import GROUPED_LAUNCH, LAUNCH, quantize_weight_blockwise_triton, quantize_weights_blockwise_triton
+LAUNCH["rows_per_pass"], GROUPED_LAUNCH["rows_per_pass"] = int(sys.argv[1]), int(sys.argv[2])
 g = torch.Generator().manual_seed(0)
 shapes = [(128, 128), (300, 200), (1, 5), (256, 384), (130, 129)]
 checked = 0
@@ -55,9 +57,17 @@ print("checked", checked)
 """
 
 
-def test_grouped_kernel_equals_single_kernel_and_reference_scales() -> None:
+@pytest.mark.parametrize(
+    ("single_rows_per_pass", "grouped_rows_per_pass"),
+    [(128, 128), (128, 32), (32, 128)],
+    ids=["one_pass", "grouped_two_pass", "single_two_pass"],
+)
+def test_grouped_kernel_equals_single_kernel_and_reference_scales(single_rows_per_pass: int, grouped_rows_per_pass: int) -> None:
+    """Rows per pass (`_quantize_block`): 128 holds the block in registers, 32 reads it in two
+    passes of four slices; each pairing of the two kernels must give the same bits."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    command = [sys.executable, "-c", _SCRIPT, str(single_rows_per_pass), str(grouped_rows_per_pass)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "14"

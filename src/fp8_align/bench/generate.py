@@ -297,9 +297,9 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     if "sampling" not in spec:
         out["outputs"] = outputs_by_sampling[DEFAULT_SAMPLING_NAME]
     if spec.get("inspect"):
-        from fp8_align.vllm_plugin.inspection import linear_layer_state
+        from fp8_align.vllm_plugin.inspection import read_linear_layers
 
-        out["layers_by_worker"] = llm.apply_model(linear_layer_state)
+        out["layers_by_worker"] = read_linear_layers(llm)
         out["layers"] = out["layers_by_worker"][0]
     if spec.get("report_kernels"):
         # This file runs as __main__; vLLM pickles functions by module name, so pass the copy

@@ -17,10 +17,9 @@ import triton.language as tl
 
 from fp8_align.quant.triton_blockwise import TRITON_DTYPES
 
-#: Elements one program reads per step, warps per program, programs per tensor per SM.
-BLOCK = 4096
-NUM_WARPS = 8
-PROGRAMS_PER_SM = 2
+#: Launch configuration: elements one program reads per step, warps per program, programs per
+#: tensor per SM (benchmarks/tune_weight_quant.py times alternatives).
+LAUNCH = {"block": 4096, "num_warps": 8, "programs_per_sm": 2}
 #: Grid dimension 1 (tensors per launch) is limited by CUDA.
 MAX_TENSORS_PER_LAUNCH = 65535
 
@@ -70,18 +69,18 @@ def flag_nonfinite_triton(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             by_dtype.setdefault(tensor.dtype, []).append(slot)
     # (CPU tensors only reach here under the Triton interpreter, in tests)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    programs = PROGRAMS_PER_SM * sms
+    programs, block = LAUNCH["programs_per_sm"] * sms, LAUNCH["block"]
     for dtype, slots in by_dtype.items():
         for start in range(0, len(slots), MAX_TENSORS_PER_LAUNCH):
             group = slots[start : start + MAX_TENSORS_PER_LAUNCH]
             rows = [[contiguous[s].data_ptr() for s in group], [contiguous[s].numel() for s in group], group]
             table = torch.tensor(rows, dtype=torch.int64, device=device)
             largest = max(contiguous[s].numel() for s in group)
-            grid = (min(programs, triton.cdiv(largest, BLOCK)), len(group))
+            grid = (min(programs, triton.cdiv(largest, block)), len(group))
             aligned = all(address % 16 == 0 for address in rows[0]) and all(numel % 16 == 0 for numel in rows[1])
             _flag_nonfinite_kernel[grid](
                 table, flags, len(group), FP32_MAX=torch.finfo(torch.float32).max, DTYPE=TRITON_DTYPES[dtype],
-                BLOCK=BLOCK, ALIGNED=aligned, num_warps=NUM_WARPS,
+                BLOCK=block, ALIGNED=aligned, num_warps=LAUNCH["num_warps"],
             )  # fmt: skip
     # Freeing `contiguous` copies and tables now is safe: the caching allocator reuses their
     # memory only for work queued after these kernels on the same stream.

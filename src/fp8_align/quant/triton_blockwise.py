@@ -4,8 +4,9 @@ Bit-identical to the torch reference `fp8_align.quant.quantize_weight_blockwise`
 tests/test_gpu_kernels.py): `scale = amax / 448` correctly rounded (1.0 for an all-zero block,
 at least FLT_MIN), rounded up to a power of two when asked; `code = RNE(clamp(w / scale, +-448))`
 with a correctly rounded division. The reference reads the weight about six times (pad, abs,
-amax, divide, clamp, cast); this kernel reads it once and writes the codes once, and can write
-straight into existing storage (the rows of a merged vLLM weight, for an in-place refit).
+amax, divide, clamp, cast); this kernel reads it from memory once (with `rows_per_pass` < 128
+a second pass re-reads each slice from L2) and writes the codes once, and can write straight
+into existing storage (the rows of a merged vLLM weight, for an in-place refit).
 
 A block holding NaN or Inf gets a NaN scale; `quantize_weight_blockwise_triton` raises on it
 unless the caller has validated the input already (`check_finite=False`).
@@ -15,6 +16,7 @@ launch with the same per-block code (`_quantize_block`). Import only where Trito
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -34,9 +36,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-#: Launch configuration: 128x128 blocks one program quantizes (along K), warps, loop stages.
-#: Chosen with benchmarks/tune_weight_quant.py on the H100 box (see benchmarks/RESULTS.md).
-LAUNCH = {"k_blocks": 1, "num_warps": 8, "num_stages": 1}
+#: Launch configurations, chosen with benchmarks/tune_weight_quant.py on the H100 box (see
+#: benchmarks/RESULTS.md). LAUNCH (one weight): 128x128 blocks one program quantizes (along K),
+#: warps, loop stages, rows per pass (`_quantize_block`). GROUPED_LAUNCH: the same for the
+#: one-launch kernel of many weights (one block per program).
+LAUNCH = {"k_blocks": 1, "num_warps": 8, "num_stages": 1, "rows_per_pass": 64}
+GROUPED_LAUNCH = {"num_warps": 8, "rows_per_pass": 64}
 
 
 @triton.jit
@@ -58,21 +63,45 @@ def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2
 def _quantize_block(
     w_ptr, q_ptr, s_ptr, block_n, block_k, N, K, num_k_blocks, stride_wn, stride_qn, stride_sn, stride_sk,
     TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    POW2: tl.constexpr,
+    POW2: tl.constexpr, ROWS_PER_PASS: tl.constexpr,
 ):  # fmt: skip
-    """Quantize block (block_n, block_k) of w [N, K] into q and its scale into s (the math of both kernels)."""
-    rows = (block_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    """Quantize block (block_n, block_k) of w [N, K] into q and its scale into s (the math of both kernels).
+
+    ROWS_PER_PASS == BLOCK_N: the block is loaded once and held in registers. Smaller: two passes
+    over ROWS_PER_PASS-row slices (amax, then quantize, re-reading the slice, which the first pass
+    just brought into L2), so a program holds fewer registers and more programs fit on an SM.
+    Same bits either way (a max is exact in any order).
+    """
     cols = block_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    valid = (rows[:, None] < N) & (cols[None, :] < K)
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0).to(tl.float32)
-    magnitude = tl.abs(w)
-    # 1 where an element is NaN or +-Inf (both compare false with `<= FLT_MAX`), else 0.
-    non_finite = tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0)
-    amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-    scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
-    q = tl.div_rn(w, scale)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
+    first_row = block_n * BLOCK_N
+    if ROWS_PER_PASS == BLOCK_N:
+        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        valid = (rows[:, None] < N) & (cols[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        magnitude = tl.abs(w)
+        # 1 where an element is NaN or +-Inf (both compare false with `<= FLT_MAX`), else 0.
+        non_finite = tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0)
+        amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+        scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
+        q = tl.minimum(tl.maximum(tl.div_rn(w, scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
+    else:
+        amax = tl.full([], 0.0, tl.float32)
+        non_finite = tl.full([], 0, tl.int32)
+        for start in tl.range(0, BLOCK_N, ROWS_PER_PASS):
+            rows = (first_row + start + tl.arange(0, ROWS_PER_PASS)).to(tl.int64)
+            valid = (rows[:, None] < N) & (cols[None, :] < K)
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0, eviction_policy="evict_last")
+            magnitude = tl.abs(w.to(tl.float32))
+            non_finite = tl.maximum(non_finite, tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0))
+            amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
+        scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
+        for start in tl.range(0, BLOCK_N, ROWS_PER_PASS):
+            rows = (first_row + start + tl.arange(0, ROWS_PER_PASS)).to(tl.int64)
+            valid = (rows[:, None] < N) & (cols[None, :] < K)
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0, eviction_policy="evict_first")
+            q = tl.minimum(tl.maximum(tl.div_rn(w.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
     nan = tl.full([], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     scale_ptr = s_ptr + block_n * stride_sn + block_k * stride_sk
     tl.store(scale_ptr, tl.where(non_finite > 0, nan, scale), mask=block_k < num_k_blocks)
@@ -82,12 +111,12 @@ def _quantize_block(
 def _quantize_weight_block_kernel(
     w_ptr, q_ptr, s_ptr, N, K, num_k_blocks, stride_wn, stride_qn, stride_sn, stride_sk,
     TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, POW2: tl.constexpr,
+    K_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, POW2: tl.constexpr, ROWS_PER_PASS: tl.constexpr,
 ):  # fmt: skip
     for i in tl.range(0, K_BLOCKS, num_stages=NUM_STAGES):
         _quantize_block(
             w_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1) * K_BLOCKS + i, N, K, num_k_blocks,
-            stride_wn, stride_qn, stride_sn, stride_sk, TINY, FP32_MAX, FP8_MAX, BLOCK_N, BLOCK_K, POW2,
+            stride_wn, stride_qn, stride_sn, stride_sk, TINY, FP32_MAX, FP8_MAX, BLOCK_N, BLOCK_K, POW2, ROWS_PER_PASS,
         )  # fmt: skip
 
 
@@ -95,7 +124,7 @@ def _quantize_weight_block_kernel(
 def _quantize_weights_grouped_kernel(
     table, weight_of_block, first_block, num_weights,
     TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    POW2: tl.constexpr, W_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    POW2: tl.constexpr, W_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ROWS_PER_PASS: tl.constexpr,
 ):  # fmt: skip
     """One program per 128x128 block of any of the weights in `table` (one launch for all).
 
@@ -128,6 +157,7 @@ def _quantize_weights_grouped_kernel(
     _quantize_block(
         w_ptr, q_ptr, s_ptr, local // k_blocks, local % k_blocks, n, k, k_blocks, stride_wn, stride_qn,
         tl.load(field + 8 * num_weights), tl.load(field + 9 * num_weights), TINY, FP32_MAX, FP8_MAX, BLOCK_N, BLOCK_K, POW2,
+        ROWS_PER_PASS,
     )  # fmt: skip
 
 
@@ -173,7 +203,8 @@ def quantize_weight_blockwise_triton(
         w, codes, scales, n, k, scales.shape[1],
         w.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
         TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
-        K_BLOCKS=k_blocks, NUM_STAGES=LAUNCH["num_stages"], POW2=pow2_scale, num_warps=LAUNCH["num_warps"],
+        K_BLOCKS=k_blocks, NUM_STAGES=LAUNCH["num_stages"], POW2=pow2_scale, ROWS_PER_PASS=LAUNCH["rows_per_pass"],
+        num_warps=LAUNCH["num_warps"],
     )  # fmt: skip
     if check_finite and not bool(torch.isfinite(scales).all()):
         raise ValueError(f"weight of shape {tuple(w.shape)} contains NaN or Inf; FP8 scales would be invalid")
@@ -212,13 +243,20 @@ def quantize_weights_blockwise_triton(
             [w.stride(0) for w, _, _ in group], [c.stride(0) for _, c, _ in group],
             [s.stride(0) for _, _, s in group], [s.stride(1) for _, _, s in group],
         ]  # fmt: skip
-        blocks = torch.tensor([s.numel() for _, _, s in group], dtype=torch.int64)
-        first_block = torch.cumsum(blocks, 0) - blocks
-        table = torch.tensor(rows, dtype=torch.int64).to(device)
-        weight_of_block = torch.repeat_interleave(torch.arange(len(group), dtype=torch.int32), blocks).to(device)
+        blocks = [s.numel() for _, _, s in group]
+        first_block = [0, *itertools.accumulate(blocks)][:-1]
+        # One small host -> device copy (rows 0-9: the table, 10: blocks, 11: first blocks); the
+        # block -> weight map is expanded on the device, without a sync (`output_size` is known).
+        packed = torch.tensor([*rows, blocks, first_block], dtype=torch.int64).to(device)
+        table, first_block_on_device = packed[:10], packed[11]
+        total_blocks = sum(blocks)
+        weight_of_block = torch.repeat_interleave(
+            torch.arange(len(group), dtype=torch.int32, device=device), packed[10], output_size=total_blocks
+        )
         aligned = all(ptr % 16 == 0 for ptr in rows[0] + rows[1]) and all(v % 16 == 0 for row in (rows[3], rows[4], rows[6], rows[7]) for v in row)
-        _quantize_weights_grouped_kernel[(int(blocks.sum()),)](
-            table, weight_of_block, first_block.to(device), len(group),
+        _quantize_weights_grouped_kernel[(total_blocks,)](
+            table, weight_of_block, first_block_on_device, len(group),
             TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
-            POW2=pow2_scale, W_DTYPE=TRITON_DTYPES[dtype], ALIGNED=aligned, num_warps=LAUNCH["num_warps"],
+            POW2=pow2_scale, W_DTYPE=TRITON_DTYPES[dtype], ALIGNED=aligned, ROWS_PER_PASS=GROUPED_LAUNCH["rows_per_pass"],
+            num_warps=GROUPED_LAUNCH["num_warps"],
         )  # fmt: skip

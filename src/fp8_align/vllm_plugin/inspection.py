@@ -1,7 +1,13 @@
 """Read back, from inside vLLM workers, what the plugin did to each linear layer.
 
 Functions here are passed to `LLM.apply_model` / `collective_rpc`, so they live in an importable
-module (vLLM pickles them; set VLLM_ALLOW_INSECURE_SERIALIZATION=1).
+module (vLLM pickles them; set VLLM_ALLOW_INSECURE_SERIALIZATION=1). `read_linear_layers(llm)` is
+the caller's side: it runs `linear_layer_state` in every worker and returns FP8 codes as FP8.
+
+Why codes travel as uint8: a CPU float8 tensor cannot be pickled with protocol 5 (torch's storage
+reduction writes an untyped storage that its own legacy loader then rejects: "type object
+'torch.storage.UntypedStorage' has no attribute 'dtype'"), and vLLM's multiprocessing and Ray
+executors return worker results exactly that way. Found with tensor parallelism on the GPU box.
 """
 
 from __future__ import annotations
@@ -16,9 +22,33 @@ from fp8_align.vllm_plugin.shards import shard_slices
 _SELF_CHECK_TOKENS = 5
 
 
+def read_linear_layers(llm: Any) -> list[dict[str, dict[str, Any]]]:
+    """`linear_layer_state` of every worker of `llm` (a `vllm.LLM`), in rank order, FP8 codes as
+    float8_e4m3fn tensors [N, K] again."""
+    return [
+        {name: _fp8_codes_restored(entry) for name, entry in layers.items()}
+        for layers in llm.apply_model(linear_layer_state)
+    ]
+
+
+def portable_fp8_codes(weight: torch.Tensor) -> dict[str, Any]:
+    """`weight` (FP8 codes [N, K], any device) as `{"weight": uint8 CPU copy, "weight_dtype": name}`."""
+    return {"weight": weight.detach().cpu().view(torch.uint8), "weight_dtype": str(weight.dtype).removeprefix("torch.")}
+
+
+def _fp8_codes_restored(entry: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of `portable_fp8_codes` on one layer entry (entries without FP8 codes pass unchanged)."""
+    if "weight_dtype" not in entry:
+        return entry
+    restored = {key: value for key, value in entry.items() if key != "weight_dtype"}
+    restored["weight"] = entry["weight"].view(getattr(torch, entry["weight_dtype"]))
+    return restored
+
+
 def linear_layer_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Per linear module name: its quant method, and for FP8 layers codes, scales, shards, kernel,
-    and `reference_max_abs_diff`: the largest |difference| between the layer's own forward and
+    """Worker side. Per linear module name: its quant method, and for FP8 layers codes (as uint8
+    [N, K] with `weight_dtype` naming the FP8 dtype; see the module docstring), scales, shards,
+    kernel, and `reference_max_abs_diff`: the largest |difference| between the layer's own forward and
     `fp8_align.quant.blockwise_fp8_linear` (per shard) on a fixed random [5, K] BF16 input."""
     state: dict[str, dict[str, Any]] = {}
     for name, module in model.named_modules():
@@ -28,7 +58,7 @@ def linear_layer_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
         entry: dict[str, Any] = {"method": type(method).__name__}
         if hasattr(module, "fp8_align_kernel"):
             entry.update(
-                weight=module.weight.detach().cpu(),
+                **portable_fp8_codes(module.weight),
                 weight_scale_inv=module.weight_scale_inv.detach().cpu(),
                 shard_sizes=list(module.fp8_align_shard_sizes),
                 kernel=module.fp8_align_kernel.name,
