@@ -136,3 +136,32 @@ def test_fp8_layer_state_survives_executor_pickling():
     assert torch.equal(restored["weight"].view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(restored["weight_scale_inv"], scales)
     assert _fp8_codes_restored(received["bf16"]) == {"method": "UnquantizedLinearMethod"}
+
+
+def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
+    """The CPU backend keeps the codes widened to float32; after an in-place rewrite of codes and
+    scales (what the refit does) `weights_written` refreshes that copy in its storage, and the
+    layer's output equals the reference `blockwise_fp8_linear` of the new weight, bit for bit."""
+    import torch
+
+    from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
+    from fp8_align.vllm_plugin.kernels import CODES_F32, EmulatedBlockFp8Kernel
+
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(320, 256, generator=g) * 0.02 for _ in range(2))
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    codes, scales = quantize_weight_blockwise(w1)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+    layer.fp8_align_shard_sizes = [320]
+    kernel = EmulatedBlockFp8Kernel()
+    kernel.prepare(layer)
+    widened = getattr(layer, CODES_F32)
+    assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes, scales))
+    codes2, scales2 = quantize_weight_blockwise(w2)
+    layer.weight.data.copy_(codes2)
+    layer.weight_scale_inv.data.copy_(scales2)
+    kernel.weights_written(layer)
+    assert getattr(layer, CODES_F32) is widened and torch.equal(widened, codes2.to(torch.float32))
+    assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes2, scales2))

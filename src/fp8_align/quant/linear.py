@@ -22,7 +22,8 @@ def fp8_block_gemm(
 
     Args:
         x_fp8: [M, K] float8_e4m3fn activation codes; x_scale: [M, ceil(K/128)] float32.
-        w_fp8: [N, K] float8_e4m3fn weight codes; scale_inv: [ceil(N/128), ceil(K/128)] float32.
+        w_fp8: [N, K] float8_e4m3fn weight codes (or float32 holding exactly those values, which skips
+            the widening); scale_inv: [ceil(N/128), ceil(K/128)] float32.
     Returns:
         [M, N] in `out_dtype`. Per 128-wide K slice b the FP8 products are summed in FP32, then
         scaled by `x_scale[:, b] * scale_inv[n // 128, b]` and accumulated in FP32 in K order, the
@@ -58,7 +59,8 @@ def blockwise_fp8_linear(
 
     Args:
         x: [..., K] activations (bf16/fp16/fp32).
-        w_fp8: [N, K] float8_e4m3fn weight codes; scale_inv: [ceil(N/128), ceil(K/128)] float32.
+        w_fp8: [N, K] float8_e4m3fn weight codes (or float32 holding exactly those values, which skips
+            the widening); scale_inv: [ceil(N/128), ceil(K/128)] float32.
         bias: optional [N], added after rounding to `out_dtype` (as vLLM does after the GEMM).
         activation_pow2_scale: power-of-two activation scales.
     Returns:

@@ -17,7 +17,9 @@ from fp8_align.vllm_plugin.shards import shard_slices
 def emulated_block_fp8_mm(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, shard_sizes: list[int], act_pow2: bool
 ) -> torch.Tensor:
-    """[M, K] activations x block-FP8 weight [N, K] (per-shard 128x128 grids) -> [M, N] in x.dtype."""
+    """[M, K] activations x block-FP8 weight [N, K] (per-shard 128x128 grids) -> [M, N] in x.dtype.
+
+    weight: the E4M3 codes, as float8_e4m3fn or as float32 holding exactly those values."""
     x_fp8, x_scale = quantize_activation_groupwise(x, pow2_scale=act_pow2, check_inputs=False)
     outputs = [
         fp8_block_gemm(x_fp8, x_scale, weight[rows], weight_scale_inv[scale_rows], out_dtype=x.dtype)

@@ -57,7 +57,7 @@ from fp8_align.config import FP8Config
 from fp8_align.quant import E4M3_MAX
 from fp8_align.quant.scales import FP32_TINY
 from fp8_align.quant.triton_blockwise import BLOCK, scale_from_amax_triton
-from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, EmulatedBlockFp8Kernel
+from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, emulated_block_fp8_linear
 from fp8_align.vllm_plugin.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
@@ -440,7 +440,8 @@ class ShardedTritonBlockFp8Kernel(GpuBlockFp8Kernel):
 
 @dataclass(frozen=True)
 class ReferenceBlockFp8Kernel(GpuBlockFp8Kernel):
-    """The torch reference (`EmulatedBlockFp8Kernel`) on the GPU: last resort, always possible."""
+    """The torch reference (the emulated op of `EmulatedBlockFp8Kernel`, widening the codes per
+    call, which is cheap on a GPU) on the GPU: last resort, always possible."""
 
     name: str = "emulated"
 
@@ -448,7 +449,7 @@ class ReferenceBlockFp8Kernel(GpuBlockFp8Kernel):
         return None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act_pow2: bool) -> torch.Tensor:
-        return EmulatedBlockFp8Kernel().apply(layer, x, bias, act_pow2)
+        return emulated_block_fp8_linear(x, layer.weight, layer, bias, act_pow2)
 
 
 #: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/kernels.py).

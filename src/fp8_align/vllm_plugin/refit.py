@@ -376,15 +376,18 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
 
     Tensors already on the layer's device go through one `quantize_weights_into` call (one grouped
     launch on CUDA); host tensors bound for a GPU engine are moved and quantized one at a time,
-    so the device holds at most one extra BF16 tensor.
+    so the device holds at most one extra BF16 tensor. Then each layer whose codes changed
+    refreshes what its GEMM backend derived from them (`BlockFp8Kernel.weights_written`).
     """
     grouped: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+    rewritten: dict[int, torch.nn.Module] = {}
     for write in writes:
         layer = write.layer
         rows, scale_rows = shard_slices(layer.fp8_align_shard_sizes)[write.shard]
         if write.param == "bias":
             layer.bias.data[rows].copy_(write.tensor)
             continue
+        rewritten[id(layer)] = layer
         pow2 = layer.quant_method.cfg.use_weight_pow2_scale
         codes, scales = layer.weight.data[rows], layer.weight_scale_inv.data[scale_rows]
         if write.tensor.device != layer.weight.device:
@@ -396,3 +399,5 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
         all_scales.append(scales)
     for pow2, (weights, all_codes, all_scales) in grouped.items():
         quantize_weights_into(weights, all_codes, all_scales, pow2)
+    for layer in rewritten.values():
+        layer.fp8_align_kernel.weights_written(layer)
