@@ -104,11 +104,16 @@ def copy_bandwidth_gbps() -> float:
     return copy_gbps(torch.empty(2**30, dtype=torch.uint8, device="cuda").random_())
 
 
+def weight_quant_bytes(n: int, k: int) -> int:
+    """Bytes a weight quantizer moves for a bf16 [n, k] weight: read, codes and FP32 block scales written."""
+    return 2 * n * k + n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+
+
 def quantizer_rows() -> list[dict[str, Any]]:
     rows = []
     for shape_name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
-        moved = 2 * n * k + n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+        moved = weight_quant_bytes(n, k)
         same_shape_gbps = copy_gbps(w)
         kernels = {
             "quantize_weight_blockwise": lambda: quantize_weight_blockwise(w),

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.kernels import SHAPES, copy_bandwidth_gbps, median_ms  # noqa: E402
+from benchmarks.kernels import SHAPES, copy_bandwidth_gbps, median_ms, weight_quant_bytes  # noqa: E402
 from fp8_align.checks import finite_triton as ft  # noqa: E402
 from fp8_align.quant import quantize_weight_blockwise  # noqa: E402
 from fp8_align.quant import triton_blockwise as tb  # noqa: E402
@@ -55,10 +55,6 @@ NUM_LAYERS = 36
 
 def _configs(grid: dict[str, tuple[int, ...]]) -> list[dict[str, int]]:
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-
-
-def _moved_bytes(n: int, k: int) -> int:
-    return 3 * n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
 
 
 def _same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             if not _same_bits(tb.quantize_weight_blockwise_triton(w, check_finite=False), references[name]):
                 raise AssertionError(f"{dict(tb.LAUNCH)} differs from the reference on {name}")
             ms = median_ms(lambda: tb.quantize_weight_blockwise_triton(w, check_finite=False))
-            shares[name] = _moved_bytes(*w.shape) / ms / 1e6 / copy
+            shares[name] = weight_quant_bytes(*w.shape) / ms / 1e6 / copy
         return {"share_of_copy": shares, "score": min(shares.values())}
 
     single_report = tune("single", SINGLE_GRID, tb.LAUNCH, single)
@@ -121,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     codes = [torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="cuda") for w in model]
     scales = [torch.empty((math.ceil(w.shape[0] / 128), math.ceil(w.shape[1] / 128)), device="cuda") for w in model]
     checked = {i: quantize_weight_blockwise(model[i]) for i in range(len(LAYER_SHAPES))}  # one layer, bit for bit
-    grouped_bytes = sum(_moved_bytes(*w.shape) for w in model)
+    grouped_bytes = sum(weight_quant_bytes(*w.shape) for w in model)
     read_bytes = sum(2 * w.numel() for w in model)
 
     def grouped() -> dict[str, Any]:

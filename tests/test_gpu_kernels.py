@@ -141,7 +141,7 @@ def _weight_cases() -> dict[str, torch.Tensor]:
     }
 
 
-#: `rows_per_pass` of the weight kernels: 128 = one pass over a register-held block, fewer = two passes.
+#: `rows_per_pass` of the weight kernels: the height of the block slices they read (128: the whole block).
 ROWS_PER_PASS = [128, 64, 32]
 
 

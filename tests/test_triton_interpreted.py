@@ -60,11 +60,11 @@ print("checked", checked)
 @pytest.mark.parametrize(
     ("single_rows_per_pass", "grouped_rows_per_pass"),
     [(128, 128), (128, 32), (32, 128)],
-    ids=["one_pass", "grouped_two_pass", "single_two_pass"],
+    ids=["whole_block_slices", "grouped_32_row_slices", "single_32_row_slices"],
 )
 def test_grouped_kernel_equals_single_kernel_and_reference_scales(single_rows_per_pass: int, grouped_rows_per_pass: int) -> None:
-    """Rows per pass (`_quantize_block`): 128 holds the block in registers, 32 reads it in two
-    passes of four slices; each pairing of the two kernels must give the same bits."""
+    """Rows per pass (`_quantize_block`): 128 reads the block as one slice, 32 as four; each
+    pairing of the two kernels must give the same bits."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-c", _SCRIPT, str(single_rows_per_pass), str(grouped_rows_per_pass)]

@@ -4,9 +4,8 @@ Bit-identical to the torch reference `fp8_align.quant.quantize_weight_blockwise`
 tests/test_gpu_kernels.py): `scale = amax / 448` correctly rounded (1.0 for an all-zero block,
 at least FLT_MIN), rounded up to a power of two when asked; `code = RNE(clamp(w / scale, +-448))`
 with a correctly rounded division. The reference reads the weight about six times (pad, abs,
-amax, divide, clamp, cast); this kernel reads it from memory once (with `rows_per_pass` < 128
-a second pass re-reads each slice from L2) and writes the codes once, and can write straight
-into existing storage (the rows of a merged vLLM weight, for an in-place refit).
+amax, divide, clamp, cast); this kernel reads it from memory once (a second pass re-reads each
+slice of a block from L2) and writes the codes once, and can write straight into existing storage (the rows of a merged vLLM weight, for an in-place refit).
 
 A block holding NaN or Inf gets a NaN scale; `quantize_weight_blockwise_triton` raises on it
 unless the caller has validated the input already (`check_finite=False`).
@@ -67,41 +66,30 @@ def _quantize_block(
 ):  # fmt: skip
     """Quantize block (block_n, block_k) of w [N, K] into q and its scale into s (the math of both kernels).
 
-    ROWS_PER_PASS == BLOCK_N: the block is loaded once and held in registers. Smaller: two passes
-    over ROWS_PER_PASS-row slices (amax, then quantize, re-reading the slice, which the first pass
-    just brought into L2), so a program holds fewer registers and more programs fit on an SM.
-    Same bits either way (a max is exact in any order).
+    Two passes over ROWS_PER_PASS-row slices of the block: amax, then quantize, re-reading each
+    slice, which the first pass just brought into L2. A program holds one slice in registers, not
+    the whole block, so more programs fit on an SM. Same bits for any slice height (a max is exact
+    in any order).
     """
     cols = block_k * BLOCK_K + tl.arange(0, BLOCK_K)
     first_row = block_n * BLOCK_N
-    if ROWS_PER_PASS == BLOCK_N:
-        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+    amax = tl.full([], 0.0, tl.float32)
+    non_finite = tl.full([], 0, tl.int32)
+    for start in tl.range(0, BLOCK_N, ROWS_PER_PASS):
+        rows = (first_row + start + tl.arange(0, ROWS_PER_PASS)).to(tl.int64)
         valid = (rows[:, None] < N) & (cols[None, :] < K)
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0).to(tl.float32)
-        magnitude = tl.abs(w)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0, eviction_policy="evict_last")
+        magnitude = tl.abs(w.to(tl.float32))
         # 1 where an element is NaN or +-Inf (both compare false with `<= FLT_MAX`), else 0.
-        non_finite = tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0)
-        amax = tl.max(tl.max(magnitude, axis=1), axis=0)
-        scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
-        q = tl.minimum(tl.maximum(tl.div_rn(w, scale), -FP8_MAX), FP8_MAX)
+        non_finite = tl.maximum(non_finite, tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0))
+        amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
+    scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
+    for start in tl.range(0, BLOCK_N, ROWS_PER_PASS):
+        rows = (first_row + start + tl.arange(0, ROWS_PER_PASS)).to(tl.int64)
+        valid = (rows[:, None] < N) & (cols[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0, eviction_policy="evict_first")
+        q = tl.minimum(tl.maximum(tl.div_rn(w.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
-    else:
-        amax = tl.full([], 0.0, tl.float32)
-        non_finite = tl.full([], 0, tl.int32)
-        for start in tl.range(0, BLOCK_N, ROWS_PER_PASS):
-            rows = (first_row + start + tl.arange(0, ROWS_PER_PASS)).to(tl.int64)
-            valid = (rows[:, None] < N) & (cols[None, :] < K)
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0, eviction_policy="evict_last")
-            magnitude = tl.abs(w.to(tl.float32))
-            non_finite = tl.maximum(non_finite, tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0))
-            amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
-        scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
-        for start in tl.range(0, BLOCK_N, ROWS_PER_PASS):
-            rows = (first_row + start + tl.arange(0, ROWS_PER_PASS)).to(tl.int64)
-            valid = (rows[:, None] < N) & (cols[None, :] < K)
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0, eviction_policy="evict_first")
-            q = tl.minimum(tl.maximum(tl.div_rn(w.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
-            tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
     nan = tl.full([], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     scale_ptr = s_ptr + block_n * stride_sn + block_k * stride_sk
     tl.store(scale_ptr, tl.where(non_finite > 0, nan, scale), mask=block_k < num_k_blocks)
