@@ -12,14 +12,15 @@ only in what the worker does with them:
                what RL frameworks call to refit a BF16 engine), then `llm.reset_prefix_cache()`
     fp8_align  LLM(BF16 checkpoint, quantization="fp8_align"); `refit_weights(llm, tensors)`:
                validation (names, shapes, dtypes, finiteness) of all 399 tensors, then the
-               model's `load_weights` for embeddings, norms and lm_head, and the Triton
-               re-quantization of the 252 projection weights straight into the FP8 storage
+               Triton re-quantization of the 252 projection weights straight into the FP8
+               storage, overlapped by the model's `load_weights` for embeddings, norms and lm_head
 
 Each engine runs in its own process (enforce_eager: CUDA graphs do not change refit time; the
 in-place refit keeps them valid, tests/test_gpu_refit.py). After one untimed push, `--repeats`
 timed pushes, each the wall time of the trainer-side call (it returns after the workers' GPU
-work is done), with the worker's time per phase (receive, [validate,] load, [quantize,]
-release) and, separately, the trainer-side time to produce the IPC handles. Median and spread
+work is done), with the worker's time per phase (bf16: receive, load, release; fp8_align:
+receive, validate, write, release) and, separately, the trainer-side time to produce the IPC
+handles. Median and spread
 go to DIR/refit_time.json with the ratio fp8_align / bf16.
 """
 

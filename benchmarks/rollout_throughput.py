@@ -144,19 +144,33 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 
     shapes = spec["shapes"]
     kwargs: dict[str, Any] = dict(
-        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.85,
-        max_model_len=max(s["prompt_len"] + s["new_tokens"] for s in shapes), max_num_seqs=max(s["batch"] for s in shapes),
-        kv_cache_dtype=spec["kv_cache_dtype"],
+        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+        gpu_memory_utilization=spec["gpu_memory_utilization"], max_model_len=max(s["prompt_len"] + s["new_tokens"] for s in shapes),
+        max_num_seqs=spec["max_num_seqs"] or max(s["batch"] for s in shapes), kv_cache_dtype=spec["kv_cache_dtype"],
+        disable_log_stats=False,  # for the preemption counter (llm.get_metrics)
     )  # fmt: skip
+    if spec["attention_backend"]:
+        kwargs["attention_backend"] = spec["attention_backend"]
     if spec["fp8_align"]:
         kwargs.update(engine_kwargs(FP8Config(use_deep_gemm=False)))
     start = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - start
+    cache_config = llm.llm_engine.vllm_config.cache_config
     warmup = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0)
     llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in shapes[0]["prompts"][:16]], warmup, use_tqdm=False)
     by_shape = {shape["name"]: _time_shape(llm, shape, spec["calibrate_kv"]) for shape in shapes}
-    return {"engine_start_s": engine_start_s, "engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"}, "by_shape": by_shape}
+    return {
+        "engine_start_s": engine_start_s,
+        "engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"},
+        "kv_cache_tokens": cache_config.num_gpu_blocks * cache_config.block_size,
+        "by_shape": by_shape,
+    }
+
+
+def _preemptions(llm: Any) -> int:
+    """vLLM's cumulative preemption counter (a preempted request is recomputed later)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 
 def _time_shape(llm: Any, shape: dict[str, Any], calibrate_kv: bool) -> dict[str, Any]:
@@ -178,11 +192,13 @@ def _time_shape(llm: Any, shape: dict[str, Any], calibrate_kv: bool) -> dict[str
         calibration = {"kv_calibration_s": time.perf_counter() - start, "kv_calibration_tokens": result.tokens,
                        "kv_scales_layer0": result.scales[0]}  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
-    generate_s = []
+    generate_s, preemptions = [], []
     for _ in range(shape["repeats"]):
+        before = _preemptions(llm)
         start = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         generate_s.append(time.perf_counter() - start)
+        preemptions.append(_preemptions(llm) - before)
         output_tokens = sum(len(r.outputs[0].token_ids) for r in results)
         if output_tokens != batch * new_tokens:
             raise RuntimeError(f"expected {batch * new_tokens} output tokens, got {output_tokens}")
@@ -193,6 +209,7 @@ def _time_shape(llm: Any, shape: dict[str, Any], calibrate_kv: bool) -> dict[str
         "output_tokens": output_tokens,
         "output_tok_per_s": output_tokens / median_s,
         "output_tok_per_s_each": [output_tokens / s for s in generate_s],
+        "preemptions_each": preemptions,
         "total_tok_per_s": (output_tokens + batch * shape["prompt_len"]) / median_s,
         **calibration,
     }
@@ -275,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="short", help=f"comma-separated, from {', '.join(SHAPES)}; one engine per variant serves all")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", default="1", help="timed generates per shape (median reported): N, or short=N,long=M")
+    parser.add_argument("--attention-backend", help="vLLM attention backend for every variant (default: vLLM's choice)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--max-num-seqs", type=int, help="default: the most prompts of the requested shapes")
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--work", type=Path, default=Path("/root/rollout_work"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -303,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     # Variants already measured on this machine (an earlier call of this script) are kept, so
     # one run can be completed over several calls; every variant shares model and prompts.
-    state_path = args.work / f"rollout_throughput_{'_'.join(shape_names)}.json"
+    settings = {"attention_backend": args.attention_backend, "gpu_memory_utilization": args.gpu_memory_utilization,
+                "max_num_seqs": args.max_num_seqs}  # fmt: skip
+    # engine settings other than the defaults name the file: ratios only within one setting
+    tag = "".join(f"_{key}_{value}" for key, value in settings.items() if value not in (None, 0.85))
+    state_path = args.work / f"rollout_throughput_{'_'.join(shape_names)}{tag.lower()}.json"
     if state_path.exists():
         report = json.loads(state_path.read_text())
     else:
@@ -312,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **_device_and_versions(),
             "model": {"config": QWEN3_8B, "init": "random, bf16, torch.manual_seed(0)"},
+            "engine_settings": settings,
             "fp8_gemm_backend": "CUTLASS in both FP8 variants (VLLM_USE_DEEP_GEMM=0, FP8Config(use_deep_gemm=False))",
             "shapes": {name: dict(zip(("prompts", "prompt_tokens", "new_tokens"), SHAPES[name]), repeats=repeats[name]) for name in shape_names},
             "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir),
@@ -332,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = {
             "model": str(fp8_dir if name.startswith("vllm_fp8") else bf16_dir), "fp8_align": name.startswith("fp8_align"),
             "kv_cache_dtype": "fp8" if name.endswith("_kv") else "auto", "calibrate_kv": name == "fp8_align_kv",
-            "shapes": shapes,
+            "shapes": shapes, **settings,
         }  # fmt: skip
         try:
             report["variants"][name] = run_variant(name, spec, args.work / name)

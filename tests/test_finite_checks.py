@@ -90,3 +90,24 @@ def test_cuda_kernel_reads_past_2_to_the_31_elements() -> None:
     assert nonfinite_tensors([small, big]) == []
     big[-1] = float("nan")
     assert nonfinite_tensors([small, big]) == [1]
+
+
+@pytest.mark.gpu
+def test_cuda_check_is_queued_without_a_device_sync() -> None:
+    """`start_nonfinite_check` returns while earlier device work is still running (the refit builds
+    its plan on the host meanwhile); its result then waits and is correct.
+
+    A ~0.5 s `torch.cuda._sleep` is queued first: had the call synchronized (a pageable
+    host->device copy of its table does), the event after the sleep would be complete on return.
+    """
+    from fp8_align.checks import start_nonfinite_check
+
+    tensors, planted = make_cases(3, count=40, max_numel=300_000, device="cuda")
+    assert start_nonfinite_check(tensors)() == planted  # kernels compiled before the timed part
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    busy = torch.cuda.Event()
+    busy.record()
+    result = start_nonfinite_check(tensors)
+    assert not busy.query(), "start_nonfinite_check waited for the device"
+    assert result() == planted

@@ -254,6 +254,32 @@ def test_grouped_weight_quant_bit_identical_to_reference(
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(again[0], out_codes))
 
 
+def test_grouped_weight_quant_is_queued_without_a_device_sync() -> None:
+    """The grouped launch returns while earlier device work still runs (the refit's `load_weights`
+    host work overlaps it), and the codes it then writes are the reference's.
+
+    A ~0.5 s `torch.cuda._sleep` is queued first: a pageable host->device copy of the launch
+    table would wait for it, and the event after it would be complete on return."""
+    from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
+
+    weights = [w for w in _weight_cases().values() if w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0][:3]
+    out_codes = [torch.zeros(w.shape, dtype=torch.float8_e4m3fn, device="cuda") for w in weights]
+    out_scales = [torch.zeros((-(-w.shape[0] // 128), -(-w.shape[1] // 128)), device="cuda") for w in weights]
+    quantize_weights_blockwise_triton(weights, out_codes, out_scales, False)  # compiled before the timed part
+    for codes, scales in zip(out_codes, out_scales):
+        codes.zero_()
+        scales.zero_()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    busy = torch.cuda.Event()
+    busy.record()
+    quantize_weights_blockwise_triton(weights, out_codes, out_scales, False)
+    assert not busy.query(), "the grouped launch waited for the device"
+    for w, codes, scales in zip(weights, out_codes, out_scales):
+        ref_codes, ref_scales = quantize_weight_blockwise(w)
+        assert torch.equal(_bits(codes), _bits(ref_codes)) and torch.equal(_bits(scales), _bits(ref_scales))
+
+
 def test_grouped_weight_quant_rejects_bad_outputs() -> None:
     from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
 

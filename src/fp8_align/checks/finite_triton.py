@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_align.quant.triton_blockwise import TRITON_DTYPES
+from fp8_align.quant.triton_blockwise import TRITON_DTYPES, int64_table_to_device
 
 #: Launch configuration: elements one program reads per step, warps per program, programs per
 #: tensor per SM (benchmarks/tune_weight_quant.py times alternatives).
@@ -52,7 +52,7 @@ def flag_nonfinite_triton(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """int32 flags [len(tensors)] on the tensors' device: 1 where a tensor holds NaN or +-Inf.
 
     tensors: CUDA tensors of one device, each bf16, fp16 or fp32, any shape (non-contiguous ones
-    are read through a contiguous copy). Asynchronous: reading the flags synchronizes.
+    are read through a contiguous copy). Asynchronous (no device sync): reading the flags waits.
     With TRITON_INTERPRET=1 CPU tensors work too (how the CPU tests run this kernel).
     """
     if not tensors:
@@ -74,7 +74,7 @@ def flag_nonfinite_triton(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         for start in range(0, len(slots), MAX_TENSORS_PER_LAUNCH):
             group = slots[start : start + MAX_TENSORS_PER_LAUNCH]
             rows = [[contiguous[s].data_ptr() for s in group], [contiguous[s].numel() for s in group], group]
-            table = torch.tensor(rows, dtype=torch.int64, device=device)
+            table = int64_table_to_device(rows, device)
             largest = max(contiguous[s].numel() for s in group)
             grid = (min(programs, triton.cdiv(largest, block)), len(group))
             aligned = all(address % 16 == 0 for address in rows[0]) and all(numel % 16 == 0 for numel in rows[1])

@@ -43,6 +43,19 @@ LAUNCH = {"k_blocks": 1, "num_warps": 8, "num_stages": 1, "rows_per_pass": 64}
 GROUPED_LAUNCH = {"num_warps": 8, "rows_per_pass": 64}
 
 
+def int64_table_to_device(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """A [len(rows), len(rows[0])] int64 tensor of `rows` on `device`, without a stream sync.
+
+    A plain `.to("cuda")` of a pageable host tensor waits for all queued device work; this one
+    goes through pinned memory (torch's caching host allocator keeps it until the copy ran), so
+    the host can queue more work while the device is still busy.
+    """
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
 @triton.jit
 def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """`fp8_align.quant.scale_from_amax` in Triton, for FP32 amax tensors of any shape: amax / 448
@@ -235,7 +248,7 @@ def quantize_weights_blockwise_triton(
         first_block = [0, *itertools.accumulate(blocks)][:-1]
         # One small host -> device copy (rows 0-9: the table, 10: blocks, 11: first blocks); the
         # block -> weight map is expanded on the device, without a sync (`output_size` is known).
-        packed = torch.tensor([*rows, blocks, first_block], dtype=torch.int64).to(device)
+        packed = int64_table_to_device([*rows, blocks, first_block], device)
         table, first_block_on_device = packed[:10], packed[11]
         total_blocks = sum(blocks)
         weight_of_block = torch.repeat_interleave(

@@ -7,7 +7,8 @@ runs `_refit_in_worker`:
 
 1. Validate everything first (`plan_refit`): every name must be a tensor of the engine's own
    BF16 checkpoint (`model_config.model`), with that tensor's shape and dtype, and all values
-   finite. Any problem raises `RefitError` naming the tensor, before anything is written.
+   finite. Any problem raises `RefitError` naming the tensor, before anything is written. (The
+   NaN/Inf check runs on the device while the host maps names onto modules.)
 2. FP8 layers (`Fp8AlignLinearMethod`): each Hugging Face tensor (q_proj, k_proj, gate_proj, ...)
    is mapped onto its vLLM merged module (`packed_modules_mapping`) and shard, quantized by
    `fp8_align.quant.dispatch.quantize_weights_into` (the same 128x128 recipe and scale mode the
@@ -17,10 +18,11 @@ runs `_refit_in_worker`:
 3. Everything else (BF16 edge layers, embeddings, norms, lm_head). Where every one of those
    modules keeps its weights as loaded (`DIRECT_LOAD_METHODS` on CUDA: vLLM post-processes
    unquantized linears and embeddings only on CPU, where it repacks them) the tensors go
-   through the model's own `load_weights`, a plain copy, as for a BF16 engine. Otherwise
+   through the model's own `load_weights`, a plain copy, as for a BF16 engine, queued after
+   the FP8 quantization so that its host work overlaps the quantization kernel. Otherwise
    (vLLM-CPU) they go through vLLM's layerwise reload (`model_runner.reload_weights`), which
    rebuilds each module from checkpoint format and copies the result into the old kernel
-   tensors. That path rebuilds a whole module, so on every device a module outside FP8 must
+   tensors (before the FP8 shards are written). That path rebuilds a whole module, so on every device a module outside FP8 must
    receive all of its checkpoint tensors (all of q/k/v of a BF16 attention layer); partial
    sends there raise `RefitError`.
 
@@ -44,7 +46,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fp8_align.checks import nonfinite_tensors
+from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
 from fp8_align.vllm_plugin.kv_scales import read_layer_scales, write_layer_scales
 from fp8_align.vllm_plugin.shards import shard_slices
@@ -63,9 +65,9 @@ class RefitResult:
 
     fp8_tensors: int  # checkpoint tensors re-quantized in place into FP8 layers
     reloaded_tensors: int  # checkpoint tensors loaded through `load_weights` or vLLM's layerwise reload
-    #: seconds per phase: "receive" (files read, CUDA IPC mapped), "validate", "load" (the
-    #: non-FP8 modules), "quantize" (the FP8 shards), "release" (received tensors dropped, CUDA
-    #: IPC mappings closed); each ends with the device synchronized
+    #: seconds per phase: "receive" (files read, CUDA IPC mapped), "validate", "write" (FP8
+    #: shards quantized and the other modules loaded; on CUDA the two overlap), "release"
+    #: (received tensors dropped, CUDA IPC mappings closed); each ends with the device synchronized
     phase_seconds: dict[str, float]
 
     @property
@@ -191,19 +193,22 @@ def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: Pha
     clock.lap("receive")
     plan = plan_refit(model, updates, checkpoint_layout(worker.vllm_config.model_config.model))
     clock.lap("validate")
-    if plan.reload and plan.direct:
-        with torch.no_grad():
-            model.load_weights(iter(plan.reload.items()))
-    elif plan.reload:
-        # vLLM's reload resets every attention layer's KV scales to 1.0; keep the pushed ones.
-        kv_scales = read_layer_scales(model)
-        worker.model_runner.reload_weights(weights_iterator=iter(plan.reload.items()), is_checkpoint_format=True)
-        if kv_scales:
-            write_layer_scales(model, kv_scales)
-    clock.lap("load")
     with torch.no_grad():
-        _write_fp8_shards(plan.fp8)
-    clock.lap("quantize")
+        if plan.direct:
+            # The quantization kernel is queued first; the host work of `load_weights` (a Python
+            # call per tensor) then overlaps it on the device.
+            _write_fp8_shards(plan.fp8)
+            if plan.reload:
+                model.load_weights(iter(plan.reload.items()))
+        else:
+            if plan.reload:
+                # vLLM's reload resets every attention layer's KV scales to 1.0; keep the pushed ones.
+                kv_scales = read_layer_scales(model)
+                worker.model_runner.reload_weights(weights_iterator=iter(plan.reload.items()), is_checkpoint_format=True)
+                if kv_scales:
+                    write_layer_scales(model, kv_scales)
+            _write_fp8_shards(plan.fp8)
+    clock.lap("write")
     return len(plan.fp8), len(plan.reload)
 
 
@@ -276,7 +281,8 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
         raise RefitError("empty weight update")
     for name, tensor in updates.items():
         _check_tensor(name, tensor, layout)
-    _check_finite(updates)
+    names = list(updates)
+    nonfinite = start_nonfinite_check([updates[name] for name in names])  # runs while the plan is built
     modules = dict(model.named_modules())
     packed = dict(getattr(model, "packed_modules_mapping", {}))
     fp8: list[Fp8ShardWrite] = []
@@ -291,7 +297,11 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
         else:
             reload[name] = tensor
     _check_whole_modules(reload, layout, packed)
-    return RefitPlan(fp8, reload, _loads_directly(model, modules, reload, packed))
+    direct = _loads_directly(model, modules, reload, packed)
+    bad = nonfinite()
+    if bad:
+        raise RefitError(f"{names[bad[0]]}: holds NaN or Inf")
+    return RefitPlan(fp8, reload, direct)
 
 
 def _loads_directly(
@@ -316,18 +326,6 @@ def _check_tensor(name: str, tensor: torch.Tensor, layout: dict[str, TensorSpec]
         raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint has {spec.shape}")
     if tensor.dtype != spec.dtype:
         raise RefitError(f"{name}: dtype {tensor.dtype}, the checkpoint has {spec.dtype}")
-
-
-def _check_finite(updates: dict[str, torch.Tensor]) -> None:
-    """Raise RefitError naming the first tensor holding NaN or Inf.
-
-    `fp8_align.checks.nonfinite_tensors`: on CUDA one Triton pass over all tensors of a device
-    (each element read once) and one sync per device.
-    """
-    names = list(updates)
-    bad = nonfinite_tensors([updates[name] for name in names])
-    if bad:
-        raise RefitError(f"{names[bad[0]]}: holds NaN or Inf")
 
 
 def _vllm_target(name: str, packed: Mapping[str, list[str]]) -> tuple[str, str, int]:

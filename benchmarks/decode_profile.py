@@ -1,0 +1,153 @@
+"""Where a decode step's GPU time goes: BF16 vs fp8_align + FP8 KV, Qwen3-8B shape, one GPU.
+
+    python benchmarks/decode_profile.py --results DIR [--context 1536] [--steps 20]
+        [--batch bf16=140,fp8_align_kv=320]
+
+Per variant (own process): the engine of `rollout_throughput.py` (same checkpoint and settings),
+`batch` prompts of `context` random tokens each, generating 64 tokens, with vLLM's torch profiler
+recording `--steps` engine steps after the prefill (all sequences decoding at about `context`
+tokens of KV). The default batch sizes are what each variant's KV cache holds at the long
+rollout shape's mean context (512 prompt + 1024 of 2048 generated tokens). Writes
+DIR/decode_profile.json: per variant the decode step time (profiled wall time / steps), output
+tokens per second at that batch, and the GPU time per kernel family (attention, GEMM,
+activation quantization, ...) per step, from the profiler's self-CUDA-time table (also saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.rollout_throughput import QWEN3_8B, _device_and_versions, ensure_bf16_checkpoint  # noqa: E402
+
+#: Kernel-name patterns -> family (first match wins; the rest is "other").
+FAMILIES = (
+    ("kv_cache_write", r"reshape_and_cache|concat_and_cache"),
+    ("attention", r"flash|attn|attention|fmha"),
+    ("gemm", r"nvjet|gemm|cutlass|cublas|xmma|matmul|deep_gemm"),
+    ("activation_quant", r"quant"),
+    ("inductor_fused", r"triton_(poi|red|per)_fused"),
+    ("norm_act_rope", r"rms|norm|silu|act_and_mul|rotary|rope"),
+    ("sampling", r"softmax|exponential|argmax|sort|topk|sampl|distribution"),
+)
+_ROW = re.compile(r"^(?P<name>.+?)\s{2,}.*?(?P<self_cuda>[\d.]+)(?P<unit>ms|us|s)\s+[\d.]+%\s+[\d.]+(?:ms|us|s)\s+[\d.]+(?:ms|us|s)\s+(?P<calls>\d+)\s*$")
+
+
+def run_engine(variant: str, model: str, batch: int, context: int, steps: int, prof_dir: str) -> dict[str, Any]:
+    """Engine with the torch profiler armed for `steps` decode steps; timings (worker process)."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fp8_align.config import FP8Config
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    chunk = 16384  # vLLM 0.22's max_num_batched_tokens for an offline LLM on an 80 GB GPU
+    prefill_steps = math.ceil(batch * context / chunk)
+    kwargs: dict[str, Any] = dict(
+        model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.85,
+        max_model_len=2560, max_num_seqs=max(batch, 16), max_num_batched_tokens=chunk,
+        kv_cache_dtype="fp8" if variant == "fp8_align_kv" else "auto",
+        profiler_config={
+            "profiler": "torch", "torch_profiler_dir": prof_dir, "torch_profiler_with_stack": False,
+            "delay_iterations": prefill_steps + 8, "max_iterations": steps,
+        },
+    )  # fmt: skip
+    if variant == "fp8_align_kv":
+        kwargs.update(engine_kwargs(FP8Config(use_deep_gemm=False)))
+    llm = LLM(**kwargs)
+    g = torch.Generator().manual_seed(0)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in torch.randint(0, QWEN3_8B["vocab_size"], (batch, context), generator=g).tolist()]
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=1.0)
+    llm.generate(prompts[:16], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
+    llm.start_profile()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - start
+    llm.stop_profile()
+    return {"engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"}, "prefill_steps": prefill_steps,
+            "generate_s": generate_s}  # fmt: skip
+
+
+def _to_ms(value: str, unit: str) -> float:
+    return float(value) * {"s": 1e3, "ms": 1.0, "us": 1e-3}[unit]
+
+
+def kernel_families(table: str, steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """GPU ms per step by family, and the rows (name, self CUDA ms per step, calls per step)."""
+    families = dict.fromkeys([name for name, _ in FAMILIES] + ["other"], 0.0)
+    rows = []
+    for line in table.splitlines():
+        match = _ROW.match(line.strip())
+        if not match or match["name"].startswith(("Name", "Self", "-")):
+            continue
+        name, ms = match["name"].strip(), _to_ms(match["self_cuda"], match["unit"]) / steps
+        if ms == 0:
+            continue
+        family = next((fam for fam, pattern in FAMILIES if re.search(pattern, name, re.IGNORECASE)), "other")
+        families[family] += ms
+        rows.append({"name": name, "family": family, "ms_per_step": ms, "calls_per_step": int(match["calls"]) / steps})
+    return families, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=1536)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", default="bf16=140,fp8_align_kv=320")
+    parser.add_argument("--models", type=Path, default=Path("/root/models"))
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--worker", nargs=4, metavar=("VARIANT", "BATCH", "PROFDIR", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    bf16_dir = args.models / "qwen3_8b_random_bf16"
+    if args.worker:
+        variant, batch, prof_dir, result = args.worker
+        Path(result).write_text(json.dumps(run_engine(variant, str(bf16_dir), int(batch), args.context, args.steps, prof_dir)))
+        return 0
+    args.results.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **_device_and_versions(), "context": args.context, "steps": args.steps,
+        "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir), "variants": {},
+    }  # fmt: skip
+    for item in args.batch.split(","):
+        variant, batch = item.split("=")
+        prof_dir = args.results / f"decode_profile_{variant}"
+        prof_dir.mkdir(exist_ok=True)
+        result_path, log_path = Path(f"/tmp/decode_{variant}.json"), args.results / f"decode_profile_{variant}.log"
+        env = {**os.environ, "VLLM_USE_DEEP_GEMM": "0", "VLLM_CACHE_ROOT": f"/root/rollout_work/{variant}/cache/vllm"}
+        with open(log_path, "w") as log:
+            cmd = [sys.executable, __file__, "--context", str(args.context), "--steps", str(args.steps), "--models", str(args.models),
+                   "--worker", variant, batch, str(prof_dir), str(result_path)]  # fmt: skip
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        table_path = prof_dir / "profiler_out_0.txt"
+        if proc.returncode != 0 or not table_path.exists():
+            report["variants"][variant] = {"error": log_path.read_text(errors="replace")[-3000:]}
+            continue
+        families, rows = kernel_families(table_path.read_text(), args.steps)
+        gpu_ms = sum(families.values())
+        report["variants"][variant] = {
+            **json.loads(result_path.read_text()), "batch": int(batch), "gpu_ms_per_step": gpu_ms,
+            "tok_per_s_at_gpu_time": int(batch) / gpu_ms * 1e3, "families_ms_per_step": families,
+            "top_kernels": sorted(rows, key=lambda r: -r["ms_per_step"])[:25],
+        }  # fmt: skip
+        print(variant, json.dumps({k: report["variants"][variant][k] for k in ("batch", "gpu_ms_per_step", "families_ms_per_step")}), flush=True)
+    (args.results / "decode_profile.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
