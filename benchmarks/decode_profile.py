@@ -8,9 +8,10 @@ Per variant (own process): the engine of `rollout_throughput.py` (same checkpoin
 recording `--steps` engine steps after the prefill (all sequences decoding at about `context`
 tokens of KV). The default batch sizes are what each variant's KV cache holds at the long
 rollout shape's mean context (512 prompt + 1024 of 2048 generated tokens). Writes
-DIR/decode_profile.json: per variant the decode step time (profiled wall time / steps), output
-tokens per second at that batch, and the GPU time per kernel family (attention, GEMM,
-activation quantization, ...) per step, from the profiler's self-CUDA-time table (also saved).
+DIR/decode_profile.json: per variant the GPU time of a decode step (sum of its kernels), output
+tokens per second at that batch and step time, and the GPU time per kernel family (attention,
+GEMM, activation quantization, ...) per step, from the profiler's self-CUDA-time table (saved
+next to it; `kernel_families` reads it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ FAMILIES = (
     ("norm_act_rope", r"rms|norm|silu|act_and_mul|rotary|rope"),
     ("sampling", r"softmax|exponential|argmax|sort|topk|sampl|distribution"),
 )
+#: Rows that are not kernels but wrap them (the step's annotation, aten/custom ops whose "self"
+#: CUDA time repeats their kernels' time).
+_WRAPPER = re.compile(r"^(execute_context|[\w.]+::\w+$)")
 _ROW = re.compile(r"^(?P<name>.+?)\s{2,}.*?(?P<self_cuda>[\d.]+)(?P<unit>ms|us|s)\s+[\d.]+%\s+[\d.]+(?:ms|us|s)\s+[\d.]+(?:ms|us|s)\s+(?P<calls>\d+)\s*$")
 
 
@@ -94,7 +98,7 @@ def kernel_families(table: str, steps: int) -> tuple[dict[str, float], list[dict
         if not match or match["name"].startswith(("Name", "Self", "-")):
             continue
         name, ms = match["name"].strip(), _to_ms(match["self_cuda"], match["unit"]) / steps
-        if ms == 0:
+        if ms == 0 or _WRAPPER.match(name):
             continue
         family = next((fam for fam, pattern in FAMILIES if re.search(pattern, name, re.IGNORECASE)), "other")
         families[family] += ms

@@ -254,6 +254,8 @@ def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
         "VLLM_USE_DEEP_GEMM": "0",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # calibrate_kv_scales uses collective_rpc
     }
+    if spec["model_runner"]:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if spec["model_runner"] == "v2" else "0"
     spec_path, result_path, log_path = work / f"{name}.spec.json", work / f"{name}.result.json", work / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     with open(log_path, "w") as log:
@@ -268,6 +270,7 @@ def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
         match = re.search(pattern, text)
         result[field] = float(match.group(1)) if match else None
     result["attention_backend"] = sorted(set(re.findall(r"Using (\w+) attention backend", text)))
+    result["model_runner"] = "v2" if "Using V2 Model Runner" in text else "v1"
     warmups = re.findall(r"fp8_align: DeepGEMM warm-up N=\d+ K=\d+: \d+ M values in ([\d.]+) s", text)
     result["fp8_align_deepgemm_warmup_s"] = sum(map(float, warmups)) if warmups else None
     result["fp8_align_kernels"] = sorted(set(re.findall(r"fp8_align: model\.layers\.\S+ \[[^\]]*\]\] -> (\w+)", text)))
@@ -295,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", help="vLLM attention backend for every variant (default: vLLM's choice)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--max-num-seqs", type=int, help="default: the most prompts of the requested shapes")
+    parser.add_argument("--model-runner", choices=["v1", "v2"],
+                        help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); default: vLLM's choice, which in "
+                             "0.22 is V2 for an unquantized Qwen3 and V1 for every quantized model")  # fmt: skip
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--work", type=Path, default=Path("/root/rollout_work"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     # Variants already measured on this machine (an earlier call of this script) are kept, so
     # one run can be completed over several calls; every variant shares model and prompts.
     settings = {"attention_backend": args.attention_backend, "gpu_memory_utilization": args.gpu_memory_utilization,
-                "max_num_seqs": args.max_num_seqs}  # fmt: skip
+                "max_num_seqs": args.max_num_seqs, "model_runner": args.model_runner}  # fmt: skip
     # engine settings other than the defaults name the file: ratios only within one setting
     tag = "".join(f"_{key}_{value}" for key, value in settings.items() if value not in (None, 0.85))
     state_path = args.work / f"rollout_throughput_{'_'.join(shape_names)}{tag.lower()}.json"
