@@ -45,7 +45,7 @@ FAMILIES = (
 )
 #: Rows that are not kernels but wrap them (the step's annotation, aten/custom ops whose "self"
 #: CUDA time repeats their kernels' time).
-_WRAPPER = re.compile(r"^(execute_context|[\w.]+::\w+$)")
+_WRAPPER = re.compile(r"^(execute_context|[\w.]+::\w+$|cuda[A-Z]\w*$|cu[A-Z]\w*$|Activity Buffer)")
 _ROW = re.compile(r"^(?P<name>.+?)\s{2,}.*?(?P<self_cuda>[\d.]+)(?P<unit>ms|us|s)\s+[\d.]+%\s+[\d.]+(?:ms|us|s)\s+[\d.]+(?:ms|us|s)\s+(?P<calls>\d+)\s*$")
 
 
@@ -106,6 +106,16 @@ def kernel_families(table: str, steps: int) -> tuple[dict[str, float], list[dict
     return families, rows
 
 
+def summarize(measured: dict[str, Any], table: str, batch: int, steps: int) -> dict[str, Any]:
+    """One variant's report entry: the engine's measurements plus the kernel-time breakdown of `table`."""
+    families, rows = kernel_families(table, steps)
+    gpu_ms = sum(families.values())
+    return {
+        **measured, "batch": batch, "gpu_ms_per_step": gpu_ms, "tok_per_s_at_gpu_time": batch / gpu_ms * 1e3,
+        "families_ms_per_step": families, "top_kernels": sorted(rows, key=lambda r: -r["ms_per_step"])[:25],
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1536)
@@ -113,12 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="bf16=140,fp8_align_kv=320")
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--summarize", action="store_true",
+                        help="only recompute DIR/decode_profile.json's breakdowns from the saved tables")  # fmt: skip
     parser.add_argument("--worker", nargs=4, metavar=("VARIANT", "BATCH", "PROFDIR", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     bf16_dir = args.models / "qwen3_8b_random_bf16"
     if args.worker:
         variant, batch, prof_dir, result = args.worker
         Path(result).write_text(json.dumps(run_engine(variant, str(bf16_dir), int(batch), args.context, args.steps, prof_dir)))
+        return 0
+    if args.summarize:
+        path = args.results / "decode_profile.json"
+        report = json.loads(path.read_text())
+        for variant, entry in report["variants"].items():
+            table = (args.results / f"decode_profile_{variant}" / "profiler_out_0.txt").read_text()
+            measured = {k: entry[k] for k in ("engine_kwargs", "prefill_steps", "generate_s")}
+            report["variants"][variant] = summarize(measured, table, entry["batch"], report["steps"])
+        path.write_text(json.dumps(report, indent=2))
         return 0
     args.results.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -141,13 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0 or not table_path.exists():
             report["variants"][variant] = {"error": log_path.read_text(errors="replace")[-3000:]}
             continue
-        families, rows = kernel_families(table_path.read_text(), args.steps)
-        gpu_ms = sum(families.values())
-        report["variants"][variant] = {
-            **json.loads(result_path.read_text()), "batch": int(batch), "gpu_ms_per_step": gpu_ms,
-            "tok_per_s_at_gpu_time": int(batch) / gpu_ms * 1e3, "families_ms_per_step": families,
-            "top_kernels": sorted(rows, key=lambda r: -r["ms_per_step"])[:25],
-        }  # fmt: skip
+        report["variants"][variant] = summarize(json.loads(result_path.read_text()), table_path.read_text(), int(batch), args.steps)
         print(variant, json.dumps({k: report["variants"][variant][k] for k in ("batch", "gpu_ms_per_step", "families_ms_per_step")}), flush=True)
     (args.results / "decode_profile.json").write_text(json.dumps(report, indent=2))
     return 0

@@ -1,6 +1,7 @@
 """Rollout throughput on a Qwen3-8B-shaped random model: BF16 vs fp8_align vs vLLM's block FP8.
 
     python benchmarks/rollout_throughput.py --shapes short,long [--variants a,b] [--repeats short=3,long=1] --results DIR
+        [--gpu-memory-utilization F] [--max-num-seqs N] [--attention-backend NAME] [--model-runner v1|v2]
 
 Variants, each in its own process with cold compile/JIT caches (fresh VLLM_CACHE_ROOT,
 TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), all on the same token-id prompts:
@@ -34,6 +35,12 @@ generate, then per shape (fp8_align_kv: the K/V calibration on that shape's prom
 `--repeats` timed generates of `batch` prompts x (`in` tokens in, `out` tokens out, ignore_eos,
 temperature 1). Output tokens/s (median over repeats, each repeat kept) and the ratio to BF16
 measured in the same run go to DIR/rollout_throughput_<shapes>.json.
+
+Engine settings: gpu_memory_utilization 0.85, max_num_seqs = most prompts, vLLM's attention
+backend and model runner; `--gpu-memory-utilization`, `--max-num-seqs`, `--attention-backend`
+and `--model-runner v1|v2` change them for every variant of the call (results then go to a file
+named after the changed settings, so ratios stay within one setting). Each variant also reports
+its KV-cache capacity in tokens and vLLM's preemption count per timed generate.
 
 The BF16 checkpoint (random init, bf16, seed 0) and the FP8 checkpoint are created under
 --models on first use and reused while the machine lives.
