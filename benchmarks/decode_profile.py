@@ -38,8 +38,10 @@ FAMILIES = (
     ("kv_cache_write", r"reshape_and_cache|concat_and_cache"),
     ("attention", r"flash|attn|attention|fmha"),
     ("gemm", r"nvjet|gemm|cutlass|cublas|xmma|matmul|deep_gemm"),
-    ("activation_quant", r"quant"),
+    # Inductor's fused kernels (norms, activations, residual adds) are named after every op they
+    # feed, our quantization custom op included, so they are matched before "quant".
     ("inductor_fused", r"triton_(poi|red|per)_fused"),
+    ("activation_quant", r"quant"),
     ("norm_act_rope", r"rms|norm|silu|act_and_mul|rotary|rope"),
     ("sampling", r"softmax|exponential|argmax|sort|topk|sampl|distribution"),
 )

