@@ -5,7 +5,7 @@ whole module, because every engine start costs minutes on this machine. Its FP8 
 layers 1-2 of a 3-layer tiny Llama; layer 0 stays BF16 (vLLM-CPU repacks it), so both refit
 paths run. The tests run in file order on that one engine and each states what it leaves
 behind: bad updates (engine keeps W1), partial refit (one shard of W2), full refit to W2
-compared with a fresh W2 engine, KV scales, then 50 refits for memory.
+compared with a fresh W2 engine, KV scales, 50 refits for memory, then vLLM's own reload_weights.
 Reference engines run in subprocesses (`start_generation`), started at module setup.
 """
 
@@ -312,3 +312,44 @@ def test_fifty_refits_do_not_grow_worker_memory(llm, checkpoints, reference_jobs
     assert growth < RSS_SLACK_BYTES
     push_kv_scales(llm, {layer: {"k_scale": 1.0, "v_scale": 1.0, "q_scale": 1.0} for layer in range(NUM_LAYERS)})
     assert _generate(llm) == reference_jobs["fresh_w2"].wait()["outputs"]  # the last refit (step 49) loaded W2
+
+
+# --- 6. vLLM's own reload_weights re-quantizes FP8 layers with the engine's recipe (engine ends at W1) --
+
+#: Checkpoint projections of one decoder layer by vLLM module, in shard order.
+MERGED_SHARDS = {
+    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "self_attn.o_proj": ["self_attn.o_proj"],
+    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+    "mlp.down_proj": ["mlp.down_proj"],
+}
+
+
+def test_vllm_reload_weights_requantizes_fp8_layers_like_a_fresh_engine(llm, w1_outputs, checkpoints):
+    """vLLM's own weight-update entry point, the worker's `reload_weights` (a layerwise reload of a
+    checkpoint, what vLLM's weight-transfer path runs too), on an fp8_align engine: vLLM hands each
+    FP8 layer back to fp8_align's `process_weights_after_loading`, which quantizes the new BF16
+    weight with the engine's recipe, and copies the result into the old storage.
+
+    Engine at W2 -> reload of W1: every FP8 shard's codes and scales equal
+    `quantize_weight_blockwise` of that W1 tensor, storage unchanged, and generation equals the
+    engine's own W1 generation at the start of this module bit for bit (vLLM's reload sets the KV
+    scales back to 1.0, their value then; it also refreshes the CPU kernel's float32 copy of the
+    codes, a non-persistent buffer, or the logprobs would differ).
+    """
+    from fp8_align.vllm_plugin.shards import shard_slices
+
+    w1 = load_file(str(checkpoints["w1"] / "model.safetensors"))
+    pointers = llm.apply_model(_fp8_storage_pointers)[0]
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["w1"]), "is_checkpoint_format": True})
+    assert llm.apply_model(_fp8_storage_pointers)[0] == pointers
+    layers = _layers(llm)
+    for layer in range(1, NUM_LAYERS):  # layer 0 stays BF16
+        for module, parts in MERGED_SHARDS.items():
+            entry = layers[f"model.layers.{layer}.{module}"]
+            tensors = [w1[f"model.layers.{layer}.{part}.weight"] for part in parts]
+            for tensor, (rows, scale_rows) in zip(tensors, shard_slices([t.shape[0] for t in tensors])):
+                codes, scales = quantize_weight_blockwise(tensor)
+                assert torch.equal(entry["weight"][rows].view(torch.uint8), codes.view(torch.uint8)), (layer, module)
+                assert torch.equal(entry["weight_scale_inv"][scale_rows], scales), (layer, module)
+    assert _generate(llm) == w1_outputs

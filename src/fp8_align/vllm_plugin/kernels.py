@@ -46,12 +46,18 @@ class EmulatedBlockFp8Kernel(BlockFp8Kernel):
     core, against 1 ms for the matmul), so `prepare` keeps a float32 copy of the codes
     ([N, K], 4 bytes per weight on top of the 1-byte codes) and `weights_written` refreshes it
     in place after a refit. Same values, same bits as widening per call.
+
+    The copy is a plain attribute, not a registered buffer: vLLM's own layerwise reload
+    (`reload_weights`, weight transfer) re-runs `process_weights_after_loading`, hence `prepare`,
+    on the reloaded layer and then puts the layer's old parameters and buffers back (copying the
+    new values into them), except non-persistent buffers, which it restores without copying; an
+    attribute the processing set stays the fresh one.
     """
 
     name: str = "emulated"
 
     def prepare(self, layer: torch.nn.Module) -> None:
-        layer.register_buffer(CODES_F32, layer.weight.detach().to(torch.float32), persistent=False)
+        setattr(layer, CODES_F32, layer.weight.detach().to(torch.float32))
 
     def weights_written(self, layer: torch.nn.Module) -> None:
         getattr(layer, CODES_F32).copy_(layer.weight.detach())
