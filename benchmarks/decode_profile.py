@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.rollout_throughput import QWEN3_8B, _device_and_versions, ensure_bf16_checkpoint  # noqa: E402
 
+VARIANTS = ("bf16", "fp8_align_kv")
 #: Kernel-name patterns -> family (first match wins; the rest is "other").
 FAMILIES = (
     ("kv_cache_write", r"reshape_and_cache|concat_and_cache"),
@@ -150,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         **_device_and_versions(), "context": args.context, "steps": args.steps,
         "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir), "variants": {},
     }  # fmt: skip
-    for item in args.batch.split(","):
-        variant, batch = item.split("=")
+    batches = dict(item.split("=") for item in args.batch.split(","))
+    unknown = set(batches) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--batch names {sorted(unknown)}; variants are {', '.join(VARIANTS)}")
+    for variant, batch in batches.items():
         prof_dir = args.results / f"decode_profile_{variant}"
         prof_dir.mkdir(exist_ok=True)
         result_path, log_path = Path(f"/tmp/decode_{variant}.json"), args.results / f"decode_profile_{variant}.log"
