@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             report["variants"][variant] = summarize(measured, table, entry["batch"], report["steps"])
         path.write_text(json.dumps(report, indent=2))
         return 0
+    batches = dict(item.split("=") for item in args.batch.split(","))
+    unknown = set(batches) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--batch names {sorted(unknown)}; variants are {', '.join(VARIANTS)}")
     args.results.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -151,10 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         **_device_and_versions(), "context": args.context, "steps": args.steps,
         "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir), "variants": {},
     }  # fmt: skip
-    batches = dict(item.split("=") for item in args.batch.split(","))
-    unknown = set(batches) - set(VARIANTS)
-    if unknown:
-        parser.error(f"--batch names {sorted(unknown)}; variants are {', '.join(VARIANTS)}")
     for variant, batch in batches.items():
         prof_dir = args.results / f"decode_profile_{variant}"
         prof_dir.mkdir(exist_ok=True)
