@@ -122,3 +122,49 @@ def test_tp_logprobs_match_hf_fp8_emulation(tp_engine: Any, model_dir: Path, bac
     unaligned = (vllm_lp - _hf_logprobs(str(model_dir), None, completions)).abs().mean().item()
     print(f"\nTP={TP} {backend}: mean |dlogprob| vs HF fp8 emulation {aligned:.3e}, vs HF bf16 {unaligned:.3e}")
     assert aligned < unaligned
+
+
+def test_refit_under_tensor_parallel_requantizes_each_rank_slice(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`refit_weights(llm, W2 checkpoint)` into a TP=2 engine (multiprocessing executor, eager): the
+    FP8 layers go through vLLM's layerwise reload, whose loaders cut each rank's slice, then
+    fp8_align's processing; every rank then holds exactly `fp8_align.quant` of its slice of W2,
+    and the engine generates. (Token equality with a fresh engine is checked on CPU,
+    tests/test_vllm_plugin_tp.py: on this random GPU model engines do not repeat each other.)"""
+    from safetensors.torch import load_file
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fp8_align.vllm_plugin import engine_kwargs
+    from fp8_align.vllm_plugin.inspection import read_linear_layers
+    from fp8_align.vllm_plugin.refit import refit_weights
+
+    w2_dir = save_random_qwen3(tmp_path_factory.mktemp("qwen3_tp_w2"), SMALL, seed=1)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(w2_dir.glob("*.safetensors")):
+        weights.update(load_file(file))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    llm = LLM(
+        model=str(model_dir), dtype="bfloat16", seed=0, skip_tokenizer_init=True, enforce_eager=True,
+        **{**LLM_KWARGS, "tensor_parallel_size": TP, "distributed_executor_backend": "mp"},
+        **engine_kwargs(FP8Config.from_kwargs(**FIELDS)),
+    )  # fmt: skip
+    try:
+        results = refit_weights(llm, w2_dir)
+        assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
+        ranks = read_linear_layers(llm)
+        assert len(ranks) == TP
+        for rank, layers in enumerate(ranks):
+            for index in range(1, SMALL["num_hidden_layers"]):
+                for projection in PROJECTIONS:
+                    entry = layers[f"model.layers.{index}.{projection}"]
+                    codes, scales = expected_rank_fp8(weights, index, projection, rank, TP, pow2=True)
+                    assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, index, projection)
+                    assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, index, projection)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        out = llm.generate([TokensPrompt(prompt_token_ids=list(range(100, 124)))], params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 8
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
