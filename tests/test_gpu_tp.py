@@ -9,7 +9,8 @@ worker: layer 0 is BF16; every other projection holds exactly `fp8_align.quant` 
 slice of the HF weight (column-parallel q/k/v and gate/up: each projection's rows split in two,
 stacked per rank; row-parallel o/down: the input columns split in two), bit for bit; all scales
 are powers of two; generation works and its sampled-token logprobs agree with the HF FP8
-emulation as well as the single-GPU test requires.
+emulation as well as the single-GPU test requires. Also `refit_weights` into a TP=2 engine
+(eager): each rank's codes and scales equal the reference of its slice of the new weights.
 
 Run on the box with `--basetemp $OUT/pt` so the engine logs (next to each run's output) come
 back. Status: passed under both executors on nvidia-h200-x2 (2026-11-23, benchmarks/RESULTS.md
