@@ -110,6 +110,12 @@ def _assert_codes_equal(state: dict[str, Any], model_dir: Path) -> None:
     assert checked == (SMALL["num_hidden_layers"] - 1) * len(PROJECTIONS)
 
 
+def _assert_same_storage(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """Every FP8 layer's codes and scales still live where they did (captured graphs stay valid)."""
+    for name, entry in before.items():
+        assert after[name]["pointers"] == entry["pointers"], f"{name}: storage moved"
+
+
 def test_refit_cuda_tensors_in_place_equals_fresh_quantization(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
     from fp8_align.vllm_plugin.refit import refit_weights
 
@@ -121,8 +127,7 @@ def test_refit_cuda_tensors_in_place_equals_fresh_quantization(llm: Any, checkpo
     assert results[0].reloaded_tensors > 0  # layer 0 (BF16), embeddings, norms, lm_head
     after = llm.apply_model(_fp8_state)[0]
     _assert_codes_equal(after, checkpoints["w2"])
-    for name, entry in before.items():
-        assert after[name]["pointers"] == entry["pointers"], f"{name}: storage moved"
+    _assert_same_storage(before, after)
     outputs = _greedy(llm, prompts)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w1_outputs, "generation after the refit is the same as with W1"
@@ -171,8 +176,7 @@ def test_vllm_reload_weights_requantizes_in_place(llm: Any, checkpoints: dict[st
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["w2"]), "is_checkpoint_format": True})
     after = llm.apply_model(_fp8_state)[0]
     _assert_codes_equal(after, checkpoints["w2"])
-    for name, entry in before.items():
-        assert after[name]["pointers"] == entry["pointers"], f"{name}: storage moved"
+    _assert_same_storage(before, after)
     outputs = _greedy(llm, prompts)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w1_outputs, "generation after vLLM's reload is the same as with W1"
@@ -215,8 +219,7 @@ def test_vllm_weight_transfer_ipc_requantizes_in_place(checkpoints: dict[str, Pa
         engine.finish_weight_update()
         after = engine.apply_model(_fp8_state)[0]
         _assert_codes_equal(after, checkpoints["w2"])
-        for name, entry in before.items():
-            assert after[name]["pointers"] == entry["pointers"], f"{name}: storage moved"
+        _assert_same_storage(before, after)
         assert all(len(out["token_ids"]) == NEW_TOKENS for out in _greedy(engine, prompts))
     finally:
         engine.llm_engine.engine_core.shutdown()
