@@ -18,7 +18,7 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: int) -> Path:
     config = LlamaConfig(
         hidden_size=192, intermediate_size=384, num_hidden_layers=3, num_attention_heads=3,
         num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=512,
-        initializer_range=0.2, tie_word_embeddings=False, **overrides,
+        initializer_range=0.2, **{"tie_word_embeddings": False, **overrides},
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)

@@ -162,7 +162,7 @@ def test_worker_weights_are_fp8_align_codes(engine: Any, models: dict[str, Path]
         for projection in PROJECTIONS:
             state = layers[f"model.layers.{index}.{projection}"]
             if index in bf16_layers:
-                assert state["method"] == "UnquantizedLinearMethod", (index, projection)
+                assert state["method"] == "Fp8AlignBf16LinearMethod", (index, projection)
                 continue
             assert state["method"] == "Fp8AlignLinearMethod", (index, projection)
             assert state["kernel"] == EXPECTED_KERNELS[model][projection], (index, projection)

@@ -97,7 +97,7 @@ def test_every_rank_holds_its_fp8_slice(tp_engine: Any, model_dir: Path, backend
             for projection in PROJECTIONS:
                 state = layers[f"model.layers.{index}.{projection}"]
                 if index in bf16_layers:
-                    assert state["method"] == "UnquantizedLinearMethod", (rank, index, projection)
+                    assert state["method"] == "Fp8AlignBf16LinearMethod", (rank, index, projection)
                     continue
                 assert state["method"] == "Fp8AlignLinearMethod", (rank, index, projection)
                 codes, scales = expected_rank_fp8(weights, index, projection, rank, TP, pow2=True)

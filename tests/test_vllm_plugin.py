@@ -65,7 +65,7 @@ def _assert_layers(run: dict, checkpoint: Path, bf16_layers: set[int], pow2: boo
         for module in SHARDS:
             entry = layers[f"model.layers.{index}.{module}"]
             if index in bf16_layers:
-                assert entry["method"] == "UnquantizedLinearMethod", (index, module)
+                assert entry["method"] == "Fp8AlignBf16LinearMethod", (index, module)
                 continue
             assert entry["method"] == "Fp8AlignLinearMethod" and entry["kernel"] == "emulated"
             codes, scales = _expected_fp8(checkpoint, index, module, pow2)

@@ -73,7 +73,7 @@ def test_every_rank_holds_its_fp8_slice(tp_run: dict, model_dir: Path) -> None:
             for projection in PROJECTIONS:
                 entry = layers[f"model.layers.{index}.{projection}"]
                 if index == 0:
-                    assert entry["method"] == "UnquantizedLinearMethod", (rank, projection)
+                    assert entry["method"] == "Fp8AlignBf16LinearMethod", (rank, projection)
                     continue
                 assert entry["method"] == "Fp8AlignLinearMethod" and entry["kernel"] == "emulated", (rank, index, projection)
                 codes, scales = expected_rank_fp8(weights, index, projection, rank, TP, pow2=True)

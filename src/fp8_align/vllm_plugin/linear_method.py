@@ -1,4 +1,5 @@
-"""The linear method vLLM calls for every FP8 layer: load BF16, quantize, run block FP8."""
+"""The linear methods of an fp8_align engine: block FP8 (load BF16, quantize, run block FP8), and
+BF16 for the layers the recipe keeps in BF16."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
@@ -14,7 +15,9 @@ from fp8_align.config import FP8Config
 from fp8_align.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
 from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, select_kernel
+from fp8_align.vllm_plugin.compat import dispatch_cpu_unquantized_gemm
 from fp8_align.vllm_plugin.shards import shard_slices
+from fp8_align.vllm_plugin.weight_sync import requantizing_weight_loader
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -54,23 +57,27 @@ class Fp8AlignLinearMethod(LinearMethodBase):
     ) -> None:
         """A BF16 weight the stock loaders fill; it is quantized after loading."""
         weight_loader = extra_weight_attrs.pop("weight_loader")
-        weight = ModelWeightParameter(
-            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
-            input_dim=1,
-            output_dim=0,
-            weight_loader=weight_loader,
-        )
-        layer.register_parameter("weight", weight)
-        set_weight_attrs(weight, extra_weight_attrs)
+        layer.fp8_align_weight_attrs = dict(extra_weight_attrs)
+        shape = (sum(output_partition_sizes), input_size_per_partition)
+        layer.register_parameter("weight", bf16_weight_parameter(layer, shape, params_dtype, weight_loader))
         layer.fp8_align_shard_sizes = list(output_partition_sizes)
         layer.fp8_align_prefix = self.prefix
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Quantize the loaded BF16 weight to E4M3 codes + FP32 block scales, in place."""
+        """Quantize the loaded BF16 weight to E4M3 codes + FP32 block scales.
+
+        Idempotent: a layer that already holds FP8 codes is left as it is (verl runs vLLM's
+        `process_weights_after_loading` over the whole model again after every weight sync).
+        The codes Parameter gets a `weight_loader` that re-quantizes whatever the model's own
+        `load_weights` sends it later (`weight_sync.requantizing_weight_loader`).
+        """
+        if layer.weight.dtype == FP8_DTYPE:
+            return
         bf16 = layer.weight.data
         codes, scales = quantize_shards(bf16, layer.fp8_align_shard_sizes, self.cfg.use_weight_pow2_scale)
         kernel = select_kernel(self.cfg, codes.shape, layer.fp8_align_shard_sizes, bf16.device, out_dtype=bf16.dtype)
         layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+        layer.weight.weight_loader = requantizing_weight_loader(layer)
         layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
         layer.fp8_align_kernel = kernel
         kernel.prepare(layer)
@@ -80,3 +87,32 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         """y = x @ W.T (+ bias) in block FP8 with 1x128 dynamic activation groups."""
         kernel: BlockFp8Kernel = layer.fp8_align_kernel
         return kernel.apply(layer, x, bias, self.cfg.use_activation_pow2_scale)
+
+
+class Fp8AlignBf16LinearMethod(UnquantizedLinearMethod):
+    """vLLM's BF16 linear for the layers an fp8_align engine keeps in BF16, loadable after start.
+
+    On CPU vLLM packs a BF16 weight for its GEMM library and then drops the loaded weight (an
+    empty Parameter is left), so a later `model.load_weights` into the layer fails. Here the
+    loaded weight is kept next to the packed copy (same GEMM, same numerics), and
+    `weight_sync` packs it again after the model's own `load_weights` wrote into it. On GPUs
+    vLLM uses the loaded weight as it is, and this method is vLLM's.
+    """
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if layer.weight.device.type == "cpu" and not getattr(layer, "_cpu_skip_gemm_dispatch", False):
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            return
+        super().process_weights_after_loading(layer)
+
+
+def bf16_weight_parameter(
+    layer: torch.nn.Module, shape: tuple[int, int], dtype: torch.dtype, weight_loader: Any, device: torch.device | None = None
+) -> ModelWeightParameter:
+    """An empty [N, K] weight Parameter as vLLM's BF16 linears create it (output dim 0, input dim 1,
+    `weight_loader`, the layer's extra weight attributes), on `device` (default: torch's default)."""
+    weight = ModelWeightParameter(
+        data=torch.empty(shape, dtype=dtype, device=device), input_dim=1, output_dim=0, weight_loader=weight_loader
+    )
+    set_weight_attrs(weight, layer.fp8_align_weight_attrs)
+    return weight

@@ -1,5 +1,12 @@
 """Every change fp8_align makes to vLLM's behaviour, in one place.
 
+`weight_sync_on_loaded_models` wraps the module function
+`vllm.model_executor.model_loader.base_loader.process_weights_after_loading` (the name
+`BaseModelLoader.load_model` calls, looked up at call time): after vLLM processed a freshly
+loaded model, fp8_align installs its weight sync on that model instance
+(`weight_sync.install_weight_sync`: `model.load_weights` validates and re-quantizes), only when the
+model has fp8_align layers; `undo_patches()` also removes it from every model it was installed on.
+
 Each patch names the vLLM symbol and the versions it targets, is applied only when an engine is
 built with `quantization="fp8_align"` (from `Fp8AlignQuantConfig.get_quant_method`, i.e. in the
 worker that builds the model), is idempotent, and can be undone with `undo_patches()`.
@@ -45,11 +52,12 @@ logger = logging.getLogger("vllm.fp8_align")
 
 @dataclass(frozen=True)
 class MethodPatch:
-    """Replace `<module>.<cls>.<attribute>` by `wrap(original)`, remembering the original."""
+    """Replace `<module>.<cls>.<attribute>` (or the module function `<module>.<attribute>` when
+    `cls` is None) by `wrap(original)`, remembering the original."""
 
     name: str
     module: str
-    cls: str
+    cls: str | None
     attribute: str
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
     versions: tuple[tuple[int, int], ...]
@@ -57,7 +65,12 @@ class MethodPatch:
 
     @property
     def target(self) -> str:
-        return f"{self.module}.{self.cls}.{self.attribute}"
+        return ".".join(part for part in (self.module, self.cls, self.attribute) if part)
+
+    def owner(self) -> Any:
+        """The module or class holding `attribute`."""
+        module = importlib.import_module(self.module)
+        return module if self.cls is None else getattr(module, self.cls)
 
 
 def _hash_with_fp8_align_config(compute_hash: Callable[[Any], str]) -> Callable[[Any], str]:
@@ -70,6 +83,21 @@ def _hash_with_fp8_align_config(compute_hash: Callable[[Any], str]) -> Callable[
         if fp8_config is None:
             return base
         return hashlib.sha256(f"{base}|fp8_align:{fp8_config.to_json()}".encode()).hexdigest()[:10]
+
+    return patched
+
+
+def _install_sync_after_processing(process: Callable[..., None]) -> Callable[..., None]:
+    """`process_weights_after_loading(model, model_config, target_device)` that then installs
+    fp8_align's weight sync on the model (`weight_sync.install_weight_sync`; models without
+    fp8_align layers are left as they are)."""
+
+    @functools.wraps(process)
+    def patched(model: torch.nn.Module, model_config: Any, target_device: torch.device) -> None:
+        process(model, model_config, target_device)
+        from fp8_align.vllm_plugin.weight_sync import install_weight_sync
+
+        install_weight_sync(model, model_config)
 
     return patched
 
@@ -90,7 +118,21 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
                 "engine with another FP8Config (BF16 layers, pow2 scales) on the same model would "
                 "load the first one's compiled graph"
             ),
-        )
+        ),
+        MethodPatch(
+            name="weight_sync_on_loaded_models",
+            module="vllm.model_executor.model_loader.base_loader",
+            cls=None,
+            attribute="process_weights_after_loading",
+            wrap=_install_sync_after_processing,
+            versions=((0, 22), (0, 32)),
+            reason=(
+                "RL stacks sync weights with the model's own load_weights; BaseModelLoader.load_model "
+                "calls this module's process_weights_after_loading once the engine's weights are "
+                "quantized, and the hook makes that model's load_weights validate and re-quantize "
+                "(fp8_align.vllm_plugin.weight_sync)"
+            ),
+        ),
     ]
 
 
@@ -106,7 +148,7 @@ def apply_patches(cfg: FP8Config) -> list[str]:
         if series not in patch.versions:
             continue
         if patch.name not in _applied:
-            owner = getattr(importlib.import_module(patch.module), patch.cls)
+            owner = patch.owner()
             original = getattr(owner, patch.attribute)
             setattr(owner, patch.attribute, patch.wrap(original))
             _applied[patch.name] = (patch, original)
@@ -117,9 +159,12 @@ def apply_patches(cfg: FP8Config) -> list[str]:
 
 def undo_patches() -> None:
     """Restore everything `apply_patches` and `probe_attention` changed."""
+    from fp8_align.vllm_plugin.weight_sync import uninstall_all
+
     for patch, original in _applied.values():
-        setattr(getattr(importlib.import_module(patch.module), patch.cls), patch.attribute, original)
+        setattr(patch.owner(), patch.attribute, original)
     _applied.clear()
+    uninstall_all()
     for entry in list(_probed.values()):
         unprobe_attention(entry.impl)
 

