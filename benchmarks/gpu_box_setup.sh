@@ -7,9 +7,13 @@
 #    /tmp/ep (vLLM loads plugins in its engine and worker processes from entry points only).
 # 3. Exports PYTHONPATH and the vLLM settings the box needs, and writes the versions to
 #    $OUT/env.txt when $OUT is set.
-if [ ! -f /root/kit/.complete ]; then
-  [ -f .gpukit/unpack.sh ] || { echo "gpu_box_setup: /root/kit missing and .gpukit not carried: stage the parts first"; return 1; }
-  bash .gpukit/unpack.sh || return 1
+#    FP8_ALIGN_GPUKIT names the bundle folder (default .gpukit; e.g. .gpukit25 for a vLLM 0.25.1
+#    bundle built with `bash ../shared/gpu-kit/build.sh .gpukit25 LIST ray==2.60.0`).
+kit="${FP8_ALIGN_GPUKIT:-.gpukit}"
+if [ -f "$kit/unpack.sh" ]; then
+  bash "$kit/unpack.sh" || return 1  # extracts only when /root/kit holds another bundle
+elif [ ! -f /root/kit/.complete ]; then
+  echo "gpu_box_setup: /root/kit missing and $kit not carried: stage the parts first"; return 1
 fi
 mkdir -p /tmp/ep/fp8_align-0.1.0.dist-info
 printf 'Metadata-Version: 2.1\nName: fp8-align\nVersion: 0.1.0\n' > /tmp/ep/fp8_align-0.1.0.dist-info/METADATA

@@ -191,6 +191,7 @@ def test_vllm_weight_transfer_ipc_requantizes_in_place(checkpoints: dict[str, Pa
     backend is an engine setting."""
     pytest.importorskip("ray", reason="vLLM 0.22's IPC weight-transfer engine module imports ray")
     import base64
+    import inspect
     import pickle
 
     from vllm import LLM
@@ -213,7 +214,9 @@ def test_vllm_weight_transfer_ipc_requantizes_in_place(checkpoints: dict[str, Pa
             engine.update_weights({"update_info": update})
 
         engine.init_weight_transfer_engine({"init_info": {}})
-        engine.start_weight_update(is_checkpoint_format=True)
+        # vLLM 0.22 takes the weights' format here; 0.25 dropped the argument (checkpoint format only).
+        takes_format = "is_checkpoint_format" in inspect.signature(engine.start_weight_update).parameters
+        engine.start_weight_update(**({"is_checkpoint_format": True} if takes_format else {}))
         weights = _cuda_weights(checkpoints["w2"])
         IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": send})
         engine.finish_weight_update()

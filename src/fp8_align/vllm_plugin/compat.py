@@ -6,8 +6,27 @@ the vLLM version; the version gate itself is `fp8_align.versions`.
 
 from __future__ import annotations
 
+import torch
+
 # vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight): packs a
 # BF16 linear's weight for the CPU GEMM library (layer.cpu_linear). vLLM 0.22, 0.32.
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-__all__ = ["dispatch_cpu_unquantized_gemm"]
+__all__ = ["cutlass_block_fp8_mm", "dispatch_cpu_unquantized_gemm"]
+
+
+def cutlass_block_fp8_mm(
+    x_fp8: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """vLLM's CUTLASS block-FP8 GEMM: x_fp8 [M, K] e4m3 with x_scale [M, K/128] (column-major),
+    weight [N, K] e4m3 with weight_scale [N/128, K/128] fp32 -> [M, N] out_dtype.
+
+    vLLM 0.20-0.22 on Hopper route it through the custom op `torch.ops.vllm.padded_cutlass` (M padded
+    to a multiple of 4); 0.25 removed that op and calls `_custom_ops.cutlass_scaled_mm` directly
+    for every M. Whichever the installed release has is called, the way vLLM itself calls it.
+    """
+    if hasattr(torch.ops.vllm, "padded_cutlass"):
+        return torch.ops.vllm.padded_cutlass(x_fp8, weight, x_scale, weight_scale, [128, 128], out_dtype)
+    from vllm import _custom_ops
+
+    return _custom_ops.cutlass_scaled_mm(x_fp8, weight.T, scale_a=x_scale, scale_b=weight_scale.T, out_dtype=out_dtype)

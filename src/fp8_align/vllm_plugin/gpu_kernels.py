@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 # Importing these vLLM modules registers the custom ops the backends call:
-# torch.ops.vllm.fp8_gemm_nt_op, .padded_cutlass and .w8a8_triton_block_scaled_mm_func.
+# torch.ops.vllm.fp8_gemm_nt_op, .w8a8_triton_block_scaled_mm_func (and .padded_cutlass up to 0.22).
 import vllm.model_executor.kernels.linear.scaled_mm.cutlass  # noqa: F401
 import vllm.model_executor.kernels.linear.scaled_mm.deep_gemm  # noqa: F401
 import vllm.model_executor.kernels.linear.scaled_mm.triton  # noqa: F401
@@ -54,6 +54,7 @@ from vllm.triton_utils import HAS_TRITON
 from vllm.utils.deep_gemm import is_deep_gemm_supported
 
 from fp8_align.config import FP8Config
+from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.quant import E4M3_MAX
 from fp8_align.quant.scales import FP32_TINY
 from fp8_align.quant.triton_blockwise import BLOCK, scale_from_amax_triton
@@ -360,7 +361,7 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
 
 @dataclass(frozen=True)
 class CutlassBlockFp8Kernel(GpuBlockFp8Kernel):
-    """vLLM's CUTLASS block-scaled FP8 GEMM (`padded_cutlass`: M padded to 4 on Hopper)."""
+    """vLLM's CUTLASS block-scaled FP8 GEMM (`compat.cutlass_block_fp8_mm`)."""
 
     name: str = "cutlass"
     scale_layout: ClassVar[ScaleLayout] = ScaleLayout.COLUMN_MAJOR
@@ -374,7 +375,7 @@ class CutlassBlockFp8Kernel(GpuBlockFp8Kernel):
         return _full_blocks_reason(shape)
 
     def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return torch.ops.vllm.padded_cutlass(x_fp8, layer.weight, x_scale, layer.weight_scale_inv, [BLOCK, BLOCK], out_dtype)
+        return cutlass_block_fp8_mm(x_fp8, layer.weight, x_scale, layer.weight_scale_inv, out_dtype)
 
 
 @dataclass(frozen=True)
