@@ -43,15 +43,6 @@ def load_weights_once(worker: Any, path: str, names: list[str] | None, extra_pat
     worker.model_runner.model.load_weights(batch)
 
 
-def fp8_storage_pointers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """Data pointers of every FP8 layer's codes and scales."""
-    return {
-        name: (module.weight.data_ptr(), module.weight_scale_inv.data_ptr())
-        for name, module in model.named_modules()
-        if hasattr(module, "fp8_align_kernel")
-    }
-
-
 def bf16_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """CPU copies of the weights of every module that is not FP8 and has a 2-D weight (BF16
     linears, embeddings, lm_head)."""

@@ -32,25 +32,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_gpu_plugin import SMALL, save_random_qwen3
-from tests.test_gpu_refit import (
-    _assert_codes_equal, _assert_same_storage, _cuda_weights, _fp8_state, _greedy, LLM_KWARGS, NEW_TOKENS, FP8_FIELDS,
+from tests.test_gpu_refit import (  # noqa: F401  (checkpoints, prompts: the refit tests' fixtures, W1/W2)
+    FP8_FIELDS, LLM_KWARGS, NEW_TOKENS, _assert_codes_equal, _assert_same_storage, _cuda_weights, _fp8_state, _greedy,
+    checkpoints, prompts,
 )  # fmt: skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 VERL_JOB_ID = f"fp8align{os.getpid()}"
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {name: save_random_qwen3(tmp_path_factory.mktemp(f"sync_{name}"), SMALL, seed) for name, seed in (("w1", 0), ("w2", 1))}
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(2)
-    return torch.randint(0, SMALL["vocab_size"], (4, 20), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +62,23 @@ def llm(checkpoints: dict[str, Path]) -> Any:
     gc.collect()
 
 
-def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
+def _openrlhf_push(llm: Any, name: str, param: torch.Tensor, last: bool) -> None:
+    """OpenRLHF's trainer side of one tensor (ppo_actor.py:437-463) and its engine call (vllm_engine.py:121)."""
     from openrlhf.trainer.ray.utils import get_physical_gpu_id
     from torch.multiprocessing.reductions import reduce_tensor
 
+    weight = param.data.clone()
+    ipc_handles = {get_physical_gpu_id(): reduce_tensor(weight)}
+    llm.collective_rpc("update_weight_cuda_ipc", args=(name, param.dtype, param.shape, ipc_handles, last))
+
+
+def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
     before = llm.apply_model(_fp8_state)[0]
     _assert_codes_equal(before, checkpoints["w1"])
     w1_outputs = _greedy(llm, prompts)  # graphs captured and replayed before the sync
     weights = _cuda_weights(checkpoints["w2"])
     for count, (name, param) in enumerate(weights.items(), start=1):
-        weight = param.data.clone()  # ppo_actor.py:437-440
-        ipc_handles = {get_physical_gpu_id(): reduce_tensor(weight)}
-        llm.collective_rpc("update_weight_cuda_ipc", args=(name, param.dtype, param.shape, ipc_handles, count == len(weights)))
-        del weight
+        _openrlhf_push(llm, name, param, count == len(weights))
     after = llm.apply_model(_fp8_state)[0]
     _assert_codes_equal(after, checkpoints["w2"])
     _assert_same_storage(before, after)
@@ -125,15 +118,12 @@ def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict
 
 
 def test_bad_tensor_through_openrlhf_is_refused_and_nothing_written(llm: Any, checkpoints: dict[str, Path]) -> None:
-    from openrlhf.trainer.ray.utils import get_physical_gpu_id
-    from torch.multiprocessing.reductions import reduce_tensor
-
     before = llm.apply_model(_fp8_state)[0]
     name = "model.layers.2.mlp.down_proj.weight"
     weight = _cuda_weights(checkpoints["w2"])[name].clone()
     weight[5, 7] = float("inf")
     with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
-        llm.collective_rpc("update_weight_cuda_ipc", args=(name, weight.dtype, weight.shape, {get_physical_gpu_id(): reduce_tensor(weight)}, True))
+        _openrlhf_push(llm, name, weight, True)
     after = llm.apply_model(_fp8_state)[0]
     for layer in before:
         assert torch.equal(before[layer]["weight"].view(torch.uint8), after[layer]["weight"].view(torch.uint8)), layer

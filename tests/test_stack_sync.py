@@ -31,24 +31,13 @@ from fp8_align.vllm_plugin.kv_scales import push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.shards import shard_slices
 from tests import stack_sync_calls as calls
 from tests.model_factory import make_tiny_llama
+from tests.test_refit import (
+    ENGINE, FP8_CONFIG, MAX_TOKENS, MERGED_SHARDS, NUM_LAYERS, PROMPTS, _fp8_storage_pointers, _generate,
+)  # the same tiny engine settings, prompts and helpers as the refit tests
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
-MAX_TOKENS = 12
-#: As tests/test_refit.py: an explicit small KV cache so that engines side by side fit in memory.
-ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
-          "max_num_batched_tokens": 256}
-FP8_CONFIG = {"num_first_layers_in_bf16": 1}
-NUM_LAYERS = 3
 OPENRLHF_WORKER = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
-#: Checkpoint projections of one decoder layer by vLLM module, in shard order.
-MERGED_SHARDS = {
-    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-    "self_attn.o_proj": ["self_attn.o_proj"],
-    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
-    "mlp.down_proj": ["mlp.down_proj"],
-}
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +75,6 @@ def llm(checkpoints, fresh_w2):
 @pytest.fixture(scope="module")
 def w1_outputs(llm) -> list[dict[str, Any]]:
     return _generate(llm)
-
-
-def _generate(llm) -> list[dict[str, Any]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-    outputs = []
-    for prompt, result in zip(PROMPTS, results):
-        completion = result.outputs[0]
-        token_ids = list(completion.token_ids)
-        logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
-        outputs.append({"prompt_ids": prompt, "token_ids": token_ids, "logprobs": logprobs})
-    return outputs
 
 
 def _fp8_layers(llm) -> dict[str, dict[str, Any]]:
@@ -177,12 +151,12 @@ def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpo
     w2 = load_file(str(w2_path))
     scales = {layer: {"k_scale": 0.5, "v_scale": 0.25, "q_scale": 0.125} for layer in range(NUM_LAYERS)}
     push_kv_scales(llm, scales)
-    pointers = llm.apply_model(calls.fp8_storage_pointers)[0]
+    pointers = llm.apply_model(_fp8_storage_pointers)[0]
 
     [info] = llm.collective_rpc(calls.openrlhf_update_weights, args=(str(w2_path), list(w2)))
     assert "WorkerWrap" in info["worker_classes"]  # OpenRLHF's class is mixed into the vLLM worker
 
-    assert llm.apply_model(calls.fp8_storage_pointers)[0] == pointers
+    assert llm.apply_model(_fp8_storage_pointers)[0] == pointers
     assert read_kv_scales(llm) == [scales]
     layers = _fp8_layers(llm)
     _assert_fp8_layers_hold(layers, w2)
