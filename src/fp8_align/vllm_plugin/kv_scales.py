@@ -125,6 +125,11 @@ def _write_attention_scales(attn: torch.nn.Module, values: dict[str, float]) -> 
 
 
 def _push_kv_scales_in_worker(worker: Any, payload: KVScales) -> None:
+    from fp8_align.vllm_plugin.compat import kv_scales_unread_reason
+
+    reason = kv_scales_unread_reason()
+    if reason:
+        raise KVScaleError(f"K/V scales not pushed: {reason}")
     write_layer_scales(worker.get_model(), payload)
 
 
