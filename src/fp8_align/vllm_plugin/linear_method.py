@@ -14,8 +14,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from fp8_align.config import FP8Config
 from fp8_align.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
-from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, select_kernel
 from fp8_align.vllm_plugin.compat import dispatch_cpu_unquantized_gemm
+from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, select_kernel
 from fp8_align.vllm_plugin.shards import shard_slices
 from fp8_align.vllm_plugin.weight_sync import requantizing_weight_loader
 

@@ -283,7 +283,7 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
     if not updates:
         raise RefitError("empty weight update")
     for name, tensor in updates.items():
-        _check_tensor(name, tensor, layout)
+        check_tensor(name, tensor, layout)
     names = list(updates)
     nonfinite = start_nonfinite_check([updates[name] for name in names])  # runs while the plan is built
     modules = dict(model.named_modules())
@@ -324,14 +324,20 @@ def _loads_directly(
     return True
 
 
-def _check_tensor(name: str, tensor: torch.Tensor, layout: dict[str, TensorSpec]) -> None:
+def check_tensor(
+    name: str, tensor: torch.Tensor, layout: dict[str, TensorSpec], dtypes: tuple[torch.dtype, ...] | None = None
+) -> None:
+    """RefitError unless `name` is in `layout` with `tensor`'s shape, and `tensor`'s dtype is the
+    checkpoint's (or, when given, one of `dtypes`)."""
     spec = layout.get(name)
     if spec is None:
         raise RefitError(f"{name}: not a tensor of the engine's checkpoint")
     if tuple(tensor.shape) != spec.shape:
         raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint has {spec.shape}")
-    if tensor.dtype != spec.dtype:
+    if dtypes is None and tensor.dtype != spec.dtype:
         raise RefitError(f"{name}: dtype {tensor.dtype}, the checkpoint has {spec.dtype}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        raise RefitError(f"{name}: dtype {tensor.dtype}; fp8_align takes {', '.join(str(d) for d in dtypes)}")
 
 
 def _vllm_target(name: str, packed: Mapping[str, list[str]]) -> tuple[str, str, int]:

@@ -194,7 +194,7 @@ def _synced_load_weights(
     if _vllm_is_reloading(state):
         return class_load_weights(model, weights)
     batch = list(weights)
-    validate_sync_batch(model, batch, state.model_config)
+    validate_sync_batch(batch, state.model_config)
     state.dirty.clear()
     with torch.no_grad():
         loaded = class_load_weights(model, batch)
@@ -212,16 +212,18 @@ def _vllm_is_reloading(state: _SyncState) -> bool:
     )
 
 
-def validate_sync_batch(model: torch.nn.Module, batch: list[tuple[str, torch.Tensor]], model_config: Any) -> None:
+def validate_sync_batch(batch: list[tuple[str, torch.Tensor]], model_config: Any) -> None:
     """Check one `load_weights` call before anything is written; raise RefitError naming the
     first bad tensor. Each entry must be (name, tensor) with a name of the engine's checkpoint
     (`lm_head.weight` also when the model ties it to the embeddings), that tensor's shape, a
     dtype in SYNC_DTYPES, no name twice, and only finite values."""
     from fp8_align.checks import start_nonfinite_check
-    from fp8_align.vllm_plugin.refit import RefitError, checkpoint_layout
+    from fp8_align.vllm_plugin.refit import RefitError, check_tensor, checkpoint_layout
 
     layout = checkpoint_layout(model_config.model)
-    tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+    if getattr(model_config.hf_text_config, "tie_word_embeddings", False) and "lm_head.weight" not in layout:
+        embeddings = next((spec for name, spec in layout.items() if name.endswith("embed_tokens.weight")), None)
+        layout = {**layout, "lm_head.weight": embeddings} if embeddings else layout
     seen: set[str] = set()
     for entry in batch:
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
@@ -230,15 +232,7 @@ def validate_sync_batch(model: torch.nn.Module, batch: list[tuple[str, torch.Ten
         if name in seen:
             raise RefitError(f"{name}: sent twice in one load_weights call")
         seen.add(name)
-        spec = layout.get(name)
-        if spec is None and tied and name == "lm_head.weight":
-            spec = next((s for n, s in layout.items() if n.endswith("embed_tokens.weight")), None)
-        if spec is None:
-            raise RefitError(f"{name}: not a tensor of the engine's checkpoint ({model_config.model})")
-        if tuple(tensor.shape) != spec.shape:
-            raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint has {spec.shape}")
-        if tensor.dtype not in SYNC_DTYPES:
-            raise RefitError(f"{name}: dtype {tensor.dtype}; fp8_align takes {', '.join(str(d) for d in SYNC_DTYPES)}")
+        check_tensor(name, tensor, layout, SYNC_DTYPES)
     bad = start_nonfinite_check([tensor for _, tensor in batch])()
     if bad:
         raise RefitError(f"{batch[bad[0]][0]}: holds NaN or Inf")
