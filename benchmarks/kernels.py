@@ -42,7 +42,7 @@ from triton.testing import do_bench
 from fp8_align.config import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
-from fp8_align.vllm_plugin import gpu_kernels as gk
+from fp8_align.vllm_plugin.kernels import gpu as gk
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 M_VALUES = {"prefill": 4096, "decode": 64}

@@ -17,7 +17,7 @@ TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), all on the same token-id prompts:
     fp8_align_kv   fp8_align + kv_cache_dtype="fp8": FP8 KV cache and, on Hopper with
                FlashAttention 3, FP8 attention (vLLM quantizes the query too). After the
                warm-up the K/V scales are calibrated by the engine
-               (`fp8_align.vllm_plugin.kv_calibration.calibrate_kv_scales`, 8 prompts of the
+               (`fp8_align.vllm_plugin.kv.calibration.calibrate_kv_scales`, 8 prompts of the
                benchmark's prompt length; K and V: with an FP8 KV cache vLLM quantizes the query
                before attention, so q_scale is not calibrated) and that call is timed: the
                recalibration an RL loop runs every step, reported as a share of the timed
@@ -189,7 +189,7 @@ def _time_shape(llm: Any, shape: dict[str, Any], calibrate_kv: bool) -> dict[str
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in shape["prompts"]]
     calibration: dict[str, Any] = {}
     if calibrate_kv:
-        from fp8_align.vllm_plugin.kv_calibration import calibrate_kv_scales
+        from fp8_align.vllm_plugin.kv.calibration import calibrate_kv_scales
 
         # K/V only: with an FP8 KV cache vLLM's GPU attention quantizes the query itself, before
         # any hook can see it, so q_scale keeps its value (see calibrate_kv_scales).

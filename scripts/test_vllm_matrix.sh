@@ -114,7 +114,7 @@ if type(current_platform).__name__ not in ("CpuPlatform", "ZenCpuPlatform"):
     sys.exit(f"vLLM chose platform {type(current_platform).__name__}, not the CPU platform")
 failed = []
 for module in ("fp8_align.vllm_plugin.compat", "fp8_align.vllm_plugin.quant_config",
-               "fp8_align.vllm_plugin.linear_method", "fp8_align.vllm_plugin.kv_scales",
+               "fp8_align.vllm_plugin.linear.method", "fp8_align.vllm_plugin.kv.scales",
                "fp8_align.vllm_plugin.refit"):
     try:
         importlib.import_module(module)

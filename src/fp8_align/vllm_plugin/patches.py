@@ -14,13 +14,13 @@ worker that builds the model), is idempotent, and can be undone with `undo_patch
 No environment patch is needed. vLLM 0.22 on Hopper rounds block-FP8 scales to powers of two
 (UE8M0) by default (VLLM_USE_DEEP_GEMM_E8M0=1), but only inside its own FP8 methods and wherever
 `is_deep_gemm_e8m0_used()` is left to decide. fp8_align's layers never reach those: the GPU
-backends (`gpu_kernels.py`) quantize activations with their own kernel and call DeepGEMM through
+backends (`kernels/gpu.py`) quantize activations with their own kernel and call DeepGEMM through
 `torch.ops.vllm.fp8_gemm_nt_op(..., use_deep_gemm_e8m0=False)`, so the scales fp8_align computed
 are used as they are (tests/test_gpu_kernels.py checks DeepGEMM against the FP32-scale reference
 with the env default left at 1). The former VLLM_USE_DEEP_GEMM_E8M0 patch was removed.
 
 One scoped instance patch, `probe_attention`, is applied only while
-`fp8_align.vllm_plugin.kv_calibration.calibrate_kv_scales` runs its calibration batch, and only
+`fp8_align.vllm_plugin.kv.calibration.calibrate_kv_scales` runs its calibration batch, and only
 to the live attention-backend objects of that engine's worker (no class or module changes).
 `unprobe_attention` (called by the calibration when its batch ends, even on error) and
 `undo_patches()` remove it.
@@ -95,7 +95,7 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
     @functools.wraps(process)
     def patched(model: torch.nn.Module, model_config: Any, target_device: torch.device) -> None:
         process(model, model_config, target_device)
-        from fp8_align.vllm_plugin.weight_sync import install_weight_sync
+        from fp8_align.vllm_plugin.refit.weight_sync import install_weight_sync
 
         install_weight_sync(model, model_config)
 
@@ -137,7 +137,7 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
                 "RL stacks sync weights with the model's own load_weights; BaseModelLoader.load_model "
                 "calls this module's process_weights_after_loading once the engine's weights are "
                 "quantized, and the hook makes that model's load_weights validate and re-quantize "
-                "(fp8_align.vllm_plugin.weight_sync)"
+                "(fp8_align.vllm_plugin.refit.weight_sync)"
             ),
         ),
     ]
@@ -168,7 +168,7 @@ def apply_patches(cfg: FP8Config) -> list[str]:
 
 def undo_patches() -> None:
     """Restore everything `apply_patches` and `probe_attention` changed."""
-    from fp8_align.vllm_plugin.weight_sync import uninstall_all
+    from fp8_align.vllm_plugin.refit.weight_sync import uninstall_all
 
     for patch, original in _applied.values():
         setattr(patch.owner(), patch.attribute, original)

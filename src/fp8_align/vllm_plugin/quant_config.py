@@ -16,7 +16,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from fp8_align.config import FP8Config
 from fp8_align.layer_selection import decide_linear
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine
-from fp8_align.vllm_plugin.linear_method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
+from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
 from fp8_align.vllm_plugin.patches import apply_patches
 
 logger = logging.getLogger("vllm.fp8_align")

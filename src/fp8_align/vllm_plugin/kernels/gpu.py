@@ -58,8 +58,9 @@ from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.quant import E4M3_MAX
 from fp8_align.quant.scales import FP32_TINY
 from fp8_align.quant.triton_blockwise import BLOCK, scale_from_amax_triton
-from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, emulated_block_fp8_linear
-from fp8_align.vllm_plugin.shards import shard_slices
+from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
+from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
+from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
 

@@ -15,9 +15,10 @@ from fp8_align.config import FP8Config
 from fp8_align.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
 from fp8_align.vllm_plugin.compat import dispatch_cpu_unquantized_gemm
-from fp8_align.vllm_plugin.kernels import BlockFp8Kernel, select_kernel
-from fp8_align.vllm_plugin.shards import shard_slices
-from fp8_align.vllm_plugin.weight_sync import requantizing_weight_loader
+from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
+from fp8_align.vllm_plugin.kernels.registry import select_kernel
+from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.vllm_plugin.refit.weight_sync import requantizing_weight_loader
 
 logger = logging.getLogger("vllm.fp8_align")
 

@@ -24,7 +24,7 @@ layer it touched holding `fp8_align.quant` of the new weight:
   the call passes through unchanged: vLLM rebuilds each layer in checkpoint format and
   fp8_align's `process_weights_after_loading` quantizes it, into the same storage.
 
-`refit_weights` (refit.py) stays the fast path for callers that can use it: it validates and
+`refit_weights` (refit/push.py) stays the fast path for callers that can use it: it validates and
 quantizes all FP8 shards of an update in one grouped kernel launch and reports phase timings.
 """
 
@@ -41,7 +41,7 @@ import torch
 
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
-from fp8_align.vllm_plugin.shards import shard_slices
+from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -76,7 +76,7 @@ def requantizing_weight_loader(layer: torch.nn.Module) -> Callable[..., None]:
                 f"{target.fp8_align_prefix}: a {loaded_weight.dtype} tensor was sent; fp8_align re-quantizes "
                 f"from {', '.join(str(d) for d in SYNC_DTYPES)} weights and never copies other data into FP8 codes"
             )
-        from fp8_align.vllm_plugin.linear_method import bf16_weight_parameter
+        from fp8_align.vllm_plugin.linear.method import bf16_weight_parameter
 
         codes, scales = target.weight.data, target.weight_scale_inv.data
         staging = bf16_weight_parameter(target, tuple(codes.shape), target.params_dtype, target.weight_loader, codes.device)
@@ -124,7 +124,7 @@ def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
     """
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    from fp8_align.vllm_plugin.linear_method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
+    from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
 
     if _STATE in model.__dict__:
         return True
@@ -218,7 +218,7 @@ def validate_sync_batch(batch: list[tuple[str, torch.Tensor]], model_config: Any
     (`lm_head.weight` also when the model ties it to the embeddings), that tensor's shape, a
     dtype in SYNC_DTYPES, no name twice, and only finite values."""
     from fp8_align.checks import start_nonfinite_check
-    from fp8_align.vllm_plugin.refit import RefitError, check_tensor, checkpoint_layout
+    from fp8_align.vllm_plugin.refit.push import RefitError, check_tensor, checkpoint_layout
 
     layout = checkpoint_layout(model_config.model)
     if getattr(model_config.hf_text_config, "tie_word_embeddings", False) and "lm_head.weight" not in layout:

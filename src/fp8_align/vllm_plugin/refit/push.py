@@ -50,9 +50,9 @@ from safetensors.torch import load_file, save_file
 
 from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
-from fp8_align.vllm_plugin.kv_scales import read_layer_scales, write_layer_scales
-from fp8_align.vllm_plugin.shards import shard_slices
-from fp8_align.vllm_plugin.weight_sync import original_load_weights
+from fp8_align.vllm_plugin.kv.scales import read_layer_scales, write_layer_scales
+from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.vllm_plugin.refit.weight_sync import original_load_weights
 
 #: Where trainer-side tensors are staged for the workers (RAM-backed when available).
 STAGING_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from fp8_align.quant.scales import scale_from_amax
-from fp8_align.vllm_plugin.kv_scales import KVScales, attention_layers, push_kv_scales
+from fp8_align.vllm_plugin.kv.scales import KVScales, attention_layers, push_kv_scales
 from fp8_align.vllm_plugin.patches import (
     attention_probe,
     probe_attention,

@@ -1,0 +1,1 @@
+"""Block-FP8 GEMM backends (`base`, `emulated`, `gpu`) and their selection (`registry`)."""
