@@ -348,7 +348,8 @@ def _model_weights(dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tenso
     for i in range(4):
         prefix = f"model.layers.{i}."
         weights[prefix + "self_attn.q_proj.weight"] = (torch.randn(384, 256, generator=gen) * 0.02).to(dtype)
-        weights[prefix + "mlp.down_proj.weight"] = (torch.randn(256, 200, generator=gen) * 0.05).to(dtype)
+        # K = 208: a partial K block, but a multiple of 16 (layer_selection keeps other K in BF16).
+        weights[prefix + "mlp.down_proj.weight"] = (torch.randn(256, 208, generator=gen) * 0.05).to(dtype)
         weights[prefix + "input_layernorm.weight"] = torch.ones(256, dtype=dtype)
     weights["model.layers.2.mlp.down_proj.weight"][:128, :128] = 0
     return weights

@@ -10,36 +10,7 @@ import sys
 import pytest
 
 from fp8_align import FP8Config, FP8ConfigError
-from fp8_align.layer_selection import decide_linear, decoder_layer_index
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine, engine_kwargs, quantization_config_dict
-
-
-@pytest.mark.parametrize(
-    ("prefix", "fp8"),
-    [
-        ("model.layers.0.self_attn.qkv_proj", False),  # first layer kept BF16
-        ("model.layers.1.self_attn.qkv_proj", True),
-        ("model.layers.1.self_attn.o_proj", True),
-        ("model.layers.1.mlp.gate_up_proj", True),
-        ("model.layers.2.mlp.down_proj", True),
-        ("model.layers.2.self_attn.q_proj", True),
-        ("model.layers.3.mlp.down_proj", False),  # last layer kept BF16
-        ("lm_head", False),
-        ("model.embed_tokens", False),
-        ("model.layers.2.mlp.gate", False),  # MoE router: not a projection of the recipe
-    ],
-)
-def test_decide_linear(prefix, fp8):
-    cfg = FP8Config(num_first_layers_in_bf16=1, num_last_layers_in_bf16=1)
-    assert decide_linear(prefix, 4, cfg).fp8 is fp8
-
-
-def test_decide_linear_bf16_precision_and_depth_errors():
-    assert not decide_linear("model.layers.1.mlp.down_proj", 4, FP8Config(precision="bf16", fp8=None)).fp8
-    with pytest.raises(FP8ConfigError, match="larger than the model"):
-        decide_linear("model.layers.1.mlp.down_proj", 2, FP8Config(num_first_layers_in_bf16=2, num_last_layers_in_bf16=1))
-    assert decoder_layer_index("language_model.model.layers.17.self_attn.o_proj") == 17
-    assert decoder_layer_index("lm_head") is None
 
 
 def test_engine_kwargs_carry_the_config():

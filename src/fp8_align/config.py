@@ -52,6 +52,11 @@ class FP8Config(BaseModel):
     recalibrate_scales_every_step: bool = True
     weight_block_size: tuple[int, int] = (128, 128)
     activation_group_size: int = 128
+    strict: bool = Field(
+        default=False,
+        description="Refuse to start when a layer the recipe would run in FP8 has to stay BF16 "
+        "(outside the decoder layers, a shape or a module kind fp8_align cannot quantize).",
+    )
 
     # --- training (Megatron Core / TransformerEngine) ---
     fp8: Literal["hybrid", "e4m3"] | None = "e4m3"
@@ -273,6 +278,7 @@ _GENERATION_FIELDS = (
     "kv_cache_dtype",
     "fp8_attention",
     "recalibrate_scales_every_step",
+    "strict",
 )
 #: NeMo RL's own names for generation fields (its vllm_cfg keys) -> FP8Config field names.
 _NEMO_RL_GENERATION_ALIASES = {

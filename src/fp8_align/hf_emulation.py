@@ -1,9 +1,11 @@
 """The aligned "training side" on an HF transformers model: its linears run the same block FP8.
 
-`apply_fp8_emulation(model, cfg)` swaps every projection the recipe quantizes (see
+`apply_fp8_emulation(model, cfg)` swaps every linear the recipe quantizes (see
 `fp8_align.layer_selection`) for an `Fp8EmulatedLinear` holding the same E4M3 codes and scales
-the vLLM plugin computes, and running `fp8_align.quant.blockwise_fp8_linear`. Everything else
-(embeddings, norms, attention math, lm_head) is untouched.
+the vLLM plugin computes, and running `fp8_align.quant.blockwise_fp8_linear`; and every
+transformers-5 fused experts module (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I] Parameters,
+as Qwen3-MoE's) for an `Fp8EmulatedExperts` running `fp8_align.quant.moe.block_fp8_moe_reference`.
+Everything else (embeddings, norms, routers, attention math, lm_head) is untouched.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import torch
 from torch import nn
 
 from fp8_align.config import FP8Config
-from fp8_align.layer_selection import decide_linear
+from fp8_align.layer_selection import decide_layer, num_routed_experts
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
+from fp8_align.quant.moe import block_fp8_moe_reference, quantize_experts
 
 
 class Fp8EmulatedLinear(nn.Module):
@@ -38,6 +41,31 @@ class Fp8EmulatedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, block_fp8"
 
 
+class Fp8EmulatedExperts(nn.Module):
+    """Replacement for a transformers-5 fused experts module (SiLU-gated, no biases): the experts
+    as block-FP8 codes and scales (`fp8_align.quant.moe` layout), forward by
+    `block_fp8_moe_reference`. Called as the original: (hidden_states [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H] in hidden_states' dtype."""
+
+    def __init__(self, experts: nn.Module, cfg: FP8Config) -> None:
+        super().__init__()
+        c13, s13, c2, s2 = quantize_experts(experts.gate_up_proj.detach(), experts.down_proj.detach(), cfg.use_weight_pow2_scale)
+        for name, tensor in (("w13_fp8", c13), ("w13_scale_inv", s13), ("w2_fp8", c2), ("w2_scale_inv", s2)):
+            self.register_buffer(name, tensor)
+        self.activation_pow2_scale = cfg.use_activation_pow2_scale
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return block_fp8_moe_reference(
+            hidden_states, top_k_weights, top_k_index, self.w13_fp8, self.w13_scale_inv, self.w2_fp8,
+            self.w2_scale_inv, self.activation_pow2_scale,
+        )  # fmt: skip
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+
+
 def apply_fp8_emulation(model: nn.Module, cfg: FP8Config, num_hidden_layers: int | None = None) -> list[str]:
     """Replace the recipe's linears in `model` in place; returns the names that became FP8.
 
@@ -45,9 +73,21 @@ def apply_fp8_emulation(model: nn.Module, cfg: FP8Config, num_hidden_layers: int
     """
     depth = int(num_hidden_layers if num_hidden_layers is not None else model.config.num_hidden_layers)
     cfg.validate_for_model(depth)
+    experts = num_routed_experts(model.config.get_text_config()) if hasattr(model, "config") else None
     replaced = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or not decide_linear(name, depth, cfg).fp8:
+        if _is_fused_experts(module):
+            if decide_layer(name, depth, cfg, kind="experts").fp8:
+                parent_name, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), child, Fp8EmulatedExperts(module, cfg))
+                replaced.append(name)
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        decision = decide_layer(
+            name, depth, cfg, output_size=module.out_features, input_size=module.in_features, num_experts=experts
+        )
+        if not decision.fp8:
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, Fp8EmulatedLinear(module, cfg))

@@ -2,7 +2,9 @@
 
 - `shim`: `FP8Config` -> megatron-core TransformerConfig fields, NeMo RL `megatron_cfg`, TE env vars.
 - `validation`: hardware / CUDA / TransformerEngine / scale-rounding checks before training.
-- `alignment`: bitwise comparison of training-side and generation-side weight quantization.
+- `moe`: the MoE settings under which routed experts quantize as on the generation side.
+- `alignment`: bitwise comparison of training-side and generation-side weight quantization
+  (dense linears and routed experts).
 - `te_emulation`: pure-torch emulation of TransformerEngine's blockwise quantizer.
 - `calibration`: per-layer K/V/Q amax hooks producing vLLM KV-cache scales.
 
@@ -11,6 +13,7 @@ Importing this package imports neither megatron-core nor TransformerEngine.
 
 from fp8_align.megatron_ext.alignment import AlignmentReport, LayerAlignment, alignment_report
 from fp8_align.megatron_ext.calibration import KVScaleCalibrator
+from fp8_align.megatron_ext.moe import check_moe_alignment
 from fp8_align.megatron_ext.shim import (
     MEGATRON_FP8_FIELDS,
     apply_to_transformer_config,
@@ -44,6 +47,7 @@ __all__ = [
     "TrainingSetupError",
     "alignment_report",
     "apply_to_transformer_config",
+    "check_moe_alignment",
     "detect_training_environment",
     "fp8_fields",
     "required_te_pow2_scales",

@@ -1,9 +1,12 @@
 """Does the training side quantize the weights exactly as the generation side does?
 
-`alignment_report` quantizes each decoder-layer weight twice: as TransformerEngine's blockwise
-recipe will during training (TE's own `Float8BlockQuantizer` where TE and CUDA are available,
-`te_emulation` otherwise) and as generation does (`fp8_align.quant.quantize_weight_blockwise`),
-then reports per weight how many E4M3 codes and block scales agree bit for bit.
+`alignment_report` quantizes each decoder-layer weight matrix twice: as TransformerEngine's
+blockwise recipe will during training (TE's own `Float8BlockQuantizer` where TE and CUDA are
+available, `te_emulation` otherwise) and as generation does
+(`fp8_align.quant.quantize_weight_blockwise`), then reports per weight how many E4M3 codes and
+block scales agree bit for bit. Routed experts are compared per expert and projection
+(`weight_matrices`); which matrices are FP8 at all (routers and BF16 layers are not) is
+`fp8_align.layer_selection.decide_layer`, the rule the generation side applies.
 """
 
 from __future__ import annotations
@@ -11,19 +14,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
 
 from fp8_align.config import FP8Config, FP8ConfigError
+from fp8_align.layer_selection import LayerDecision, decide_layer
 from fp8_align.megatron_ext.te_emulation import TE_BLOCK_LEN, te_pow2_scales_from_env, te_quantize_weight_2d
 from fp8_align.megatron_ext.validation import TrainingSetupError
+from fp8_align.megatron_ext.weight_matrices import WeightMatrix, decoder_matrices, num_experts_in
 from fp8_align.quant import quantize_weight_blockwise
-
-#: Decoder layer index in HF (`model.layers.3.`) and Megatron (`decoder.layers.3.`) weight names.
-LAYER_INDEX_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 TrainingQuantizerChoice = Literal["auto", "transformer_engine", "emulation"]
 
@@ -40,11 +42,15 @@ class _TrainingQuantizer:
 
 @dataclasses.dataclass(frozen=True)
 class LayerAlignment:
-    """Agreement for one weight. The three numbers are None when the layer is kept in BF16.
+    """Agreement for one weight matrix [N, K]. The three numbers are None when it stays BF16.
 
+    name: the state-dict name; one expert's matrix of a fused tensor adds `[<expert>]`, a stacked
+        gate/up half adds `[gate]` or `[up]`.
     codes_equal: fraction of the N*K E4M3 codes that are bitwise equal.
     scales_equal: fraction of the ceil(N/128)*ceil(K/128) FP32 block scales that are bitwise equal.
     max_scale_rel_diff: max over blocks of |s_train - s_gen| / s_gen (dimensionless).
+    expert_index: the routed expert (as numbered in the name), None for other weights.
+    reason: `layer_selection`'s reason for FP8 or BF16 (e.g. "MoE router (BF16 on both sides)").
     """
 
     name: str
@@ -54,6 +60,8 @@ class LayerAlignment:
     codes_equal: float | None
     scales_equal: float | None
     max_scale_rel_diff: float | None
+    expert_index: int | None = None
+    reason: str = ""
 
     @property
     def num_codes(self) -> int:
@@ -72,7 +80,7 @@ class AlignmentReport:
 
     training_quantizer: which implementation produced the training-side codes.
     training_pow2_scales / generation_pow2_scales: the weight-scale rounding each side used.
-    skipped: names that are not 2-D weights inside a decoder layer (embeddings, norms, lm_head).
+    skipped: names that are not weight matrices inside a decoder layer (embeddings, norms, lm_head).
     """
 
     layers: tuple[LayerAlignment, ...]
@@ -85,6 +93,11 @@ class AlignmentReport:
     def compared(self) -> tuple[LayerAlignment, ...]:
         """The weights quantized on both sides (not kept in BF16)."""
         return tuple(layer for layer in self.layers if not layer.kept_in_bf16)
+
+    @property
+    def experts(self) -> tuple[LayerAlignment, ...]:
+        """The routed-expert matrices (compared or BF16)."""
+        return tuple(layer for layer in self.layers if layer.expert_index is not None)
 
     @property
     def codes_equal(self) -> float | None:
@@ -109,6 +122,7 @@ class AlignmentReport:
 
     def to_markdown(self) -> str:
         """A Markdown section: settings, summary line and one table row per weight."""
+        expert_matrices = sum(layer.expert_index is not None for layer in self.compared)
         lines = [
             "## FP8 weight alignment: training vs generation",
             "",
@@ -118,10 +132,14 @@ class AlignmentReport:
                 f"{_rounding(self.generation_pow2_scales)} scales"
             ),
             (
-                f"- {len(self.compared)} weights compared, {len(self.layers) - len(self.compared)} kept in BF16, "
-                f"{len(self.skipped)} skipped (not 2-D weights of decoder layers)"
+                f"- {len(self.compared)} weights compared ({expert_matrices} of them routed-expert matrices), "
+                f"{len(self.layers) - len(self.compared)} kept in BF16, "
+                f"{len(self.skipped)} skipped (not weight matrices of decoder layers)"
             ),
         ]
+        bf16_reasons = Counter(layer.reason for layer in self.layers if layer.kept_in_bf16)
+        if bf16_reasons:
+            lines.append("- BF16 by reason: " + ", ".join(f"{why}: {n}" for why, n in sorted(bf16_reasons.items())))
         if self.compared:
             lines.append(
                 f"- **codes equal {self.codes_equal:.4%}, scales equal {self.scales_equal:.4%}, "
@@ -129,16 +147,17 @@ class AlignmentReport:
             )
         lines += [
             "",
-            "| weight | shape | codes equal | scales equal | max scale rel diff |",
-            "| --- | --- | --- | --- | --- |",
+            "| weight | shape | expert | codes equal | scales equal | max scale rel diff |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for layer in self.layers:
             shape = f"{layer.shape[0]}x{layer.shape[1]}"
+            expert = "" if layer.expert_index is None else layer.expert_index
             if layer.kept_in_bf16:
-                lines.append(f"| {layer.name} | {shape} | BF16 layer, not compared | | |")
+                lines.append(f"| {layer.name} | {shape} | {expert} | BF16 layer, not compared: {layer.reason} | | |")
             else:
                 lines.append(
-                    f"| {layer.name} | {shape} | {layer.codes_equal:.4%} | {layer.scales_equal:.4%} "
+                    f"| {layer.name} | {shape} | {expert} | {layer.codes_equal:.4%} | {layer.scales_equal:.4%} "
                     f"| {layer.max_scale_rel_diff:.3g} |"
                 )
         return "\n".join(lines) + "\n"
@@ -149,55 +168,78 @@ def alignment_report(
     cfg: FP8Config,
     *,
     num_layers: int | None = None,
+    num_experts: int | None = None,
+    gated_linear_unit: bool = True,
     training_quantizer: TrainingQuantizerChoice = "auto",
     training_pow2_scales: bool | None = None,
 ) -> AlignmentReport:
     """Compare training-side and generation-side block-FP8 quantization of the same weights.
 
     Args:
-        weights: name -> tensor (HF or Megatron names); 2-D [N, K] tensors inside decoder layers
-            (names matching `LAYER_INDEX_PATTERN`) are compared, everything else is skipped.
+        weights: name -> tensor (HF or Megatron names). Inside decoder layers (`layers.<i>.`),
+            2-D tensors and fused 3-D expert tensors are split into matrices
+            (`weight_matrices.decoder_matrices`); everything else is skipped.
         cfg: the shared config; must train with the blockwise recipe and generate in FP8.
         num_layers: the model's decoder layers, for the BF16 last layers; default: one more than
             the largest layer index among the names.
+        num_experts: routed experts per MoE layer, for recognising routers (output size = expert
+            count, or 1 for a shared-expert gate); default: one more than the largest expert index
+            among the names (pass it for an expert-parallel shard). None with no experts: dense.
+        gated_linear_unit: Megatron expert linear_fc1 tensors hold [gate; up] (SwiGLU experts).
         training_quantizer: "transformer_engine" (needs TE and CUDA, else raises), "emulation"
             (`te_emulation`), or "auto" (TE when both are available, else the emulation).
         training_pow2_scales: the training-side rounding; default: what TE's recipe uses in this
             process (NVTE_FP8_BLOCK_SCALING_FP32_SCALES).
     Returns:
-        AlignmentReport with one LayerAlignment per decoder-layer weight, in name order.
+        AlignmentReport with one LayerAlignment per matrix, in name order. Matrices that
+        `layer_selection.decide_layer` keeps in BF16 (layers the config keeps, routers, K not a
+        multiple of 16, outside the text decoder) are listed with their reason, not compared.
     """
     if cfg.precision != "fp8" or cfg.fp8 is None or cfg.fp8_recipe != "blockwise":
         raise FP8ConfigError(
             "alignment_report compares blockwise FP8 on both sides; cfg has "
             f"precision={cfg.precision!r}, fp8={cfg.fp8!r}, fp8_recipe={cfg.fp8_recipe!r}"
         )
-    layer_weights, skipped = _split_by_layer(weights)
-    if not layer_weights:
-        raise ValueError("no 2-D weights inside decoder layers ('...layers.<i>....') among the given names")
-    depth = 1 + max(index for index, _ in layer_weights.values()) if num_layers is None else num_layers
-    bf16_layers = cfg.bf16_layer_indices(depth)
+    matrices, skipped = decoder_matrices(weights, gated_linear_unit)
+    if not matrices:
+        raise ValueError("no weight matrices inside decoder layers ('...layers.<i>....') among the given names")
+    depth = 1 + max(matrix.layer_index for matrix in matrices) if num_layers is None else num_layers
+    experts = num_experts_in(matrices) if num_experts is None else num_experts
     trainer = _training_quantizer(training_quantizer)
     pow2 = trainer.default_pow2_scales if training_pow2_scales is None else training_pow2_scales
-    layers = []
-    for name, (index, weight) in layer_weights.items():
-        if index in bf16_layers:
-            layers.append(LayerAlignment(name, tuple(weight.shape), index, True, None, None, None))
-            continue
+    layers = tuple(_compare(matrix, _decide(matrix, depth, experts, cfg), trainer, pow2, cfg) for matrix in matrices)
+    return AlignmentReport(layers, trainer.description, pow2, cfg.use_weight_pow2_scale, tuple(skipped))
+
+
+def _decide(matrix: WeightMatrix, depth: int, num_experts: int | None, cfg: FP8Config) -> LayerDecision:
+    """The shared FP8/BF16 rule for `matrix` [N, K]: output size N, input size K."""
+    rows, cols = matrix.weight.shape
+    return decide_layer(
+        matrix.module, depth, cfg, kind=matrix.kind, output_size=rows, input_size=cols, num_experts=num_experts
+    )
+
+
+def _compare(
+    matrix: WeightMatrix, decision: LayerDecision, trainer: _TrainingQuantizer, pow2: bool, cfg: FP8Config
+) -> LayerAlignment:
+    """Quantize `matrix` on both sides (when `decision` says FP8) and measure the agreement."""
+    weight = matrix.weight
+    agreement: tuple[float | None, float | None, float | None] = (None, None, None)
+    if decision.fp8:
         train_codes, train_scales = trainer.quantize(weight, pow2, trainer.amax_epsilon)
         gen_codes, gen_scales = quantize_weight_blockwise(weight, cfg.weight_block_size, cfg.use_weight_pow2_scale)
-        layers.append(
-            LayerAlignment(
-                name,
-                tuple(weight.shape),
-                index,
-                False,
-                *_agreement(
-                    train_codes.to(gen_codes.device), train_scales.to(gen_scales.device), gen_codes, gen_scales
-                ),
-            )
+        agreement = _agreement(
+            train_codes.to(gen_codes.device), train_scales.to(gen_scales.device), gen_codes, gen_scales
         )
-    return AlignmentReport(tuple(layers), trainer.description, pow2, cfg.use_weight_pow2_scale, tuple(skipped))
+    return LayerAlignment(
+        matrix.name,
+        tuple(weight.shape),
+        matrix.layer_index,
+        not decision.fp8,
+        *agreement,
+        expert_index=matrix.expert,
+        reason=decision.reason,
+    )
 
 
 def _agreement(
@@ -207,17 +249,6 @@ def _agreement(
     scales_equal = (train_scales == gen_scales).double().mean().item()
     rel_diff = ((train_scales.double() - gen_scales.double()).abs() / gen_scales.double()).max().item()
     return codes_equal, scales_equal, rel_diff
-
-
-def _split_by_layer(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple[int, torch.Tensor]], list[str]]:
-    layer_weights, skipped = {}, []
-    for name in sorted(weights):
-        match = LAYER_INDEX_PATTERN.search(name)
-        if match is None or weights[name].dim() != 2:
-            skipped.append(name)
-        else:
-            layer_weights[name] = (int(match.group(1)), weights[name])
-    return layer_weights, skipped
 
 
 def _training_quantizer(choice: TrainingQuantizerChoice) -> _TrainingQuantizer:

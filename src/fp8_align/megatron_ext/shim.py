@@ -10,9 +10,15 @@ runs global layer `i` without an FP8 context when `i < num_layers_at_start_in_bf
 `Float8BlockScaling(fp8_format=...)`, whose scale rounding comes only from the environment variable
 returned by `training_env_vars`.
 
+MoE models need no extra field: routed experts run in the same per-layer FP8 context through TE,
+and the router never runs in FP8. Their shard sizes must keep generation's per-projection 128x128
+grids, which `fp8_align.megatron_ext.moe.check_moe_alignment` checks (see that module for the
+megatron-core fields and source lines behind this).
+
 Entry points:
 - `apply_to_transformer_config(config, cfg)`: returns a NEW TransformerConfig (dataclasses.replace,
-  so megatron-core's own `__post_init__` validates the result); `config` is left untouched.
+  so megatron-core's own `__post_init__` validates the result); `config` is left untouched. For an
+  MoE config it also runs `check_moe_alignment` on the result.
 - `update_nemo_rl_megatron_cfg(megatron_cfg, cfg)`: returns an updated copy of NeMo RL's
   `policy.megatron_cfg` dict.
 - `transformer_config_kwargs(cfg)`: a dict to splat into `TransformerConfig(...)`.
@@ -26,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp8_align.config import FP8Config
+from fp8_align.megatron_ext.moe import check_moe_alignment
 from fp8_align.megatron_ext.te_emulation import TE_FP32_SCALES_ENV_VAR
 from fp8_align.megatron_ext.validation import TrainingSetupError, check_bf16_layer_counts, required_te_pow2_scales
 
@@ -83,11 +90,14 @@ def apply_to_transformer_config(config: Any, cfg: FP8Config) -> Any:
 
     The copy goes through `dataclasses.replace`, so megatron-core re-runs its `__post_init__`
     checks on the new values (e.g. BF16 layer counts per pipeline stage). `config` is not changed.
-    Raises TrainingSetupError for a missing field/recipe or BF16 counts above `config.num_layers`.
+    Raises TrainingSetupError for a missing field/recipe, BF16 counts above `config.num_layers`,
+    or MoE settings under which experts would not quantize as generation does (`check_moe_alignment`).
     """
     check_megatron_supports(cfg, type(config))
     check_bf16_layer_counts(cfg, config.num_layers)
-    return dataclasses.replace(config, **fp8_fields(cfg))
+    updated = dataclasses.replace(config, **fp8_fields(cfg))
+    check_moe_alignment(updated, cfg)
+    return updated
 
 
 def update_nemo_rl_megatron_cfg(megatron_cfg: Mapping[str, Any], cfg: FP8Config) -> dict[str, Any]:

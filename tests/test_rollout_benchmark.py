@@ -1,0 +1,179 @@
+"""benchmarks/rollout_throughput.py without engines: the MoE model's config-only checkpoints, the
+per-variant specs and environment, and completing one report over several calls (--merge)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout_throughput.py"
+_spec = importlib.util.spec_from_file_location("rollout_throughput", _SCRIPT)
+rollout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rollout)
+
+MOE = "qwen3-30b-a3b"
+H200 = {"device": "NVIDIA H200, 580.159.04", "torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0",
+        "transformers": "5.17.0", "vllm": "0.22.0"}  # fmt: skip
+
+
+def test_moe_checkpoints_are_qwen3_30b_a3b_configs(tmp_path: Path) -> None:
+    """BF16 folder: the Qwen3-30B-A3B config (30.5 B parameters, 61 GB in BF16); FP8 folder: the
+    same plus vLLM's block-FP8 quantization_config with lm_head and every router left BF16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    bf16_dir, fp8_dir = rollout.checkpoint_dirs(MOE, tmp_path)
+    assert rollout.prepare_checkpoints(MOE, bf16_dir, fp8_dir) == {}
+    assert sorted(p.name for p in bf16_dir.iterdir()) == sorted(p.name for p in fp8_dir.iterdir()) == ["config.json"]
+    config = AutoConfig.from_pretrained(bf16_dir)
+    assert config.architectures == ["Qwen3MoeForCausalLM"]
+    expected = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, vocab_size=151936,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+                    max_position_embeddings=40960)  # fmt: skip
+    assert {key: getattr(config, key) for key in expected} == expected
+    assert getattr(config, "quantization_config", None) is None
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert 30.4e9 < params < 30.6e9 and 60.8e9 < 2 * params < 61.2e9
+
+    fp8 = json.loads((fp8_dir / "config.json").read_text())
+    quantization = fp8.pop("quantization_config")
+    assert fp8 == json.loads((bf16_dir / "config.json").read_text())
+    routers = quantization.pop("modules_to_not_convert")
+    assert quantization == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert routers == ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(48))]
+
+
+def test_default_model_keeps_its_names_and_fp8_config(tmp_path: Path) -> None:
+    settings = {"attention_backend": None, "gpu_memory_utilization": 0.85, "max_num_seqs": None, "model_runner": None}
+    assert rollout.results_name("qwen3-8b", ["short", "long"], settings) == "rollout_throughput_short_long.json"
+    assert rollout.results_name(MOE, ["long"], settings) == "rollout_throughput_qwen3-30b-a3b_long.json"
+    assert rollout.results_name(MOE, ["long"], {**settings, "max_num_seqs": 320}) == (
+        "rollout_throughput_qwen3-30b-a3b_long_max_num_seqs_320.json"
+    )
+    bf16_dir, fp8_dir = rollout.checkpoint_dirs("qwen3-8b", tmp_path)
+    assert (bf16_dir.name, fp8_dir.name) == ("qwen3_8b_random_bf16", "qwen3_8b_random_vllm_fp8")
+    assert rollout.vllm_fp8_quantization_config(rollout.QWEN3_8B) == rollout.VLLM_FP8_QUANTIZATION
+
+
+@pytest.mark.parametrize("variant", rollout.VARIANTS)
+def test_variant_specs(tmp_path: Path, variant: str) -> None:
+    """MoE: every variant loads dummy weights; both FP8 paths get E8M0 rounding off. 8B: as before."""
+    bf16_dir, fp8_dir = tmp_path / "bf16", tmp_path / "fp8"
+    moe = rollout.variant_spec(variant, MOE, bf16_dir, fp8_dir, [], {"model_runner": None})
+    dense = rollout.variant_spec(variant, "qwen3-8b", bf16_dir, fp8_dir, [], {"model_runner": None})
+    assert moe["load_format"] == "dummy" and dense["load_format"] == "auto"
+    assert moe["model"] == dense["model"] == str(fp8_dir if variant.startswith("vllm_fp8") else bf16_dir)
+    assert moe["env"] == ({} if variant == "bf16" else {"VLLM_USE_DEEP_GEMM_E8M0": "0"})
+    assert dense["env"] == {}
+    assert moe["fp8_align"] == variant.startswith("fp8_align")
+    assert moe["kv_cache_dtype"] == ("fp8" if variant.endswith("_kv") else "auto")
+
+
+# --------------------------------------------------------------------------- one report over calls
+def _measured(tok_per_s: float, start_s: float) -> dict[str, Any]:
+    """The fields of one variant's result that the report's ratios and table read."""
+    long = {"output_tok_per_s": tok_per_s, "generate_s": [60.0]}
+    return {"engine_start_s": start_s, "model_load_s": 1.0, "by_shape": {"long": long}}
+
+
+def _fake_machine(monkeypatch: pytest.MonkeyPatch, uuid: str, rates: dict[str, float], **versions: str) -> list[dict[str, Any]]:
+    """The script on a machine without GPU work: fixed device and versions, and each variant's
+    engine replaced by its throughput in `rates`. Returns the specs the engines would have run."""
+    specs: list[dict[str, Any]] = []
+
+    def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+        specs.append(spec)
+        return _measured(rates[name], 100.0 + len(name))
+
+    monkeypatch.setattr(rollout, "_device_and_versions", lambda: {**H200, **versions})
+    monkeypatch.setattr(rollout, "_nvidia_smi", lambda fields: uuid)
+    monkeypatch.setattr(rollout, "run_variant", run_variant)
+    return specs
+
+
+def _call(tmp_path: Path, machine: str, variants: str, *extra: str) -> int:
+    return rollout.main([
+        "--model", MOE, "--shapes", "long", "--variants", variants, "--models", str(tmp_path / machine / "models"),
+        "--work", str(tmp_path / machine / "work"), "--results", str(tmp_path / machine / "out"), *extra,
+    ])  # fmt: skip
+
+
+REPORT = "rollout_throughput_qwen3-30b-a3b_long.json"
+
+
+def test_variants_of_one_run_over_calls_and_machines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on machine A; fp8_align later on A (its report under --work); vllm_fp8 on machine B
+    from A's results file (--merge): ratios against A's bf16, the GPUs recorded per variant."""
+    rates = {"bf16": 10000.0, "fp8_align": 14000.0, "vllm_fp8": 13000.0}
+    specs = _fake_machine(monkeypatch, "GPU-a", rates)
+    assert _call(tmp_path, "a", "bf16") == 0
+    assert _call(tmp_path, "a", "bf16,fp8_align") == 0  # bf16 kept, not re-measured
+    assert [spec["fp8_align"] for spec in specs] == [False, True]
+    report = json.loads((tmp_path / "a" / "out" / REPORT).read_text())
+    assert report["model"]["load_format"] == "dummy" and report["model"]["config"]["num_experts"] == 128
+    assert report["ratios"]["long"]["fp8_align_vs_bf16"] == pytest.approx(1.4)
+    assert report["variants_on_one_gpu"] is True
+
+    specs = _fake_machine(monkeypatch, "GPU-b", rates)
+    assert _call(tmp_path, "b", "vllm_fp8", "--merge", str(tmp_path / "a" / "out" / REPORT)) == 0
+    assert len(specs) == 1 and specs[0]["env"] == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    report = json.loads((tmp_path / "b" / "out" / REPORT).read_text())
+    assert list(report["variants"]) == ["bf16", "fp8_align", "vllm_fp8"]
+    assert {name: r["run"]["gpu_uuid"] for name, r in report["variants"].items()} == {
+        "bf16": "GPU-a", "fp8_align": "GPU-a", "vllm_fp8": "GPU-b"
+    }  # fmt: skip
+    assert all(r["run"]["device"] == H200["device"] for r in report["variants"].values())
+    assert report["ratios"]["long"] == pytest.approx(
+        {"bf16_vs_bf16": 1.0, "fp8_align_vs_bf16": 1.4, "vllm_fp8_vs_bf16": 1.3, "fp8_align_vs_vllm_fp8": 14 / 13}
+    )
+    assert report["fp8_align_extra_engine_start_vs_vllm_fp8_s"] == pytest.approx(1.0)
+    assert report["variants_on_one_gpu"] is False
+
+
+@pytest.mark.parametrize(
+    ("versions", "extra", "field"),
+    [
+        ({"device": "NVIDIA H100 80GB HBM3, 580.159.04"}, (), "device"),
+        ({"vllm": "0.25.1"}, (), "vllm"),
+        ({}, ("--max-num-seqs", "320"), "engine_settings"),
+    ],
+)
+def test_merge_refuses_another_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    versions: dict[str, str], extra: tuple[str, ...], field: str,
+) -> None:  # fmt: skip
+    _fake_machine(monkeypatch, "GPU-a", {"bf16": 10000.0})
+    assert _call(tmp_path, "a", "bf16") == 0
+    specs = _fake_machine(monkeypatch, "GPU-b", {"fp8_align": 14000.0}, **versions)
+    with pytest.raises(SystemExit):
+        _call(tmp_path, "b", "fp8_align", "--merge", str(tmp_path / "a" / "out" / REPORT), *extra)
+    assert specs == [] and f"{field}:" in capsys.readouterr().err
+
+
+def test_vllm_reads_the_routers_as_bf16(tmp_path: Path) -> None:
+    """vLLM's Fp8Config takes modules_to_not_convert as its ignored layers: routers and lm_head
+    stay unquantized, attention projections and experts do not."""
+    fp8 = pytest.importorskip("vllm.model_executor.layers.quantization.fp8")
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    config = fp8.Fp8Config.from_config(rollout.vllm_fp8_quantization_config(rollout.QWEN3_30B_A3B))
+    assert config.weight_block_size == [128, 128] and config.is_checkpoint_fp8_serialized
+    expected = {"model.layers.47.mlp.gate": True, "lm_head": True, "model.layers.0.self_attn.qkv_proj": False,
+                "model.layers.0.mlp.experts": False}  # fmt: skip
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert {prefix: is_layer_skipped(prefix, config.ignored_layers, fused) for prefix in expected} == expected
+
+
+def test_merge_refuses_another_model(tmp_path: Path) -> None:
+    header = {field: None for field in rollout.SAME_RUN_FIELDS}
+    earlier = tmp_path / "report.json"
+    earlier.write_text(json.dumps({**header, "model": {"name": "qwen3-8b"}, "variants": {}}))
+    with pytest.raises(rollout.MergeError, match="model: "):
+        rollout.load_report(earlier, {**header, "model": {"name": MOE}})
+    assert rollout.load_report(earlier, {**header, "model": {"name": "qwen3-8b"}})["variants"] == {}
