@@ -127,13 +127,18 @@ class ModelShape(NamedTuple):
     #: "auto": random checkpoints written here; "dummy": config.json only, vLLM's dummy weights
     load_format: str
     init: str
+    #: extra `vllm.LLM` arguments for every variant of this model
+    llm_kwargs: dict[str, Any] = {}
 
 
 DEFAULT_MODEL = "qwen3-8b"
 MODELS = {
     DEFAULT_MODEL: ModelShape(QWEN3_8B, "auto", "random, bf16, torch.manual_seed(0)"),
     "qwen3-30b-a3b": ModelShape(
-        QWEN3_30B_A3B, "dummy", "vLLM dummy weights: every parameter uniform(-1e-3, 1e-3) (FP8 ones drawn in fp16, cast)"
+        QWEN3_30B_A3B, "dummy", "vLLM dummy weights: every parameter uniform(-1e-3, 1e-3) (FP8 ones drawn in fp16, cast)",
+        # vLLM 0.22 picks FlashInfer CUTLASS for BF16 experts on Hopper, which JIT-compiles (no nvcc
+        # on the box: the engine hung in its profile run); all variants use vLLM's Triton fused MoE.
+        {"moe_backend": "triton"},
     ),
 }
 #: quantization_config of vLLM's offline block-FP8 checkpoints.
@@ -256,6 +261,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=spec["max_num_seqs"] or max(s["batch"] for s in shapes), kv_cache_dtype=spec["kv_cache_dtype"],
         disable_log_stats=False,  # for the preemption counter (llm.get_metrics)
     )  # fmt: skip
+    kwargs.update(spec.get("llm_kwargs", {}))
     if spec["attention_backend"]:
         kwargs["attention_backend"] = spec["attention_backend"]
     if spec["fp8_align"]:
@@ -428,7 +434,8 @@ def variant_spec(
     return {
         "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
         "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if variant.endswith("_kv") else "auto",
-        "calibrate_kv": variant == "fp8_align_kv", "env": variant_env(model, variant), "shapes": shapes, **settings,
+        "calibrate_kv": variant == "fp8_align_kv", "env": variant_env(model, variant), "shapes": shapes,
+        "llm_kwargs": MODELS[model].llm_kwargs, **settings,
     }  # fmt: skip
 
 

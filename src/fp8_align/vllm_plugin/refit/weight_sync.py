@@ -43,6 +43,7 @@ from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
 from fp8_align.vllm_plugin.linear.shards import shard_slices
 from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
+from fp8_align.vllm_plugin.refit.experts import prepacked_bf16_expert_prefixes, refuse_prepacked_experts
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -143,7 +144,7 @@ def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
         m for m in modules
         if type(getattr(m, "quant_method", None)).__name__ in _PACKED_ON_CPU and m.weight.device.type == "cpu"
     ]
-    state = _SyncState(model_config, fp8_layers, managed, packed, [], _prepacked_bf16_experts(modules))
+    state = _SyncState(model_config, fp8_layers, managed, packed, [], prepacked_bf16_expert_prefixes(modules))
     for param in {id(m.weight): m.weight for m in packed}.values():
         original = getattr(param, "weight_loader", None)
         param.weight_loader = _marking_loader(original or default_weight_loader, state.dirty, id(param))
@@ -200,7 +201,7 @@ def _synced_load_weights(
     if _vllm_is_reloading(state):
         return class_load_weights(model, weights)
     batch = validate_sync_batch(list(weights), state.model_config)
-    _refuse_prepacked_experts(batch, state.prepacked_experts)
+    refuse_prepacked_experts([name for name, _ in batch], state.prepacked_experts)
     state.dirty.clear()
     with torch.no_grad():
         loaded = class_load_weights(model, batch)
@@ -210,29 +211,6 @@ def _synced_load_weights(
         refresh_mla_absorbed_weights(model, _modules_named(model, [name for name, _ in batch]), state.model_config.dtype)
     state.dirty.clear()
     return loaded
-
-
-def _prepacked_bf16_experts(modules: list[torch.nn.Module]) -> tuple[str, ...]:
-    """Prefixes ('model.layers.0.mlp.experts.') of BF16 routed experts on CPU: vLLM prepacks their
-    weights in place for its CPU MoE kernel, so the model's `load_weights` cannot write them later."""
-    return tuple(
-        f"{m.fp8_align_decision.prefix}."
-        for m in modules
-        if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedFusedMoEMethod"
-        and "fp8_align_decision" in m.__dict__ and m.w13_weight.device.type == "cpu"
-    )
-
-
-def _refuse_prepacked_experts(batch: list[tuple[str, torch.Tensor]], prefixes: tuple[str, ...]) -> None:
-    from fp8_align.vllm_plugin.refit.push import RefitError
-
-    for name, _ in batch if prefixes else ():
-        if name.startswith(prefixes):
-            raise RefitError(
-                f"{name}: a BF16 expert of an fp8_align engine on CPU, which vLLM's CPU MoE kernel prepacks at load; "
-                "its load_weights cannot write it again. Send it with fp8_align.vllm_plugin.refit.refit_weights "
-                "(vLLM's layerwise reload rebuilds the layer), or run the layer in FP8 (num_first/last_layers_in_bf16)."
-            )
 
 
 def _modules_named(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:

