@@ -221,7 +221,7 @@ def test_stack_sync_with_fused_expert_tensors(llm, checkpoints, w1_outputs, tmp_
     w1 = load_file(str(checkpoints["w1"] / "model.safetensors"))
     fused = _fused(w1)
     bad = {
-        "model.layers.1.mlp.experts.gate_up_proj": fused["model.layers.1.mlp.experts.gate_up_proj"][:, :INTER],
+        "model.layers.1.mlp.experts.gate_up_proj": fused["model.layers.1.mlp.experts.gate_up_proj"][:, :INTER].contiguous(),
         "model.layers.2.mlp.experts.5.up_proj.weight": torch.full((INTER, HIDDEN), float("nan"), dtype=torch.bfloat16),
         "model.layers.0.mlp.experts.3.down_proj.weight": w1["model.layers.0.mlp.experts.3.down_proj.weight"],
     }

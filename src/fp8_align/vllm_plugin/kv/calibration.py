@@ -13,7 +13,7 @@ Every layer must have seen every prompt token, or `KVCalibrationError` is raised
 pushed. Scales are `fp8_align.quant.scale_from_amax(amax, pow2=False)`, i.e. FP32 `amax / 448`
 (1.0 for an amax of 0), the rule of the trainer-side `KVScaleCalibrator`, so both options give
 the same numbers for the same activations. With several workers (tensor parallel) each layer
-takes the max over workers. The scales are pushed with `kv_scales.push_kv_scales`.
+takes the max over workers. The scales are pushed with `kv.scales.push_kv_scales`.
 
 With an FP8 KV cache the batch runs on the engine's current scales, so what layer l measures
 depends on the scales of layers < l (through their attention outputs). Calling again converges:

@@ -29,7 +29,7 @@ runs `_refit_in_worker`:
    there raise `RefitError`.
 
 vLLM's layerwise reload resets attention KV scales to 1.0; the worker reads them before and
-writes them back after, so a refit leaves the scales last pushed (`kv_scales.push_kv_scales`)
+writes them back after, so a refit leaves the scales last pushed (`kv.scales.push_kv_scales`)
 in place.
 """
 

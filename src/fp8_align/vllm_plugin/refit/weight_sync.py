@@ -108,7 +108,7 @@ class _SyncState:
 
     model_config: Any
     fp8_layers: list[torch.nn.Module]
-    managed_linears: list[torch.nn.Module]
+    managed_layers: list[torch.nn.Module]
     packed_modules: list[torch.nn.Module]
     wrapped_loaders: list[tuple[torch.nn.Parameter, Callable[..., Any] | None]]
     #: checkpoint-name prefixes of BF16 experts that vLLM prepacked on CPU (not loadable later)
@@ -224,7 +224,7 @@ def _modules_named(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Mo
 
 def _vllm_is_reloading(state: _SyncState) -> bool:
     """True while vLLM's layerwise reload has the layers back in checkpoint format (meta BF16)."""
-    return any(layer.weight.is_meta for layer in state.managed_linears) or any(
+    return any(_codes(layer).is_meta for layer in state.managed_layers) or any(
         _codes(layer).dtype != FP8_DTYPE for layer in state.fp8_layers
     )
 
