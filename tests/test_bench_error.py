@@ -391,3 +391,27 @@ def test_bench_error_end_to_end_on_tiny_llama(tiny_checkpoint: Path, tmp_path: P
         # BF16 vs BF16 differs only by kernel rounding (measured 1.002); 1.01 leaves 5x headroom.
         assert 1.0 <= reference < 1.01
         assert aligned < misaligned
+
+
+def test_fp8_training_side_of_an_moe_model_quantizes_experts_not_routers() -> None:
+    """`bench-error --model` on an MoE checkpoint: the aligned training side (transformers 5
+    Qwen3-MoE) runs its fused experts through `Fp8EmulatedExperts` and its attention projections
+    in FP8, keeps the router BF16, leaves the BF16 model untouched, and scores differently from
+    it. (The engine side of `bench-error` on this model was run by hand: docs/bench_error.md.)"""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    bf16 = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    fp8 = fp8_model(bf16, FP8Config())
+    layer = fp8.model.layers[1].mlp
+    assert type(layer.experts).__name__ == "Fp8EmulatedExperts"
+    assert type(layer.gate).__name__ == "Qwen3MoeTopKRouter"
+    assert type(fp8.model.layers[1].self_attn.q_proj).__name__ == "Fp8EmulatedLinear"
+    assert type(bf16.model.layers[1].mlp.experts).__name__ == "Qwen3MoeExperts"
+    ids = torch.tensor([[5, 17, 99, 120, 7, 33]])
+    with torch.no_grad():
+        assert not torch.equal(fp8(ids).logits, bf16(ids).logits)

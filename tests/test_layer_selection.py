@@ -116,3 +116,21 @@ def test_rule_on_architectures_a_name_list_missed():
     assert {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= _fp8_names(mla)
     moe = Qwen3MoeConfig(**small, num_key_value_heads=2, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
     assert _fp8_names(moe) == {"q_proj", "k_proj", "v_proj", "o_proj"}  # experts and router are not nn.Linear here
+
+
+def test_strict_mode_refuses_unplanned_bf16_only():
+    """`record_decision`: an unplanned BF16 layer (outside the decoder, shape, unsupported experts)
+    raises with strict=True naming the layer and reason; planned BF16 (config edge layers,
+    routers) never does; without strict nothing raises."""
+    from fp8_align.vllm_plugin.layer_plan import StrictModeError, layer_decisions, record_decision
+
+    strict = FP8Config(strict=True, num_first_layers_in_bf16=1)
+    shape = decide_layer("model.layers.2.mlp.dense_4h_to_h", 4, strict, input_size=100)
+    with pytest.raises(StrictModeError, match=r"model\.layers\.2\.mlp\.dense_4h_to_h \(linear\): input size not a multiple of 16: K=100"):
+        record_decision(torch.nn.Linear(1, 1), shape, strict)
+    root = torch.nn.Module()
+    root.edge, root.router = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    record_decision(root.edge, decide_layer("model.layers.0.mlp.down_proj", 4, strict), strict)
+    record_decision(root.router, decide_layer("model.layers.2.mlp.gate", 4, strict, output_size=8, num_experts=8), strict)
+    record_decision(torch.nn.Linear(1, 1), shape, FP8Config(num_first_layers_in_bf16=1))
+    assert [d.reason for d in layer_decisions(root)] == [REASON_CONFIG, REASON_ROUTER]

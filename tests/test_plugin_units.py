@@ -191,3 +191,20 @@ def test_kv_scale_push_is_refused_where_cpu_attention_ignores_scales(monkeypatch
     assert "ignores K/V scales" in kv_scales_unread_reason()
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.22.1")
     assert kv_scales_unread_reason() is None
+
+
+def test_moe_activation_rounding_patch_sets_checks_and_undoes(monkeypatch):
+    """`set_moe_activation_rounding` writes VLLM_USE_DEEP_GEMM_E8M0 for vLLM's MoE kernels, refuses
+    pow2 where vLLM cannot round to UE8M0 (no DeepGEMM here), and `undo_patches` restores the
+    variable as it was."""
+    from fp8_align.vllm_plugin import patches
+
+    monkeypatch.setenv(patches.E8M0_ENV_VAR, "1")
+    try:
+        patches.set_moe_activation_rounding(False)
+        assert os.environ[patches.E8M0_ENV_VAR] == "0"
+        with pytest.raises(patches.Fp8AlignPatchError, match="VLLM_USE_DEEP_GEMM_E8M0=1.*|DeepGEMM"):
+            patches.set_moe_activation_rounding(True)
+    finally:
+        patches.undo_patches()
+    assert os.environ[patches.E8M0_ENV_VAR] == "1"
