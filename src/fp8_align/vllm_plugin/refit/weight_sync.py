@@ -13,6 +13,10 @@ layer it touched holding `fp8_align.quant` of the new weight:
   and quantizes the shard it wrote into the existing codes and scale rows, so data pointers (and
   captured CUDA graphs) stay valid. Each shard has its own 128x128 grid, so a shard is final as
   soon as it arrives: q, k and v may come in separate calls.
+- FP8 routed experts get the same treatment from `moe.experts.requantizing_expert_loader`: the
+  model's expert mapping calls it per expert and shard (gate w1, up w3, down w2); transformers-5
+  fused expert tensors are split per expert before validation (`refit.experts`), and MLA
+  attention modules whose `kv_b_proj` was written rebuild their absorbed weights.
 - `install_weight_sync(model, model_config)` (run by the `weight_sync_on_loaded_models` patch
   once vLLM processed a freshly loaded fp8_align model) replaces that model instance's
   `load_weights` with one that first validates the whole call (every name a tensor of the
