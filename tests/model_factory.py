@@ -83,3 +83,19 @@ def make_tiny_moonlight(path: Path, seed: int = 0, **overrides: int) -> Path:
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def make_tiny_mixtral(path: Path, seed: int = 0, **overrides: int) -> Path:
+    """A 2-layer BF16 Mixtral: hidden 256, 4 experts (`block_sparse_moe.experts.<e>.w1/w2/w3`) of
+    intermediate 128, top-2, vocab 512, std 0.2 as `make_tiny_llama`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        hidden_size=256, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=512,
+        initializer_range=0.2, tie_word_embeddings=False, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path

@@ -37,7 +37,8 @@ def record_decision(layer: torch.nn.Module, decision: LayerDecision, cfg: FP8Con
             "strict=False, or change the model/engine settings so it can run in FP8."
         )
     log = logger.info if decision.planned else logger.warning
-    log("fp8_align: %s stays BF16", decision.describe())
+    detail = f": {decision.detail}" if decision.detail else ""
+    log("fp8_align: %s stays BF16 (%s: %s%s)", decision.prefix, decision.kind, decision.reason, detail)
 
 
 def layer_decisions(model: torch.nn.Module) -> list[LayerDecision]:
