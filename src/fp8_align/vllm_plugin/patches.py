@@ -193,6 +193,8 @@ def set_moe_activation_rounding(pow2: bool) -> None:
     from vllm.utils import deep_gemm
 
     wanted = "1" if pow2 else "0"
+    if E8M0_ENV_VAR in _saved_env and os.environ.get(E8M0_ENV_VAR) == wanted:
+        return  # set and checked for an earlier MoE layer of this engine
     if E8M0_ENV_VAR not in _saved_env:
         _saved_env[E8M0_ENV_VAR] = os.environ.get(E8M0_ENV_VAR)
     os.environ[E8M0_ENV_VAR] = wanted

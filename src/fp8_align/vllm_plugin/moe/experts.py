@@ -21,9 +21,8 @@ from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.moe import expert_shard_rows, quantize_experts
 from fp8_align.vllm_plugin.compat import moe_activation_name
+from fp8_align.vllm_plugin.refit.weight_sync import SYNC_DTYPES
 
-#: dtypes a synced expert tensor may have (as for linears).
-SYNC_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class ExpertSyncError(ValueError):

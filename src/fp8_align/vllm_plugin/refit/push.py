@@ -248,10 +248,14 @@ def _unfused(updates: dict[str, torch.Tensor], layout: dict[str, TensorSpec]) ->
 
 def _written_modules(model: torch.nn.Module, plan: RefitPlan) -> list[torch.nn.Module]:
     """Modules whose weights this plan wrote (FP8 shards and reloaded modules)."""
+    return [write.layer for write in plan.fp8] + modules_named(model, list(plan.reload))
+
+
+def modules_named(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
+    """The vLLM modules of `model` that checkpoint tensors `names` load into (each once)."""
     packed = dict(getattr(model, "packed_modules_mapping", {}))
     modules = dict(model.named_modules())
-    reloaded = (modules.get(_vllm_target(name, packed)[0]) for name in plan.reload)
-    return [write.layer for write in plan.fp8] + [m for m in reloaded if m is not None]
+    return [modules[target] for target in dict.fromkeys(_vllm_target(name, packed)[0] for name in names) if target in modules]
 
 
 class PhaseClock:

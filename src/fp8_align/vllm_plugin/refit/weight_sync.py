@@ -212,18 +212,11 @@ def _synced_load_weights(
         for module in state.packed_modules:
             if id(module.weight) in state.dirty:
                 module.quant_method.process_weights_after_loading(module)
-        refresh_mla_absorbed_weights(model, _modules_named(model, [name for name, _ in batch]), state.model_config.dtype)
+        from fp8_align.vllm_plugin.refit.push import modules_named
+
+        refresh_mla_absorbed_weights(model, modules_named(model, [name for name, _ in batch]), state.model_config.dtype)
     state.dirty.clear()
     return loaded
-
-
-def _modules_named(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
-    """The vLLM modules that checkpoint tensors `names` load into."""
-    from fp8_align.vllm_plugin.refit.push import _vllm_target
-
-    packed = dict(getattr(model, "packed_modules_mapping", {}))
-    modules = dict(model.named_modules())
-    return [modules[target] for target in {_vllm_target(name, packed)[0] for name in names} if target in modules]
 
 
 def _vllm_is_reloading(state: _SyncState) -> bool:
