@@ -128,6 +128,8 @@ def test_cpu_smoke_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "grpo"
     run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--arms", arm, "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    # vLLM 0.32 warns per BF16 tensor loaded into an FP8 parameter; the sync drops that noise
+    assert "Attempted to load weight" not in run.stdout + run.stderr
     doc = json.loads((out / f"grpo_{arm}_seed0.json").read_text())
     assert doc["arm"] == arm and doc["settings"]["device"] == "cpu" and doc["stopped"] is None
     assert doc["trainer_fp8_layers"] == 30 * 7  # every SmolLM2 decoder linear

@@ -208,3 +208,33 @@ def test_moe_activation_rounding_patch_sets_checks_and_undoes(monkeypatch):
     finally:
         patches.undo_patches()
     assert os.environ[patches.E8M0_ENV_VAR] == "1"
+
+
+def test_sync_drops_only_vllms_bf16_into_fp8_loader_warning() -> None:
+    """vLLM 0.32's loader warns per BF16 tensor sent to an FP8 parameter; during fp8_align's sync
+    that parameter's loader re-quantizes, so only that warning (FP8 destination) is dropped."""
+    import logging
+
+    import torch
+
+    from fp8_align.vllm_plugin.refit.weight_sync import _VLLM_LOADER_LOGGER, _requantized_load_warnings_dropped
+
+    logger = logging.getLogger(_VLLM_LOADER_LOGGER)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    message = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    try:
+        with _requantized_load_warnings_dropped():
+            logger.warning(message, "layers.0.o_proj.weight", torch.bfloat16, torch.float8_e4m3fn)
+            logger.warning(message, "layers.0.norm.weight", torch.float32, torch.bfloat16)
+            logger.warning("something else about %s", torch.float8_e4m3fn)
+        logger.warning(message, "layers.1.o_proj.weight", torch.bfloat16, torch.float8_e4m3fn)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [
+        "Attempted to load weight layers.0.norm.weight with dtype torch.float32 into parameter with dtype torch.bfloat16",
+        "something else about torch.float8_e4m3fn",
+        "Attempted to load weight layers.1.o_proj.weight with dtype torch.bfloat16 into parameter with dtype torch.float8_e4m3fn",
+    ]

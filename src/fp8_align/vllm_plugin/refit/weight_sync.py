@@ -34,10 +34,11 @@ quantizes all FP8 shards of an update in one grouped kernel launch and reports p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,7 +208,7 @@ def _synced_load_weights(
     batch = validate_sync_batch(list(weights), state.model_config)
     refuse_prepacked_experts([name for name, _ in batch], state.prepacked_experts)
     state.dirty.clear()
-    with torch.no_grad():
+    with torch.no_grad(), _requantized_load_warnings_dropped():
         loaded = class_load_weights(model, batch)
         for module in state.packed_modules:
             if id(module.weight) in state.dirty:
@@ -217,6 +218,32 @@ def _synced_load_weights(
         refresh_mla_absorbed_weights(model, modules_named(model, [name for name, _ in batch]), state.model_config.dtype)
     state.dirty.clear()
     return loaded
+
+
+#: vLLM 0.32's generic loader (`AutoWeightsLoader._load_param`, vllm/model_executor/models/utils.py)
+#: warns "Attempted to load weight ... with dtype torch.bfloat16 into parameter with dtype
+#: torch.float8_e4m3fn" for every BF16 tensor it hands to an FP8 parameter, before it calls that
+#: parameter's loader. On an fp8_align engine that loader is fp8_align's and re-quantizes; nothing
+#: is cast, and a stack syncing every step would log one such line per tensor per step.
+_VLLM_LOADER_LOGGER = "vllm.model_executor.models.utils"
+
+
+class _RequantizedLoadWarningFilter(logging.Filter):
+    """Drops only that warning, and only for FP8 destination parameters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("Attempted to load weight") and len(args) == 3 and args[2] == FP8_DTYPE)
+
+
+@contextlib.contextmanager
+def _requantized_load_warnings_dropped() -> Iterator[None]:
+    logger, dropper = logging.getLogger(_VLLM_LOADER_LOGGER), _RequantizedLoadWarningFilter()
+    logger.addFilter(dropper)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropper)
 
 
 def _vllm_is_reloading(state: _SyncState) -> bool:
