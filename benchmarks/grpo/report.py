@@ -67,28 +67,38 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot_runs(docs: list[dict[str, Any]], path: Path, smooth: int = 5) -> None:
-    """One figure, all arms: validation accuracy, training reward (moving mean of `smooth` steps)
-    and the token multiplicative probability error, each against the step."""
+    """One figure, all arms (seed 0 solid, other seeds dashed): validation accuracy, training
+    reward (moving mean of `smooth` steps), the token mult. prob. error per step (log scale),
+    and, per arm, the median over seeds of the per-step 90th percentile of |Δlogp|."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
     colors: dict[str, Any] = {}
+    by_arm: dict[str, list[dict[str, Any]]] = {}
     for doc in docs:
         color = colors.setdefault(doc["arm"], f"C{len(colors)}")
-        label = f"{doc['label']} (seed {doc['settings']['seed']})"
-        style = "-" if doc["settings"]["seed"] == min(d["settings"]["seed"] for d in docs if d["arm"] == doc["arm"]) else "--"
+        first_seed = min(d["settings"]["seed"] for d in docs if d["arm"] == doc["arm"])
+        style = "-" if doc["settings"]["seed"] == first_seed else "--"
+        label = doc["label"] if style == "-" else None
+        by_arm.setdefault(doc["arm"], []).append(doc)
         val = doc["validation"]
         axes[0].plot([v["step"] for v in val], [v["accuracy"] for v in val], style, marker="o", ms=3, color=color, label=label)
         steps = [s["step"] for s in doc["steps"]]
-        axes[1].plot(steps, _smoothed([s["reward_mean"] for s in doc["steps"]], smooth), style, color=color, label=label)
-        axes[2].plot(steps, [s["mismatch"]["mult_prob_error"] for s in doc["steps"]], style, color=color, label=label)
+        axes[1].plot(steps, _smoothed([s["reward_mean"] for s in doc["steps"]], smooth), style, color=color)
+        axes[2].plot(steps, [s["mismatch"]["mult_prob_error"] for s in doc["steps"]], style, color=color, lw=0.8)
+    for arm, arm_docs in by_arm.items():
+        length = min(len(d["steps"]) for d in arm_docs)
+        p90 = [statistics.median(d["steps"][i]["mismatch"]["abs_log_ratio_p90"] for d in arm_docs) for i in range(length)]
+        axes[3].plot(range(length), p90, color=colors[arm], label=f"{arm_docs[0]['label']} ({len(arm_docs)} seeds)")
     axes[0].set(title="validation accuracy (greedy, held out)", xlabel="step", ylabel="exact match")
     axes[1].set(title=f"training reward (mean of {smooth} steps)", xlabel="step", ylabel="mean reward")
     axes[2].set(title="engine vs trainer: token mult. prob. error", xlabel="step", ylabel="mean exp(|Δlogp|)", yscale="log")
-    axes[0].legend(fontsize=7)
+    axes[3].set(title="engine vs trainer: p90 of |Δlogp| (median over seeds)", xlabel="step", ylabel="nats")
+    axes[0].legend(fontsize=7, title="solid: first seed, dashed: others", title_fontsize=7)
+    axes[3].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
