@@ -17,6 +17,7 @@ import datetime
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.rollout_throughput import _device_and_versions  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def _timed_decode(call: Callable[[], None], kv_bytes: int, repeats: int) -> dict[str, Any]:
+    """Median seconds of `call` over `repeats` CUDA-event timings (after 3 warm-up calls), and the
+    achieved read rate of its `kv_bytes` KV-cache bytes."""
+    import torch
+
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    seconds = statistics.median(times)
+    return {"seconds": seconds, "kv_bytes": kv_bytes, "GBps": kv_bytes / seconds / 1e9}
 
 
 def time_decode_attention(
@@ -59,19 +79,7 @@ def time_decode_attention(
             True, None, num_splits, pack_gqa, 0, None, 1, 0, None,
         )  # fmt: skip
 
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    seconds = statistics.median(times)
-    return {"seconds": seconds, "kv_bytes": kv_bytes, "GBps": kv_bytes / seconds / 1e9}
+    return _timed_decode(call, 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size(), repeats)
 
 
 def time_xqa_decode(batch: int, context: int, block_size: int, repeats: int = 30) -> dict[str, Any]:
@@ -99,19 +107,7 @@ def time_xqa_decode(batch: int, context: int, block_size: int, repeats: int = 30
             out=out, kv_layout="NHD", backend="xqa",
         )  # fmt: skip
 
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    seconds = statistics.median(times)
-    return {"seconds": seconds, "kv_bytes": kv_bytes, "GBps": kv_bytes / seconds / 1e9}
+    return _timed_decode(call, 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size(), repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

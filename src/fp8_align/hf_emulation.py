@@ -61,35 +61,51 @@ class Fp8EmulatedExperts(nn.Module):
         )  # fmt: skip
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers-5 fused experts module: `gate_up_proj` [E, 2I, H] and `down_proj` Parameters."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
-def apply_fp8_emulation(model: nn.Module, cfg: FP8Config, num_hidden_layers: int | None = None) -> list[str]:
-    """Replace the recipe's linears in `model` in place; returns the names that became FP8.
+def recipe_fp8_modules(model: nn.Module, cfg: FP8Config, num_hidden_layers: int | None = None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every `nn.Linear` and transformers-5 fused experts module of `model` that
+    the recipe runs in FP8 (`fp8_align.layer_selection`), in `named_modules` order.
 
-    `num_hidden_layers` defaults to `model.config.num_hidden_layers` (HF models).
+    `num_hidden_layers` defaults to `model.config.num_hidden_layers` (HF models); `cfg` is
+    validated against it.
     """
     depth = int(num_hidden_layers if num_hidden_layers is not None else model.config.num_hidden_layers)
     cfg.validate_for_model(depth)
     experts = num_routed_experts(model.config.get_text_config()) if hasattr(model, "config") else None
+    chosen = []
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            decision = decide_layer(name, depth, cfg, kind="experts")
+        elif isinstance(module, nn.Linear):
+            decision = decide_layer(
+                name, depth, cfg, output_size=module.out_features, input_size=module.in_features, num_experts=experts
+            )
+        else:
+            continue
+        if decision.fp8:
+            chosen.append((name, module))
+    return chosen
+
+
+def replace_submodule(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    """Put `replacement` where `model`'s submodule `name` is."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, replacement)
+
+
+def apply_fp8_emulation(model: nn.Module, cfg: FP8Config, num_hidden_layers: int | None = None) -> list[str]:
+    """Replace the recipe's linears and fused experts in `model` in place; returns the names that became FP8.
+
+    `num_hidden_layers` defaults to `model.config.num_hidden_layers` (HF models).
+    """
     replaced = []
-    for name, module in list(model.named_modules()):
-        if _is_fused_experts(module):
-            if decide_layer(name, depth, cfg, kind="experts").fp8:
-                parent_name, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent_name), child, Fp8EmulatedExperts(module, cfg))
-                replaced.append(name)
-            continue
-        if not isinstance(module, nn.Linear):
-            continue
-        decision = decide_layer(
-            name, depth, cfg, output_size=module.out_features, input_size=module.in_features, num_experts=experts
-        )
-        if not decision.fp8:
-            continue
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Fp8EmulatedLinear(module, cfg))
+    for name, module in recipe_fp8_modules(model, cfg, num_hidden_layers):
+        kind = Fp8EmulatedExperts if is_fused_experts(module) else Fp8EmulatedLinear
+        replace_submodule(model, name, kind(module, cfg))
         replaced.append(name)
     return replaced

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fp8_align.config import FP8Config
-from fp8_align.layer_selection import decide_layer, num_routed_experts
+from fp8_align.hf_emulation import is_fused_experts, recipe_fp8_modules, replace_submodule
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
 
 
@@ -78,24 +78,13 @@ def apply_fp8_training(model: nn.Module, cfg: FP8Config, num_hidden_layers: int 
     """Replace the recipe's linears in `model` in place; returns the names that became FP8.
 
     `num_hidden_layers` defaults to `model.config.num_hidden_layers` (HF models). Fused MoE expert
-    modules are refused (ValueError): their training forward is not implemented here.
+    modules the recipe runs in FP8 are refused (ValueError): their training forward is not
+    implemented here.
     """
-    depth = int(num_hidden_layers if num_hidden_layers is not None else model.config.num_hidden_layers)
-    cfg.validate_for_model(depth)
-    experts = num_routed_experts(model.config.get_text_config()) if hasattr(model, "config") else None
-    replaced = []
-    for name, module in list(model.named_modules()):
-        gate_up = getattr(module, "gate_up_proj", None)
-        if isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3 and decide_layer(name, depth, cfg, kind="experts").fp8:
+    chosen = recipe_fp8_modules(model, cfg, num_hidden_layers)
+    for name, module in chosen:
+        if is_fused_experts(module):
             raise ValueError(f"{name}: fused MoE experts have no FP8 training forward in fp8_align.hf_training")
-        if not isinstance(module, nn.Linear):
-            continue
-        decision = decide_layer(
-            name, depth, cfg, output_size=module.out_features, input_size=module.in_features, num_experts=experts
-        )
-        if not decision.fp8:
-            continue
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Fp8TrainingLinear(module, cfg))
-        replaced.append(name)
-    return replaced
+    for name, module in chosen:
+        replace_submodule(model, name, Fp8TrainingLinear(module, cfg))
+    return [name for name, _ in chosen]
