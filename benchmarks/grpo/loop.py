@@ -30,11 +30,16 @@ from fp8_align.vllm_plugin.kv.scales import push_kv_scales
 
 from .arms import Arm, RunSettings
 from .engine import check_engine_weights, push_weights, sample, start_engine
-from .policy import GRPOPolicy, group_advantages, pack_sequences
+from .policy import GRPOPolicy, PackedSequences, group_advantages, pack_sequences
 from .task import Problem, exact_match_reward, prompt_token_ids, split_problems, step_batch
 
 #: rows of the step's rollouts the trainer's KV-scale calibration forward runs over
 KV_CALIBRATION_SEQUENCES = 64
+
+
+def push_trainer_kv_scales(llm: Any, policy: GRPOPolicy, packed: PackedSequences) -> None:
+    """Scales from the trainer's forward over the first KV_CALIBRATION_SEQUENCES of `packed`, pushed to the engine."""
+    push_kv_scales(llm, policy.kv_scales(packed, range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))))
 
 
 def validation_accuracy(llm: Any, prompts: list[list[int]], problems: list[Problem], max_tokens: int) -> float:
@@ -75,7 +80,7 @@ def run_arm(arm: Arm, settings: RunSettings, checkpoint: Path, out_path: Path, s
         # the first rollout's scales: the trainer's forward over validation prompts + their answers
         answers = [tokenizer.encode(p.answer, add_special_tokens=False) for p in validation]
         packed = pack_sequences(validation_prompts, answers)
-        push_kv_scales(llm, policy.kv_scales(packed, range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))))
+        push_trainer_kv_scales(llm, policy, packed)
     for step in range(settings.steps):
         if time.perf_counter() - started > settings.max_seconds:
             doc["stopped"] = f"time budget of {settings.max_seconds:.0f} s reached before step {step}"
@@ -129,7 +134,7 @@ def _train_step(
     check_engine_weights(llm, checked, policy.model.get_submodule(checked).weight, fp8)
     if arm.kv_cache_fp8:
         clock = time.perf_counter()
-        push_kv_scales(llm, policy.kv_scales(packed, range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))))
+        push_trainer_kv_scales(llm, policy, packed)
         seconds["kv_scales"] = time.perf_counter() - clock
     seconds["total"] = sum(seconds.values())
     return {
