@@ -6,6 +6,8 @@ Fast tests use a tiny random HF Llama built here (hidden 256, 2 layers, vocab 10
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import math
 import subprocess
@@ -254,7 +256,7 @@ def test_fp8_model_leaves_the_bf16_model_untouched(bf16_model: LlamaForCausalLM)
 def test_pair_records_label_alignment_and_cover_all_tokens(bf16_model: LlamaForCausalLM) -> None:
     outputs = _self_generated(bf16_model)
     scores = score_generation(outputs, {"bf16": bf16_model, "fp8": fp8_model(bf16_model, FP8Config())})
-    records = pair_records("fp8", True, scores)
+    records = pair_records("fp8", scores, {"fp8"})
     assert [(r["training"], r["sampling"], r["alignment"]) for r in records] == [
         ("bf16", "greedy", "misaligned"),
         ("bf16", "sampled", "misaligned"),
@@ -265,7 +267,7 @@ def test_pair_records_label_alignment_and_cover_all_tokens(bf16_model: LlamaForC
         total = sum(len(o["token_ids"]) for o in outputs[r["sampling"]])
         assert r["metrics"]["num_tokens"] == total == sum(r["per_position"]["num_tokens"]) == sum(r["per_position_bucket"]["num_tokens"])
         assert all(math.isfinite(v) for v in r["metrics"].values())
-    assert pair_records("bf16", False, score_generation(outputs, {"bf16": bf16_model}))[0]["alignment"] == "reference"
+    assert pair_records("bf16", score_generation(outputs, {"bf16": bf16_model}), set())[0]["alignment"] == "reference"
 
 
 def test_layer_attribution_scores_each_fp8_layer(bf16_model: LlamaForCausalLM) -> None:
@@ -288,8 +290,8 @@ def test_layer_attribution_scores_each_fp8_layer(bf16_model: LlamaForCausalLM) -
 # ----------------------------------------------------------------------------- report
 def _document(bf16_model: LlamaForCausalLM, tmp_path: Path, with_attribution: bool) -> dict:
     outputs = _self_generated(bf16_model)
-    pairs = pair_records("bf16", False, score_generation(outputs, {"bf16": bf16_model}))
-    pairs += pair_records("fp8", True, score_generation(outputs, {"bf16": bf16_model, "fp8": fp8_model(bf16_model, FP8Config())}))
+    pairs = pair_records("bf16", score_generation(outputs, {"bf16": bf16_model}), set())
+    pairs += pair_records("fp8", score_generation(outputs, {"bf16": bf16_model, "fp8": fp8_model(bf16_model, FP8Config())}), {"fp8"})
     engine = {
         "vllm_version": "0.32.0",
         "logprobs_mode": "raw_logprobs",
@@ -350,6 +352,40 @@ def test_cli_reports_bad_input_clearly(tiny_checkpoint: Path, tmp_path: Path, ca
     assert "--layer-attribution needs an FP8 variant" in capsys.readouterr().err
     assert main([*args, "--num-prompts", "3", "--layer-attribution", "4"]) == 2
     assert "between 0 and the number of prompts (3)" in capsys.readouterr().err
+
+
+def test_megatron_te_training_side_names_what_is_missing(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without TransformerEngine (this CPU machine) the side is refused before any engine starts."""
+    pytest.importorskip("megatron.core")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed here; the GPU-box tests cover this side")
+    prompts = str(tiny_checkpoint / "prompts.jsonl")
+    args = ["bench-error", "--model", str(tiny_checkpoint / "model"), "--prompts", prompts, "--out", str(tmp_path)]
+    assert main([*args, "--training-side", "megatron-te"]) == 2
+    err = capsys.readouterr().err
+    assert "needs megatron-core and TransformerEngine" in err and "te_box_setup.sh" in err
+
+
+def test_megatron_te_side_refuses_a_rounding_te_was_not_imported_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE fixes pow2/FP32 block scales at import: a variant with the other rounding is refused, with the fix."""
+    import sys
+    import types
+
+    from transformers import LlamaConfig
+
+    from fp8_align.bench.megatron_side import check_megatron_te_side
+
+    pytest.importorskip("megatron.core")
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    llama = LlamaConfig()
+    assert check_megatron_te_side(llama, [FP8Config()]) is None
+    problem = check_megatron_te_side(llama, [FP8Config(use_weight_pow2_scale=True, use_activation_pow2_scale=True)])
+    assert "FP32 block scales" in problem and "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0" in problem
+    from transformers import Qwen3Config
+
+    assert "model_type 'qwen3'" in check_megatron_te_side(Qwen3Config(), [])
 
 
 # ----------------------------------------------------------------------------- end to end

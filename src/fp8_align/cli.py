@@ -39,6 +39,7 @@ def _bench_error(args: argparse.Namespace) -> int:
             device=args.device,
             vllm_compile=args.vllm_compile,
             layer_attribution_prompts=args.layer_attribution,
+            training_side=args.training_side,
             command=tuple(args.command_line),
         )
         doc = run_bench_error(
@@ -62,7 +63,7 @@ def _bench_error(args: argparse.Namespace) -> int:
 
 
 def _add_bench_error(sub: argparse._SubParsersAction) -> None:
-    from fp8_align.bench.error import VARIANTS, BenchSettings
+    from fp8_align.bench.error import TRAINING_SIDES, VARIANTS, BenchSettings
 
     defaults = BenchSettings(out_dir=Path("fp8_align_out/bench_error"))
 
@@ -97,6 +98,12 @@ def _add_bench_error(sub: argparse._SubParsersAction) -> None:
         "--layer-attribution", type=int, default=defaults.layer_attribution_prompts, metavar="N",
         help="error of FP8 in each decoder layer alone, on the first FP8 variant's first N greedy completions "
         f"(one HF forward per layer; default {defaults.layer_attribution_prompts}, 0 = off)",
+    )
+    bench.add_argument(
+        "--training-side", choices=TRAINING_SIDES, default=defaults.training_side,
+        help="hf: HF transformers forward (BF16 and fp8_align's FP8 emulation); megatron-te: also megatron-core GPT "
+        "with TransformerEngine layers, BF16 and TE block FP8 (needs megatron-core + TE and a CUDA GPU; TE's scale "
+        "rounding follows NVTE_FP8_BLOCK_SCALING_FP32_SCALES)",
     )
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--json-only", action="store_true", help="do not print the table (the JSON and markdown are still written)")

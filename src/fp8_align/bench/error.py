@@ -36,6 +36,8 @@ from fp8_align.config import FP8Config
 SCHEMA = "fp8_align.bench_error/1"
 #: Temperature of the sampled setting (greedy is temperature 0).
 SAMPLED_TEMPERATURE = 1.0
+#: `--training-side` choices: HF only, or HF plus megatron-core GPT with TransformerEngine layers.
+TRAINING_SIDES = ("hf", "megatron-te")
 
 
 class BenchInputError(ValueError):
@@ -105,6 +107,7 @@ class BenchSettings:
     device: str = "auto"  # auto | cpu | cuda
     vllm_compile: str = "auto"  # auto (off on CPU, on on CUDA) | on | off
     layer_attribution_prompts: int = 0  # greedy completions for the per-layer attribution; 0: off
+    training_side: str = "hf"  # hf | megatron-te (adds megatron-core + TransformerEngine sides)
     command: tuple[str, ...] = ()
 
 
@@ -169,6 +172,16 @@ def prepare_inputs(settings: BenchSettings, say: Callable[[str], None]) -> Bench
         raise BenchInputError(f"--layer-attribution must be between 0 and the number of prompts ({len(prompts)})")
     if settings.layer_attribution_prompts and all(VARIANTS[n].fp8_kwargs is None for n in settings.variants):
         raise BenchInputError("--layer-attribution needs an FP8 variant in --variants")
+    if settings.training_side not in TRAINING_SIDES:
+        raise BenchInputError(f"--training-side must be one of {', '.join(TRAINING_SIDES)}, got {settings.training_side!r}")
+    if settings.training_side == "megatron-te":
+        from fp8_align.bench.megatron_side import check_megatron_te_side
+
+        problem = check_megatron_te_side(
+            hf_config, [VARIANTS[n].fp8_config() for n in settings.variants if VARIANTS[n].fp8_kwargs is not None]
+        )
+        if problem:
+            raise BenchInputError(problem)
     return BenchInputs(model_dir, description, hf_config, prompts_path, prompts, _eos_token_ids(model_dir, hf_config), model_prepare_s)
 
 
@@ -220,6 +233,7 @@ def run_bench_error(
     scoring_s: dict[str, float] = {}
     pairs: list[dict[str, Any]] = []
     bf16_model: nn.Module | None = None
+    megatron_bf16: nn.Module | None = None
     for name, output in generations_as_completed(specs, plan, settings.out_dir / "engines", say, status):
         variant = VARIANTS[name]
         engines[name] = _engine_summary(output)
@@ -229,9 +243,22 @@ def run_bench_error(
         if bf16_model is None:
             bf16_model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=torch.bfloat16).to(device).eval()
         models = {"bf16": bf16_model}
+        fp8_sides = set()
         if variant.fp8_kwargs is not None:
             models[name] = fp8_model(bf16_model, variant.fp8_config())
-        pairs += pair_records(name, variant.fp8_kwargs is not None, score_generation(output["outputs_by_sampling"], models))
+            fp8_sides.add(name)
+        if settings.training_side == "megatron-te":
+            from fp8_align.bench.megatron_side import MEGATRON_BF16_SIDE, megatron_te_model
+
+            say(f"scoring '{name}' with megatron-core + TransformerEngine ({'BF16' if variant.fp8_kwargs is None else 'BF16 and block FP8'})")
+            if megatron_bf16 is None:
+                megatron_bf16 = megatron_te_model(bf16_model, None)
+            models[MEGATRON_BF16_SIDE] = megatron_bf16
+            if variant.fp8_kwargs is not None:
+                models[f"megatron_te_{name}"] = megatron_te_model(bf16_model, variant.fp8_config())
+                fp8_sides.add(f"megatron_te_{name}")
+        pairs += pair_records(name, score_generation(output["outputs_by_sampling"], models), fp8_sides)
+        models.clear()
         scoring_s[name] = time.perf_counter() - scoring_started
     generation_and_scoring_s = time.perf_counter() - started
 
@@ -300,13 +327,7 @@ def result_document(
                 "the sampled setting's raw and processed log-probs agree"
             ),
         },
-        "training_side": {
-            "bf16": "HF transformers forward, BF16 weights and activations; log_softmax in FP32",
-            "fp8": (
-                "HF transformers forward with fp8_align.hf_emulation.apply_fp8_emulation (E4M3, 128x128 weight "
-                "blocks, 1x128 activation groups, the variant's scale and BF16-layer settings); log_softmax in FP32"
-            ),
-        },
+        "training_side": _training_side_description(settings.training_side),
         "variants": [
             {"name": n, "description": VARIANTS[n].description, "fp8_config": VARIANTS[n].fp8_kwargs, **engines[n]}
             for n in settings.variants
@@ -315,6 +336,21 @@ def result_document(
         "layer_attribution": attribution,
         "timings_s": timings,
     }
+
+
+def _training_side_description(training_side: str) -> dict[str, str]:
+    sides = {
+        "bf16": "HF transformers forward, BF16 weights and activations; log_softmax in FP32",
+        "fp8": (
+            "HF transformers forward with fp8_align.hf_emulation.apply_fp8_emulation (E4M3, 128x128 weight "
+            "blocks, 1x128 activation groups, the variant's scale and BF16-layer settings); log_softmax in FP32"
+        ),
+    }
+    if training_side == "megatron-te":
+        from fp8_align.bench.megatron_side import describe_megatron_te_side
+
+        sides.update(describe_megatron_te_side())
+    return sides
 
 
 def _eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:

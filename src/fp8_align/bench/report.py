@@ -19,7 +19,7 @@ _ALIGNMENT_STYLE = {"reference": "dim", "misaligned": "red", "aligned": "green"}
 
 def results_table(doc: dict[str, Any]) -> Table:
     """One row per (generation, training side, sampling) pair with its mismatch metrics."""
-    table = Table(title=f"token-probability error, vLLM generation vs HF training side: {doc['model']['description']}")
+    table = Table(title=f"token-probability error, vLLM generation vs training side: {doc['model']['description']}")
     numeric = ("tokens", "mult. prob. error", "KL k3", "max |Δlogp|")
     for header in ("generation", "training", "alignment", "sampling", *numeric):
         table.add_column(header, justify="right" if header in numeric else "left", no_wrap=True)
@@ -77,6 +77,7 @@ def markdown_report(doc: dict[str, Any], plot_files: list[str]) -> str:
         f"{', '.join(doc['generation_side']['logprobs_mode'])} ({doc['generation_side']['logprobs_mode_note']}).",
         f"- **Training side (BF16)**: {doc['training_side']['bf16']}.",
         f"- **Training side (FP8)**: {doc['training_side']['fp8']}.",
+        *[f"- **Training side `{side}`**: {text}." for side, text in doc["training_side"].items() if side not in ("bf16", "fp8")],
         f"- **Prompts**: {settings['num_prompts']} from `{settings['prompts']}`, up to {settings['max_new_tokens']} "
         f"new tokens, stopping at token ids {settings['stop_token_ids']}. Only completion tokens are scored.",
         "",

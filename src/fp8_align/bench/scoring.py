@@ -163,19 +163,22 @@ def _row_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-def pair_records(generation: str, generation_is_fp8: bool, scores: VariantScores) -> list[dict[str, Any]]:
+def pair_records(generation: str, scores: VariantScores, fp8_sides: set[str]) -> list[dict[str, Any]]:
     """One record per (training side, sampling setting) of one generation variant.
 
-    Each holds `fp8_align.metrics.mismatch_metrics` of all scored tokens, the error at each
-    completion position and pooled over `POSITION_BUCKET` positions. `alignment` is "reference"
-    (BF16 generation), "misaligned" (FP8 generation, BF16 training side) or "aligned".
+    `fp8_sides` names the training sides that run the variant's block-FP8 recipe; it is empty for
+    a BF16 generation variant. Each record holds `fp8_align.metrics.mismatch_metrics` of all scored
+    tokens, the error at each completion position and pooled over `POSITION_BUCKET` positions.
+    `alignment` is "reference" (BF16 generation), "misaligned" (FP8 generation, BF16 training
+    side) or "aligned" (FP8 generation, FP8 training side).
     """
     records = []
+    generation_is_fp8 = bool(fp8_sides)
     for side, by_setting in scores.train_logprobs.items():
         if not generation_is_fp8:
             alignment = "reference"
         else:
-            alignment = "misaligned" if side == "bf16" else "aligned"
+            alignment = "aligned" if side in fp8_sides else "misaligned"
         for setting, train in by_setting.items():
             gen, mask = scores.gen_logprobs[setting], scores.mask[setting]
             metrics = mismatch_metrics(train, gen, mask)

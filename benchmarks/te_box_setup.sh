@@ -1,0 +1,57 @@
+# Source on the GPU box from the repository root, after benchmarks/gpu_box_setup.sh:
+#   source benchmarks/te_box_setup.sh
+# Installs the TransformerEngine 2.20.2 bundle made by scripts/pack_te_for_box.sh into /root/te_site
+# (its te.part_NN copied to /root/stage by earlier calls on this machine, or carried in this one
+# under .gpute/, with .gpute/ID carried in this call), building TE's torch extension
+# (transformer_engine_torch, a CppExtension of 33 C++ files: g++ and ninja, no nvcc) against the
+# box's torch once per bundle. Appends /root/te_site to PYTHONPATH after the vLLM kit (whose
+# nvidia-cudnn-frontend 1.32.0 also satisfies TE's >= 1.29). Build log: /root/te_build.log
+# (and $OUT/te_build.log when $OUT is set); versions: /root/te_env.txt.
+_te_id=$(cat .gpute/ID 2>/dev/null || echo none)
+_te_site=/root/te_site
+if [ "$(cat $_te_site/.complete 2>/dev/null)" != "$_te_id" ]; then
+  mkdir -p /root/stage && cp .gpute/te.part_* /root/stage/ 2>/dev/null || true
+  _te_tar=/root/te_bundle.tar
+  cat /root/stage/te.part_* > "$_te_tar"
+  _got=$(sha256sum "$_te_tar" | cut -c1-16)
+  if [ "$_got" != "$_te_id" ]; then
+    echo "te_box_setup: parts in /root/stage do not match bundle $_te_id (got $_got): copy every te.part_NN"; return 1
+  fi
+  rm -rf "$_te_site" /root/te_wheels && mkdir -p "$_te_site" && tar -C /root -xf "$_te_tar" && mv /root/wheels /root/te_wheels
+  python3 - "$_te_site" /root/te_wheels/*.whl <<'PY' || return 1
+import sys, zipfile
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+PY
+  rm -rf /root/te_src && mkdir -p /root/te_src && tar -C /root/te_src -xzf /root/te_wheels/transformer_engine_torch-2.20.2.tar.gz
+  _started=$(date +%s)
+  ( cd /root/te_src/transformer_engine_torch-2.20.2 && \
+    PYTHONPATH="$_te_site:$PYTHONPATH" NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 \
+    NVTE_WITH_NCCL_EP=0 MAX_JOBS=16 python3 -m pip wheel -v --no-build-isolation --no-deps -w /root/te_built . ) \
+    > /root/te_build.log 2>&1
+  _rc=$?
+  echo "te_box_setup: transformer_engine_torch build rc=$_rc in $(( $(date +%s) - _started )) s" | tee -a /root/te_build.log
+  [ -z "${OUT:-}" ] || cp /root/te_build.log "$OUT/te_build.log"
+  [ "$_rc" = 0 ] || { tail -40 /root/te_build.log; return 1; }
+  python3 - "$_te_site" /root/te_built/transformer_engine_torch-*.whl <<'PY' || return 1
+import sys, zipfile
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+PY
+  echo "$_te_id" > "$_te_site/.complete"
+fi
+export PYTHONPATH="$PYTHONPATH:$_te_site"
+python3 - > /root/te_env.txt 2>&1 <<'PY' || { cat /root/te_env.txt; return 1; }
+import importlib.metadata as md
+import torch
+import transformer_engine.pytorch as te
+import transformer_engine_torch  # noqa: F401
+import megatron.core
+from transformer_engine.pytorch.quantization import check_fp8_block_scaling_support
+print(f"transformer_engine={md.version('transformer_engine')} transformer_engine_cu13={md.version('transformer_engine_cu13')} "
+      f"transformer_engine_torch={md.version('transformer_engine_torch')} megatron_core={md.version('megatron_core')} "
+      f"torch={torch.__version__} cudnn={torch.backends.cudnn.version()}")
+print(f"fp8_block_scaling_support={check_fp8_block_scaling_support()}")
+PY
+cat /root/te_env.txt
+[ -z "${OUT:-}" ] || cp /root/te_env.txt "$OUT/te_env.txt"
