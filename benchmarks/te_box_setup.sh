@@ -18,20 +18,27 @@ if [ "$(cat $_te_site/.complete 2>/dev/null)" != "$_te_id" ]; then
     echo "te_box_setup: parts in /root/stage do not match bundle $_te_id (got $_got): copy every te.part_NN"; return 1
   fi
   rm -rf "$_te_site" /root/te_wheels && mkdir -p "$_te_site" && tar -C /root -xf "$_te_tar" && mv /root/wheels /root/te_wheels
-  python3 - "$_te_site" $(ls /root/te_wheels/*.whl | grep -v nvidia_cuda_crt) <<'PY' || return 1
+  python3 - "$_te_site" $(ls /root/te_wheels/*.whl | grep -v nvidia_cuda_c) <<'PY' || return 1
 import sys, zipfile
 for wheel in sys.argv[2:]:
     zipfile.ZipFile(wheel).extractall(sys.argv[1])
 PY
-  # Build-only headers (crt/host_config.h & co.), kept out of the runtime path.
-  rm -rf /root/te_build_headers && python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
-    /root/te_wheels/nvidia_cuda_crt-*.whl /root/te_build_headers || return 1
-  rm -rf /root/te_src && mkdir -p /root/te_src && tar -C /root/te_src -xzf /root/te_wheels/transformer_engine_torch-2.20.2.tar.gz
+  # Build-only headers (crt/host_config.h, nv/target, cub), kept out of the runtime path.
+  rm -rf /root/te_build_headers && for _w in /root/te_wheels/nvidia_cuda_c*.whl; do
+    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$_w" /root/te_build_headers || return 1
+  done
+  rm -rf /root/te_src /root/te_built && mkdir -p /root/te_src /root/te_built && tar -C /root/te_src -xzf /root/te_wheels/transformer_engine_torch-2.20.2.tar.gz
   _started=$(date +%s)
-  ( cd /root/te_src/transformer_engine_torch-2.20.2 && \
+  # A wheel built on an earlier box (same torch 2.11.0+cu130, Python 3.12) may be carried in .gpute/
+  # or staged in /root/stage: then nothing is compiled.
+  _prebuilt=$(ls .gpute/transformer_engine_torch-2.20.2-*.whl /root/stage/transformer_engine_torch-2.20.2-*.whl 2>/dev/null | head -1)
+  if [ -n "$_prebuilt" ]; then
+    cp "$_prebuilt" /root/te_built/ && echo "te_box_setup: prebuilt $(basename "$_prebuilt")" > /root/te_build.log
+  else ( cd /root/te_src/transformer_engine_torch-2.20.2 && \
     PYTHONPATH="$_te_site:$PYTHONPATH" CPATH="/root/te_build_headers/nvidia/cu13/include${CPATH:+:$CPATH}" NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 \
     NVTE_WITH_NCCL_EP=0 MAX_JOBS=16 python3 -m pip wheel -v --no-build-isolation --no-deps -w /root/te_built . ) \
     > /root/te_build.log 2>&1
+  fi
   _rc=$?
   echo "te_box_setup: transformer_engine_torch build rc=$_rc in $(( $(date +%s) - _started )) s" | tee -a /root/te_build.log
   [ -z "${OUT:-}" ] || cp /root/te_build.log "$OUT/te_build.log"

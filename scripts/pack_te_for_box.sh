@@ -2,7 +2,8 @@
 # Pack TransformerEngine 2.20.2 (+ megatron-core 0.19.2) for the offline GPU box (Python 3.12,
 # torch 2.11.0+cu130): the binary core wheel, the Python metapackage, the torch-extension sdist
 # (built on the box by benchmarks/te_box_setup.sh: it has g++ 13, ninja and torch's CUDA headers,
-# plus the crt headers of nvidia-cuda-crt, which CUDA 13's cuda_runtime.h includes)
+# plus the crt and libcu++ headers of nvidia-cuda-crt / nvidia-cuda-cccl, which CUDA 13's
+# cuda_runtime.h and cuda_fp16.h include; 129 s with 16 jobs on the H100 box)
 # and TE's runtime Python dependencies, as one tar split into parts that fit the device tool's
 # 64 MiB carry limit, plus ID (sha256 of the tar, first 16 hex digits).
 #   bash scripts/pack_te_for_box.sh [.gpute]        (run from the repository root; ~300 MB download)
@@ -15,8 +16,9 @@ mkdir -p "$work/wheels"
 pin=(--no-deps --only-binary :all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$work/wheels")
 pip download -q "${pin[@]}" transformer-engine==2.20.2 transformer-engine-cu13==2.20.2 megatron-core==0.19.2 \
   onnx==1.23.2 onnxscript==0.7.2 onnx_ir==1.1.0 ml_dtypes==0.6.0 nvdlfw-inspect==0.2.2
-# CUDA 13 moved crt/host_config.h & co. out of the runtime headers; torch's own CUDA wheels lack them.
-pip download -q --no-deps --only-binary :all: -d "$work/wheels" nvidia-cuda-crt==13.0.88
+# CUDA 13 moved crt/host_config.h and libcu++ (nv/target, cub) out of the runtime headers; torch's
+# own CUDA wheels lack them. Build-only: the extension needs no CUDA compiler, only these headers.
+pip download -q --no-deps --only-binary :all: -d "$work/wheels" nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
 sdist=transformer_engine_torch-2.20.2.tar.gz
 sdist_sha=4c40ced8a6261649e689076f198d4feaf02277b1ba18931a66eccdaceb33c43e
 curl -sSfL -o "$work/wheels/$sdist" "https://files.pythonhosted.org/packages/3d/fb/c9ce298a38c22ed1059923a01cac7e1f4e4f7281d39a8679c8118febe079/$sdist"
