@@ -23,7 +23,7 @@ sdist=transformer_engine_torch-2.20.2.tar.gz
 sdist_sha=4c40ced8a6261649e689076f198d4feaf02277b1ba18931a66eccdaceb33c43e
 curl -sSfL -o "$work/wheels/$sdist" "https://files.pythonhosted.org/packages/3d/fb/c9ce298a38c22ed1059923a01cac7e1f4e4f7281d39a8679c8118febe079/$sdist"
 echo "$sdist_sha  $work/wheels/$sdist" | sha256sum -c --quiet
-rm -rf "$out" && mkdir -p "$out"
+mkdir -p "$out" && rm -f "$out"/te.part_* "$out"/ID  # a prebuilt transformer_engine_torch wheel there stays
 tar -C "$work" -cf "$work/te.tar" wheels
 split -b 57M -d -a 2 "$work/te.tar" "$out/te.part_"
 sha256sum "$work/te.tar" | cut -c1-16 > "$out/ID"
