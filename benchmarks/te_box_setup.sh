@@ -52,9 +52,16 @@ PY
   echo "$_te_id" > "$_te_site/.complete"
 fi
 export PYTHONPATH="$PYTHONPATH:$_te_site"
-python3 - > /root/te_env.txt 2>&1 <<'PY' || { cat /root/te_env.txt; return 1; }
+# TE dlopens cuDNN, NVRTC and cuRAND from *_HOME, then /usr/local/cuda, before Python packages; the
+# box's /usr/local/cuda holds an older cuDNN (9.14) than torch's (9.19), and loading it first breaks
+# torch's cuDNN check. Point TE at torch's own CUDA libraries.
+_nv=$(python3 -c "import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), 'nvidia'))")
+[ -d "$_nv/cudnn" ] && export CUDNN_HOME="$_nv/cudnn"
+[ -d "$_nv/cu13" ] && export NVRTC_HOME="$_nv/cu13" CURAND_HOME="$_nv/cu13"
+python3 - > /root/te_env.txt 2>&1 <<'PY' || { cat /root/te_env.txt; find /usr/local/cuda*/ -name "libcudnn.so*" 2>/dev/null | head -3; return 1; }
 import importlib.metadata as md
 import torch
+torch.backends.cudnn.version()  # torch's cuDNN first
 import transformer_engine.pytorch as te
 import transformer_engine_torch  # noqa: F401
 import megatron.core
@@ -62,6 +69,8 @@ from transformer_engine.pytorch.quantization import check_fp8_block_scaling_supp
 print(f"transformer_engine={md.version('transformer_engine')} transformer_engine_cu13={md.version('transformer_engine_cu13')} "
       f"transformer_engine_torch={md.version('transformer_engine_torch')} megatron_core={md.version('megatron_core')} "
       f"torch={torch.__version__} cudnn={torch.backends.cudnn.version()}")
+import transformer_engine.common as tec
+print(f"te_cudnn_lib={tec._CUDNN_LIB_CTYPES._name}")
 print(f"fp8_block_scaling_support={check_fp8_block_scaling_support()}")
 PY
 cat /root/te_env.txt
