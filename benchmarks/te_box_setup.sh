@@ -56,7 +56,9 @@ export PYTHONPATH="$PYTHONPATH:$_te_site"
 # box's /usr/local/cuda holds an older cuDNN (9.14) than torch's (9.19), and loading it first breaks
 # torch's cuDNN check. Point TE at torch's own CUDA libraries.
 _nv=$(python3 -c "import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), 'nvidia'))")
-[ -d "$_nv/cudnn" ] && export CUDNN_HOME="$_nv/cudnn"
+# The cuDNN sub-libraries are found by soname: put torch's first on the loader path too (the system
+# /lib/x86_64-linux-gnu holds 9.14's, and mixing the two fails with undefined cudnn symbols).
+[ -d "$_nv/cudnn" ] && export CUDNN_HOME="$_nv/cudnn" LD_LIBRARY_PATH="$_nv/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ -d "$_nv/cu13" ] && export NVRTC_HOME="$_nv/cu13" CURAND_HOME="$_nv/cu13"
 python3 - > /root/te_env.txt 2>&1 <<'PY' || { cat /root/te_env.txt; find /usr/local/cuda*/ -name "libcudnn.so*" 2>/dev/null | head -3; return 1; }
 import importlib.metadata as md
