@@ -31,24 +31,26 @@ class _BlockFp8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         weight_pow2_scale: bool,
         activation_pow2_scale: bool,
+        scale_rule: str,
     ) -> torch.Tensor:
-        codes, scale_inv = quantize_weight_blockwise(weight.detach(), pow2_scale=weight_pow2_scale)
+        codes, scale_inv = quantize_weight_blockwise(weight.detach(), pow2_scale=weight_pow2_scale, scale_rule=scale_rule)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return blockwise_fp8_linear(
-            x.detach(), codes, scale_inv, None if bias is None else bias.detach(), activation_pow2_scale, out_dtype=x.dtype
-        )
+            x.detach(), codes, scale_inv, None if bias is None else bias.detach(), activation_pow2_scale,
+            out_dtype=x.dtype, scale_rule=scale_rule,
+        )  # fmt: skip
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x, weight = ctx.saved_tensors
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)
         grad_x = (grad_2d @ weight).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = grad_2d.T @ x.reshape(-1, x.shape[-1]).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = grad_2d.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class Fp8TrainingLinear(nn.Module):
@@ -66,9 +68,12 @@ class Fp8TrainingLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_pow2_scale = cfg.use_weight_pow2_scale
         self.activation_pow2_scale = cfg.use_activation_pow2_scale
+        self.scale_rule = cfg.scale_rule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _BlockFp8LinearFunction.apply(x, self.weight, self.bias, self.weight_pow2_scale, self.activation_pow2_scale)
+        return _BlockFp8LinearFunction.apply(
+            x, self.weight, self.bias, self.weight_pow2_scale, self.activation_pow2_scale, self.scale_rule
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block_fp8_forward, bf16_backward"
