@@ -25,6 +25,9 @@ skip_tokenizer_init):
                recalibration an RL loop runs every step, reported as a share of the timed
                rollout step.
     vllm_fp8_kv    vllm_fp8 + kv_cache_dtype="fp8" (vLLM's default scales, 1.0)
+    fp8_align_kv_xqa   fp8_align_kv with FP8Config(kv_decode_kernel="xqa"): pure-decode batches
+               read the FP8 cache with FlashInfer's XQA kernel instead of FA3 (vLLM 0.22 on
+               Hopper; the XQA module prebuilt and installed as docs/xqa_decode.md says)
 
 Both FP8 variants use CUTLASS so that they differ only in where the weights are quantized:
 DeepGEMM JIT-compiles a kernel per M tiling at engine start (about 0.8 s per warm-up M value,
@@ -99,7 +102,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
-VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv")
+VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa")
 #: Prompts in the engine-side KV-scale calibration batch of `fp8_align_kv`.
 CALIBRATION_PROMPTS = 8
 #: Report fields that must be equal for variants measured in different calls to share a report.
@@ -265,7 +268,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["attention_backend"]:
         kwargs["attention_backend"] = spec["attention_backend"]
     if spec["fp8_align"]:
-        kwargs.update(engine_kwargs(FP8Config(use_deep_gemm=False)))
+        kwargs.update(engine_kwargs(FP8Config(**spec["fp8_config"])))
     start = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - start
@@ -433,8 +436,9 @@ def variant_spec(
     """What one variant's engine process runs (its spec file, read by run_engine and run_variant)."""
     return {
         "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
-        "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if variant.endswith("_kv") else "auto",
-        "calibrate_kv": variant == "fp8_align_kv", "env": variant_env(model, variant), "shapes": shapes,
+        "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
+        "fp8_config": {"use_deep_gemm": False, **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if variant.endswith("_xqa") else {})},
+        "calibrate_kv": variant.startswith("fp8_align_kv"), "env": variant_env(model, variant), "shapes": shapes,
         "llm_kwargs": MODELS[model].llm_kwargs, **settings,
     }  # fmt: skip
 
@@ -612,7 +616,8 @@ def _add_ratios(report: dict[str, Any]) -> None:
         if "bf16" in tok_s:
             for name, value in tok_s.items():
                 ratios[f"{name}_vs_bf16"] = value / tok_s["bf16"]
-        for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv")):
+        for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv"), ("fp8_align_kv_xqa", "vllm_fp8_kv"),
+                             ("fp8_align_kv_xqa", "fp8_align_kv")):
             if ours in tok_s and theirs in tok_s:
                 ratios[f"{ours}_vs_{theirs}"] = tok_s[ours] / tok_s[theirs]
         report["ratios"][shape] = ratios
@@ -620,16 +625,16 @@ def _add_ratios(report: dict[str, Any]) -> None:
 
 def _print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['device']} vllm {report['vllm']}, variants on one GPU: {report['variants_on_one_gpu']}")
-    print(f"{'shape':<6} {'variant':<13} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
+    print(f"{'shape':<6} {'variant':<16} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
     for shape in report["shapes"]:
         for name, r in report["variants"].items():
             if "error" in r:
-                print(f"{shape:<6} {name:<13} FAILED")
+                print(f"{shape:<6} {name:<16} FAILED")
                 continue
             timed, load = r["by_shape"][shape], r.get("model_load_s")
             ratio = report["ratios"].get(shape, {}).get(f"{name}_vs_bf16", float("nan"))
             print(
-                f"{shape:<6} {name:<13} {timed['output_tok_per_s']:>10.0f} {ratio:>8.3f} {r['engine_start_s']:>8.1f} "
+                f"{shape:<6} {name:<16} {timed['output_tok_per_s']:>10.0f} {ratio:>8.3f} {r['engine_start_s']:>8.1f} "
                 f"{load if load is not None else float('nan'):>7.1f} {len(timed['generate_s']):>8}"
             )
 

@@ -9,14 +9,15 @@ source benchmarks/gpu_box_setup.sh >/dev/null || exit 1
 source benchmarks/gpu_model_setup.sh >/dev/null || exit 1
 source benchmarks/te_box_setup.sh || exit 1
 export VLLM_LOGGING_LEVEL=WARNING
-bench=(python3 -m fp8_align.cli bench-error --device cuda --training-side megatron-te --json-only --no-plots)
+bench=(python3 -m fp8_align.cli bench-error --device cuda --training-side megatron-te,engine-kernels --json-only --no-plots)
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     setup) ;;
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_megatron_te.py tests/test_megatron_ext.py \
-        > "$out/pytest_te_pow2.txt" 2>&1
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/test_gpu_megatron_te.py tests/test_megatron_ext.py \
+        "tests/test_gpu_kernels.py::test_engine_kernel_training_linear_is_bit_identical_to_the_engine_layer" \
+        "tests/test_gpu_kernels.py::test_engine_kernel_training_linear_trains" > "$out/pytest_te_pow2.txt" 2>&1
       tail -5 "$out/pytest_te_pow2.txt"
       NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_megatron_te.py \
         -k "fp8 or te_linear" > "$out/pytest_te_fp32.txt" 2>&1

@@ -6,7 +6,7 @@
 # (transformer_engine_torch, a CppExtension of 33 C++ files: g++ and ninja, no nvcc) against the
 # box's torch once per bundle. Appends /root/te_site to PYTHONPATH after the vLLM kit (whose
 # nvidia-cudnn-frontend 1.32.0 also satisfies TE's >= 1.29). Build log: /root/te_build.log
-# (and $OUT/te_build.log when $OUT is set); versions: /root/te_env.txt.
+# (and $OUT/te_build.log when $OUT is set, with the built wheel); versions: /root/te_env.txt.
 _te_id=$(cat .gpute/ID 2>/dev/null || echo none)
 _te_site=/root/te_site
 if [ "$(cat $_te_site/.complete 2>/dev/null)" != "$_te_id" ]; then
@@ -18,21 +18,32 @@ if [ "$(cat $_te_site/.complete 2>/dev/null)" != "$_te_id" ]; then
     echo "te_box_setup: parts in /root/stage do not match bundle $_te_id (got $_got): copy every te.part_NN"; return 1
   fi
   rm -rf "$_te_site" /root/te_wheels && mkdir -p "$_te_site" && tar -C /root -xf "$_te_tar" && mv /root/wheels /root/te_wheels
-  python3 - "$_te_site" /root/te_wheels/*.whl <<'PY' || return 1
+  python3 - "$_te_site" $(ls /root/te_wheels/*.whl | grep -v nvidia_cuda_c) <<'PY' || return 1
 import sys, zipfile
 for wheel in sys.argv[2:]:
     zipfile.ZipFile(wheel).extractall(sys.argv[1])
 PY
-  rm -rf /root/te_src && mkdir -p /root/te_src && tar -C /root/te_src -xzf /root/te_wheels/transformer_engine_torch-2.20.2.tar.gz
+  # Build-only headers (crt/host_config.h, nv/target, cub), kept out of the runtime path.
+  rm -rf /root/te_build_headers && for _w in /root/te_wheels/nvidia_cuda_c*.whl; do
+    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$_w" /root/te_build_headers || return 1
+  done
+  rm -rf /root/te_src /root/te_built && mkdir -p /root/te_src /root/te_built && tar -C /root/te_src -xzf /root/te_wheels/transformer_engine_torch-2.20.2.tar.gz
   _started=$(date +%s)
-  ( cd /root/te_src/transformer_engine_torch-2.20.2 && \
-    PYTHONPATH="$_te_site:$PYTHONPATH" NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 \
+  # A wheel built on an earlier box (same torch 2.11.0+cu130, Python 3.12) may be carried in .gpute/
+  # or staged in /root/stage: then nothing is compiled.
+  _prebuilt=$(ls .gpute/transformer_engine_torch-2.20.2-*.whl /root/stage/transformer_engine_torch-2.20.2-*.whl 2>/dev/null | head -1)
+  if [ -n "$_prebuilt" ]; then
+    cp "$_prebuilt" /root/te_built/ && echo "te_box_setup: prebuilt $(basename "$_prebuilt")" > /root/te_build.log
+  else ( cd /root/te_src/transformer_engine_torch-2.20.2 && \
+    PYTHONPATH="$_te_site:$PYTHONPATH" CPATH="/root/te_build_headers/nvidia/cu13/include${CPATH:+:$CPATH}" NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 \
     NVTE_WITH_NCCL_EP=0 MAX_JOBS=16 python3 -m pip wheel -v --no-build-isolation --no-deps -w /root/te_built . ) \
     > /root/te_build.log 2>&1
+  fi
   _rc=$?
   echo "te_box_setup: transformer_engine_torch build rc=$_rc in $(( $(date +%s) - _started )) s" | tee -a /root/te_build.log
   [ -z "${OUT:-}" ] || cp /root/te_build.log "$OUT/te_build.log"
   [ "$_rc" = 0 ] || { tail -40 /root/te_build.log; return 1; }
+  [ -z "${OUT:-}" ] || cp /root/te_built/transformer_engine_torch-*.whl "$OUT/"
   python3 - "$_te_site" /root/te_built/transformer_engine_torch-*.whl <<'PY' || return 1
 import sys, zipfile
 for wheel in sys.argv[2:]:
@@ -41,9 +52,16 @@ PY
   echo "$_te_id" > "$_te_site/.complete"
 fi
 export PYTHONPATH="$PYTHONPATH:$_te_site"
-python3 - > /root/te_env.txt 2>&1 <<'PY' || { cat /root/te_env.txt; return 1; }
+# TE dlopens cuDNN, NVRTC and cuRAND from *_HOME, then /usr/local/cuda, before Python packages; the
+# box's /usr/local/cuda holds an older cuDNN (9.14) than torch's (9.19), and loading it first breaks
+# torch's cuDNN check. Point TE at torch's own CUDA libraries.
+_nv=$(python3 -c "import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), 'nvidia'))")
+[ -d "$_nv/cudnn" ] && export CUDNN_HOME="$_nv/cudnn"
+[ -d "$_nv/cu13" ] && export NVRTC_HOME="$_nv/cu13" CURAND_HOME="$_nv/cu13"
+python3 - > /root/te_env.txt 2>&1 <<'PY' || { cat /root/te_env.txt; find /usr/local/cuda*/ -name "libcudnn.so*" 2>/dev/null | head -3; return 1; }
 import importlib.metadata as md
 import torch
+torch.backends.cudnn.version()  # torch's cuDNN first
 import transformer_engine.pytorch as te
 import transformer_engine_torch  # noqa: F401
 import megatron.core
@@ -51,6 +69,8 @@ from transformer_engine.pytorch.quantization import check_fp8_block_scaling_supp
 print(f"transformer_engine={md.version('transformer_engine')} transformer_engine_cu13={md.version('transformer_engine_cu13')} "
       f"transformer_engine_torch={md.version('transformer_engine_torch')} megatron_core={md.version('megatron_core')} "
       f"torch={torch.__version__} cudnn={torch.backends.cudnn.version()}")
+import transformer_engine.common as tec
+print(f"te_cudnn_lib={tec._CUDNN_LIB_CTYPES._name}")
 print(f"fp8_block_scaling_support={check_fp8_block_scaling_support()}")
 PY
 cat /root/te_env.txt

@@ -366,6 +366,15 @@ def test_megatron_te_training_side_names_what_is_missing(tiny_checkpoint: Path, 
     assert "needs megatron-core and TransformerEngine" in err and "te_box_setup.sh" in err
 
 
+def test_training_side_items_are_checked(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = str(tiny_checkpoint / "prompts.jsonl")
+    args = ["bench-error", "--model", str(tiny_checkpoint / "model"), "--prompts", prompts, "--out", str(tmp_path), "--device", "cpu"]
+    assert main([*args, "--training-side", "hf,deepspeed"]) == 2
+    assert "comma-separated subset of hf, megatron-te, engine-kernels" in capsys.readouterr().err
+    assert main([*args, "--training-side", "engine-kernels"]) == 2
+    assert "needs --device cuda" in capsys.readouterr().err
+
+
 def test_megatron_te_side_refuses_a_rounding_te_was_not_imported_with(monkeypatch: pytest.MonkeyPatch) -> None:
     """TE fixes pow2/FP32 block scales at import: a variant with the other rounding is refused, with the fix."""
     import sys

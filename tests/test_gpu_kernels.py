@@ -515,3 +515,51 @@ def test_graph_capture_and_compile(gk: ModuleType) -> None:
         static_x.copy_(_activations(16, 1024, seed=11))
         graph.replay()
         assert torch.equal(static_out, kernel.apply(layer, static_x, None, False)), kernel.name
+
+
+# --------------------------------------------------------------------------- kernel-identical training forward
+@pytest.mark.parametrize("shard_sizes,k", [([2048, 512, 512], 1024), ([1536, 1536], 2048), ([1024], 3072), ([576, 192, 192], 576),
+                                           ([1536, 1536], 576)])  # fmt: skip
+def test_engine_kernel_training_linear_is_bit_identical_to_the_engine_layer(shard_sizes: list[int], k: int) -> None:
+    """`Fp8TrainingLinear(forward_kernel="engine")` on one HF projection (q_proj, k_proj, ...) gives,
+    bit for bit, the rows of what the plugin's stacked vLLM layer (qkv_proj, gate_up_proj) computes
+    for the same input, with the backend the plugin selects for the stacked shape (DeepGEMM for
+    full 128 blocks, Triton / per-shard Triton for SmolLM2's 576/192 shards)."""
+    from fp8_align.hf_training import Fp8TrainingLinear
+    from fp8_align.vllm_plugin.kernels.registry import select_kernel
+    from fp8_align.vllm_plugin.linear.method import quantize_shards
+
+    cfg = FP8Config()
+    g = _generator(7)
+    weights = [(torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16) for n in shard_sizes]
+    x = _activations(77, k, seed=8)
+    codes, scales = quantize_shards(torch.cat(weights), shard_sizes, cfg.use_weight_pow2_scale)
+    stacked = torch.nn.Module()
+    stacked.weight, stacked.weight_scale_inv = codes, scales
+    stacked.fp8_align_shard_sizes, stacked.fp8_align_prefix, stacked.params_dtype = list(shard_sizes), "stacked", torch.bfloat16
+    kernel = select_kernel(cfg, codes.shape, list(shard_sizes), codes.device)
+    engine_out = kernel.apply(stacked, x, None, cfg.use_activation_pow2_scale)
+    row = 0
+    for i, w in enumerate(weights):
+        linear = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+        training = Fp8TrainingLinear(linear, cfg, "engine", f"shard{i}", tuple(shard_sizes))
+        assert training.engine_kernel(x.device, x.dtype).name == kernel.name
+        with torch.no_grad():
+            got = training(x)
+        assert torch.equal(got, engine_out[:, row : row + w.shape[0]]), f"{kernel.name}: shard {i} differs"
+        row += w.shape[0]
+    print(f"{shard_sizes}x{k}: {kernel.name}, bit-identical")
+
+
+def test_engine_kernel_training_linear_trains() -> None:
+    """The backward is the BF16 straight-through one: gradients equal nn.Linear's on the same inputs."""
+    from fp8_align.hf_training import Fp8TrainingLinear
+
+    linear = torch.nn.Linear(1024, 512, bias=True, device="cuda", dtype=torch.bfloat16)
+    training = Fp8TrainingLinear(linear, FP8Config(), "engine", "proj")
+    x = _activations(64, 1024, seed=3).requires_grad_(True)
+    training(x).float().square().sum().backward()
+    gx, gw = x.grad.clone(), linear.weight.grad.clone()
+    assert gx is not None and torch.isfinite(gw).all() and gw.abs().sum() > 0

@@ -93,3 +93,24 @@ def test_fused_moe_experts_are_refused() -> None:
     model.layers[0].mlp.experts = experts
     with pytest.raises(ValueError, match="layers.0.mlp.experts: fused MoE experts have no FP8 training forward"):
         apply_fp8_training(model, FP8Config(), num_hidden_layers=1)
+
+
+def test_engine_forward_kernel_plans_the_stacked_shape_and_refuses_cpu() -> None:
+    """forward_kernel="engine" picks the GPU backend for vLLM's stacked layer (q|k|v, gate|up); the
+    choice itself runs on the GPU box (tests/test_gpu_kernels.py); on CPU it is refused."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fp8_align.hf_training import Fp8TrainingLinear, apply_fp8_training, stacked_shard_sizes
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=64, vocab_size=128)).to(torch.bfloat16)  # fmt: skip
+    assert stacked_shard_sizes(model, "model.layers.0.self_attn.k_proj") == (256, 128, 128)
+    assert stacked_shard_sizes(model, "model.layers.0.mlp.up_proj") == (384, 384)
+    assert stacked_shard_sizes(model, "model.layers.0.mlp.down_proj") == (256,)
+    names = apply_fp8_training(model, FP8Config(), forward_kernel="engine")
+    layer = model.get_submodule("model.layers.0.self_attn.v_proj")
+    assert isinstance(layer, Fp8TrainingLinear) and layer.shard_sizes == (256, 128, 128) and len(names) == 7
+    with pytest.raises(RuntimeError, match="runs the plugin's CUDA kernels"):
+        layer(torch.randn(2, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="forward_kernel must be one of"):
+        Fp8TrainingLinear(torch.nn.Linear(4, 4), FP8Config(), "cutlass")

@@ -100,10 +100,12 @@ def _add_bench_error(sub: argparse._SubParsersAction) -> None:
         f"(one HF forward per layer; default {defaults.layer_attribution_prompts}, 0 = off)",
     )
     bench.add_argument(
-        "--training-side", choices=TRAINING_SIDES, default=defaults.training_side,
-        help="hf: HF transformers forward (BF16 and fp8_align's FP8 emulation); megatron-te: also megatron-core GPT "
-        "with TransformerEngine layers, BF16 and TE block FP8 (needs megatron-core + TE and a CUDA GPU; TE's scale "
-        "rounding follows NVTE_FP8_BLOCK_SCALING_FP32_SCALES)",
+        "--training-side", default=defaults.training_side,
+        help=f"comma-separated from {', '.join(TRAINING_SIDES)}. hf: HF transformers forward (BF16 and fp8_align's FP8 "
+        "emulation), always scored; megatron-te: also megatron-core GPT with TransformerEngine layers, BF16 and TE "
+        "block FP8 (needs megatron-core + TE and a CUDA GPU; TE's scale rounding follows "
+        "NVTE_FP8_BLOCK_SCALING_FP32_SCALES); engine-kernels: also the HF model with the vLLM plugin's GPU GEMMs in its "
+        "FP8 linears (CUDA)",
     )
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--json-only", action="store_true", help="do not print the table (the JSON and markdown are still written)")

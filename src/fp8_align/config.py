@@ -58,6 +58,12 @@ class FP8Config(BaseModel):
         "are correctly rounded FP32.",
     )
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    kv_decode_kernel: Literal["auto", "xqa"] = Field(
+        default="auto",
+        description="Decode kernel over the FP8 KV cache. 'auto': the attention backend vLLM picks. 'xqa': "
+        "vLLM 0.22 FLASH_ATTN engines on Hopper send pure-decode batches to FlashInfer's XQA kernel "
+        "(prefill stays on FA3); needs kv_cache_dtype='fp8' and the XQA module (docs/xqa_decode.md).",
+    )
     fp8_attention: bool = False
     recalibrate_scales_every_step: bool = True
     weight_block_size: tuple[int, int] = (128, 128)
@@ -129,6 +135,10 @@ class FP8Config(BaseModel):
             raise ValueError(
                 "fp8_attention=True needs kv_cache_dtype='fp8': FP8 attention reads the FP8 KV cache. "
                 "Set kv_cache_dtype='fp8' or fp8_attention=False."
+            )
+        if self.kv_decode_kernel == "xqa" and self.kv_cache_dtype != "fp8":
+            raise ValueError(
+                "kv_decode_kernel='xqa' decodes an FP8 KV cache: set kv_cache_dtype='fp8' or kv_decode_kernel='auto'."
             )
         if self.precision == "bf16" and (self.kv_cache_dtype == "fp8" or self.fp8_attention):
             raise ValueError(
@@ -287,6 +297,7 @@ _GENERATION_FIELDS = (
     "use_activation_pow2_scale",
     "scale_rule",
     "kv_cache_dtype",
+    "kv_decode_kernel",
     "fp8_attention",
     "recalibrate_scales_every_step",
     "strict",

@@ -8,6 +8,15 @@ blocks and the input in 1x128 groups exactly as the vLLM plugin does with the we
 then runs `fp8_align.quant.blockwise_fp8_linear`. The backward is BF16: gradients are those of
 `x @ w.T` with the BF16 weight (a straight-through estimator for both quantizers), which is what
 a BF16-backward FP8 recipe computes.
+
+`forward_kernel="engine"` (CUDA, vLLM installed) makes the forward kernel-identical to a vLLM
+engine running fp8_align: the weight is quantized by the plugin's GPU quantizer and the product
+runs through the block-FP8 GEMM backend the plugin selects for the engine's layer (DeepGEMM,
+CUTLASS, cuBLASLt or Triton, `vllm_plugin.kernels.select_kernel`) with the plugin's activation
+quantizer. vLLM stacks q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; the backend is
+chosen for that stacked shape (shard sizes included) and run on this projection's shard, whose
+rows are the same dot products (no backend splits K by N). Only the attention, norms and the
+rest of the model still run HF's code. Default "emulation": the pure-torch reference (`fp8_align.quant`).
 """
 
 from __future__ import annotations
@@ -18,6 +27,11 @@ from torch import nn
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import is_fused_experts, recipe_fp8_modules, replace_submodule
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
+
+#: vLLM's stacked projections of Llama-family models (its `packed_modules_mapping`): HF sibling
+#: names in shard order.
+STACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FORWARD_KERNELS = ("emulation", "engine")
 
 
 class _BlockFp8LinearFunction(torch.autograd.Function):
@@ -45,12 +59,53 @@ class _BlockFp8LinearFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        x, weight = ctx.saved_tensors
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)
-        grad_x = (grad_2d @ weight).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = grad_2d.T @ x.reshape(-1, x.shape[-1]).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = grad_2d.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return (*_bf16_straight_through(ctx, grad_out), None, None, None)
+
+
+def _bf16_straight_through(
+    ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients (x, weight, bias) of `x @ w.T + b` with the saved BF16 x and weight."""
+    x, weight = ctx.saved_tensors
+    grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)
+    grad_x = (grad_2d @ weight).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+    grad_w = grad_2d.T @ x.reshape(-1, x.shape[-1]).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    grad_b = grad_2d.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
+
+
+class _EngineKernelLinearFunction(torch.autograd.Function):
+    """Forward through the vLLM plugin's GPU backend `kernel`; BF16 straight-through backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        module: Fp8TrainingLinear,
+    ) -> torch.Tensor:
+        from types import SimpleNamespace
+
+        from fp8_align.quant.dispatch import quantize_weight_into
+
+        codes, scale_inv = quantize_weight_into(weight.detach(), module.weight_pow2_scale, scale_rule=module.scale_rule)
+        layer = SimpleNamespace(
+            weight=codes, weight_scale_inv=scale_inv, fp8_align_shard_sizes=[codes.shape[0]],
+            fp8_align_prefix=module.name, params_dtype=x.dtype,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        kernel = module.engine_kernel(x.device, x.dtype)
+        return kernel.apply(
+            layer, x.detach(), None if bias is None else bias.detach(), module.activation_pow2_scale, module.scale_rule
+        )
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        return (*_bf16_straight_through(ctx, grad_out), None)
 
 
 class Fp8TrainingLinear(nn.Module):
@@ -59,37 +114,87 @@ class Fp8TrainingLinear(nn.Module):
     Input [..., in_features] in the weight's dtype (BF16 for a BF16 model) -> [..., out_features]
     in the input's dtype. The FP8 codes are recomputed from the current weight at every forward,
     so after an optimizer step the layer computes what a vLLM engine sent that weight computes.
+    `forward_kernel` "engine" runs the vLLM plugin's GPU kernels (module docstring); then
+    `stacked_shape` ([N, K] of the engine's stacked layer) and `shard_sizes` pick the backend.
     """
 
-    def __init__(self, linear: nn.Linear, cfg: FP8Config) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        cfg: FP8Config,
+        forward_kernel: str = "emulation",
+        name: str = "",
+        shard_sizes: tuple[int, ...] | None = None,
+    ) -> None:
         super().__init__()
+        if forward_kernel not in FORWARD_KERNELS:
+            raise ValueError(f"forward_kernel must be one of {FORWARD_KERNELS}, got {forward_kernel!r}")
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_pow2_scale = cfg.use_weight_pow2_scale
         self.activation_pow2_scale = cfg.use_activation_pow2_scale
         self.scale_rule = cfg.scale_rule
+        self.forward_kernel = forward_kernel
+        self.name = name
+        self.shard_sizes = tuple(shard_sizes or (linear.out_features,))
+        self._cfg = cfg
+        self._kernels: dict[tuple[torch.device, torch.dtype], object] = {}
+
+    def engine_kernel(self, device: torch.device, dtype: torch.dtype) -> object:
+        """The backend the vLLM plugin selects for this layer's stacked shape on `device`."""
+        key = (device, dtype)
+        if key not in self._kernels:
+            if device.type != "cuda":
+                raise RuntimeError(f"{self.name}: forward_kernel='engine' runs the plugin's CUDA kernels; input is on {device}")
+            from fp8_align.vllm_plugin.kernels.registry import select_kernel
+
+            stacked = torch.Size((sum(self.shard_sizes), self.in_features))
+            self._kernels[key] = select_kernel(self._cfg, stacked, list(self.shard_sizes), device, dtype)
+        return self._kernels[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.forward_kernel == "engine":
+            return _EngineKernelLinearFunction.apply(x, self.weight, self.bias, self)
         return _BlockFp8LinearFunction.apply(
             x, self.weight, self.bias, self.weight_pow2_scale, self.activation_pow2_scale, self.scale_rule
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block_fp8_forward, bf16_backward"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, block_fp8_forward={self.forward_kernel}, "
+            "bf16_backward"
+        )
 
 
-def apply_fp8_training(model: nn.Module, cfg: FP8Config, num_hidden_layers: int | None = None) -> list[str]:
+def stacked_shard_sizes(model: nn.Module, name: str) -> tuple[int, ...]:
+    """Output sizes of the shards vLLM stacks the linear `name` with (`STACKED_PROJECTIONS`), in
+    shard order; just its own size when it is not stacked."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    for group in STACKED_PROJECTIONS:
+        if child in group and all(isinstance(getattr(parent, sibling, None), nn.Linear) for sibling in group):
+            return tuple(getattr(parent, sibling).out_features for sibling in group)
+    return (model.get_submodule(name).out_features,)
+
+
+def apply_fp8_training(
+    model: nn.Module, cfg: FP8Config, num_hidden_layers: int | None = None, forward_kernel: str = "emulation"
+) -> list[str]:
     """Replace the recipe's linears in `model` in place; returns the names that became FP8.
 
-    `num_hidden_layers` defaults to `model.config.num_hidden_layers` (HF models). Fused MoE expert
-    modules the recipe runs in FP8 are refused (ValueError): their training forward is not
-    implemented here.
+    `num_hidden_layers` defaults to `model.config.num_hidden_layers` (HF models). `forward_kernel`:
+    "emulation" (pure torch, any device) or "engine" (the vLLM plugin's CUDA kernels, see the
+    module docstring). Fused MoE expert modules the recipe runs in FP8 are refused (ValueError):
+    their training forward is not implemented here.
     """
     chosen = recipe_fp8_modules(model, cfg, num_hidden_layers)
     for name, module in chosen:
         if is_fused_experts(module):
             raise ValueError(f"{name}: fused MoE experts have no FP8 training forward in fp8_align.hf_training")
-    for name, module in chosen:
-        replace_submodule(model, name, Fp8TrainingLinear(module, cfg))
+    replacements = [
+        (name, Fp8TrainingLinear(module, cfg, forward_kernel, name, stacked_shard_sizes(model, name))) for name, module in chosen
+    ]
+    for name, replacement in replacements:
+        replace_submodule(model, name, replacement)
     return [name for name, _ in chosen]

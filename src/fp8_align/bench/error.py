@@ -36,8 +36,9 @@ from fp8_align.config import FP8Config
 SCHEMA = "fp8_align.bench_error/1"
 #: Temperature of the sampled setting (greedy is temperature 0).
 SAMPLED_TEMPERATURE = 1.0
-#: `--training-side` choices: HF only, or HF plus megatron-core GPT with TransformerEngine layers.
-TRAINING_SIDES = ("hf", "megatron-te")
+#: `--training-side` items (comma-separated; HF BF16 and FP8 emulation always run): megatron-core GPT
+#: with TransformerEngine layers; the HF model with the vLLM plugin's own GPU GEMMs in its linears.
+TRAINING_SIDES = ("hf", "megatron-te", "engine-kernels")
 
 
 class BenchInputError(ValueError):
@@ -107,7 +108,7 @@ class BenchSettings:
     device: str = "auto"  # auto | cpu | cuda
     vllm_compile: str = "auto"  # auto (off on CPU, on on CUDA) | on | off
     layer_attribution_prompts: int = 0  # greedy completions for the per-layer attribution; 0: off
-    training_side: str = "hf"  # hf | megatron-te (adds megatron-core + TransformerEngine sides)
+    training_side: str = "hf"  # comma-separated TRAINING_SIDES: extra training sides besides HF
     command: tuple[str, ...] = ()
 
 
@@ -172,9 +173,10 @@ def prepare_inputs(settings: BenchSettings, say: Callable[[str], None]) -> Bench
         raise BenchInputError(f"--layer-attribution must be between 0 and the number of prompts ({len(prompts)})")
     if settings.layer_attribution_prompts and all(VARIANTS[n].fp8_kwargs is None for n in settings.variants):
         raise BenchInputError("--layer-attribution needs an FP8 variant in --variants")
-    if settings.training_side not in TRAINING_SIDES:
-        raise BenchInputError(f"--training-side must be one of {', '.join(TRAINING_SIDES)}, got {settings.training_side!r}")
-    if settings.training_side == "megatron-te":
+    sides = training_sides(settings.training_side)
+    if "engine-kernels" in sides and resolve_device(settings.device) != "cuda":
+        raise BenchInputError("--training-side engine-kernels runs the vLLM plugin's CUDA GEMMs: it needs --device cuda")
+    if "megatron-te" in sides:
         from fp8_align.bench.megatron_side import check_megatron_te_side
 
         problem = check_megatron_te_side(
@@ -183,6 +185,15 @@ def prepare_inputs(settings: BenchSettings, say: Callable[[str], None]) -> Bench
         if problem:
             raise BenchInputError(problem)
     return BenchInputs(model_dir, description, hf_config, prompts_path, prompts, _eos_token_ids(model_dir, hf_config), model_prepare_s)
+
+
+def training_sides(text: str) -> tuple[str, ...]:
+    """`--training-side` value -> its items, each one of TRAINING_SIDES (BenchInputError otherwise)."""
+    sides = tuple(item.strip() for item in text.split(",") if item.strip())
+    unknown = [item for item in sides if item not in TRAINING_SIDES]
+    if unknown or not sides:
+        raise BenchInputError(f"--training-side takes a comma-separated subset of {', '.join(TRAINING_SIDES)}, got {text!r}")
+    return sides
 
 
 def sampling_settings(seed: int) -> list[dict[str, Any]]:
@@ -247,7 +258,10 @@ def run_bench_error(
         if variant.fp8_kwargs is not None:
             models[name] = fp8_model(bf16_model, variant.fp8_config())
             fp8_sides.add(name)
-        if settings.training_side == "megatron-te":
+        if variant.fp8_kwargs is not None and "engine-kernels" in training_sides(settings.training_side):
+            models[f"engine_kernels_{name}"] = fp8_model(bf16_model, variant.fp8_config(), forward_kernel="engine")
+            fp8_sides.add(f"engine_kernels_{name}")
+        if "megatron-te" in training_sides(settings.training_side):
             from fp8_align.bench.megatron_side import MEGATRON_BF16_SIDE, megatron_te_model
 
             say(f"scoring '{name}' with megatron-core + TransformerEngine ({'BF16' if variant.fp8_kwargs is None else 'BF16 and block FP8'})")
@@ -346,7 +360,13 @@ def _training_side_description(training_side: str) -> dict[str, str]:
             "blocks, 1x128 activation groups, the variant's scale and BF16-layer settings); log_softmax in FP32"
         ),
     }
-    if training_side == "megatron-te":
+    if "engine-kernels" in training_sides(training_side):
+        sides["engine_kernels_fp8"] = (
+            "HF transformers forward whose recipe linears run the vLLM plugin's own GPU path (its weight and activation "
+            "quantizers, the block-FP8 GEMM backend it selects for the engine's stacked layer): "
+            "fp8_align.hf_training.apply_fp8_training(forward_kernel='engine'); attention and norms are HF's"
+        )
+    if "megatron-te" in training_sides(training_side):
         from fp8_align.bench.megatron_side import describe_megatron_te_side
 
         sides.update(describe_megatron_te_side())

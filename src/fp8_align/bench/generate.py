@@ -19,6 +19,8 @@ at once and on which CPU cores. The spec is a JSON-able dict:
     inspect: bool                   also return each linear layer's state from the worker
     report_kernels: bool            also return each linear layer's method and kernel (no tensors)
     llm_kwargs: dict                extra `vllm.LLM` keyword arguments
+    kv_scales: dict                 {layer: {"k_scale", "v_scale"[, "q_scale"]}} pushed with
+                                    `push_kv_scales` before generating (FP8 KV cache engines)
     env: dict[str, str]             extra environment for the engine process
 
 The output (torch.save) holds `outputs_by_sampling` ({setting name: per prompt `prompt_ids`,
@@ -262,6 +264,10 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(model=spec["model"], **kwargs)
     engine_start_s = time.perf_counter() - start
+    if spec.get("kv_scales"):
+        from fp8_align.vllm_plugin.kv.scales import push_kv_scales
+
+        push_kv_scales(llm, {int(layer): scales for layer, scales in spec["kv_scales"].items()})
     settings = _sampling_settings(spec)
     prompts, params = [], []
     for setting in settings:

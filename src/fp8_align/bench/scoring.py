@@ -210,10 +210,16 @@ def pair_records(generation: str, scores: VariantScores, fp8_sides: set[str]) ->
     return records
 
 
-def fp8_model(bf16_model: nn.Module, cfg: FP8Config) -> nn.Module:
-    """A copy of `bf16_model` whose recipe linears run fp8_align's block-FP8 emulation."""
+def fp8_model(bf16_model: nn.Module, cfg: FP8Config, forward_kernel: str | None = None) -> nn.Module:
+    """A copy of `bf16_model` whose recipe linears run block FP8: fp8_align's emulation (default), or
+    with forward_kernel="engine" the vLLM plugin's GPU kernels (`hf_training.apply_fp8_training`)."""
     model = copy.deepcopy(bf16_model)
-    apply_fp8_emulation(model, cfg)
+    if forward_kernel is None:
+        apply_fp8_emulation(model, cfg)
+    else:
+        from fp8_align.hf_training import apply_fp8_training
+
+        apply_fp8_training(model, cfg, forward_kernel=forward_kernel)
     return model
 
 

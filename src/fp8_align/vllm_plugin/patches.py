@@ -11,6 +11,12 @@ Each patch names the vLLM symbol and the versions it targets, is applied only wh
 built with `quantization="fp8_align"` (from `Fp8AlignQuantConfig.get_quant_method`, i.e. in the
 worker that builds the model), is idempotent, and can be undone with `undo_patches()`.
 
+`fp8_kv_decode_with_xqa` (vLLM 0.22 only, only for `FP8Config(kv_decode_kernel="xqa")`) wraps
+`vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`: pure-decode batches over an
+FP8 KV cache go to FlashInfer's XQA kernel (`kv.xqa_decode`), everything else to FA as before.
+The engine refuses to start when XQA cannot run there (no SM90 GPU, another vLLM release, another
+attention backend); a missing XQA module fails the first decode step with the build command.
+
 One environment patch, `moe_activation_rounding` (`set_moe_activation_rounding`), applies only
 to engines with FP8 routed experts on CUDA: vLLM's block-FP8 MoE kernels quantize activations
 themselves and round their scales to powers of two when VLLM_USE_DEEP_GEMM_E8M0=1 (its default on
@@ -101,9 +107,35 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
 
         log_layer_plan(model)
         install_weight_sync(model, model_config)
+        if "fp8_kv_decode_with_xqa" in _applied:
+            from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_backend
+
+            logger.info("fp8_align: %d attention layers decode the FP8 KV cache with XQA", check_xqa_backend(model))
 
     return patched
 
+
+def _route_pure_decode_to_xqa(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`FlashAttentionImpl.forward` that runs pure-decode batches over an FP8 cache with XQA
+    (`kv.xqa_decode`) and everything else (prefill, mixed batches, BF16 caches) with FA as before."""
+    from fp8_align.vllm_plugin.kv.xqa_decode import is_pure_decode, xqa_decode
+
+    @functools.wraps(forward)
+    def patched(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Any, output: torch.Tensor, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if output_scale is None and output_block_scale is None and is_pure_decode(self, attn_metadata):
+            return xqa_decode(self, layer, query, kv_cache, attn_metadata, output)
+        return forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+
+    return patched
+
+
+#: Series whose FlashAttentionImpl.forward(layer, query, key, value, kv_cache, attn_metadata,
+#: output, output_scale, output_block_scale) and FlashAttentionMetadata (max_query_len, seq_lens,
+#: block_table, use_cascade) were checked for the XQA decode route: 0.22.0 (CUDA) and 0.22.1.
+#: vLLM 0.25+ routes SM90 FP8-KV decode to XQA itself (its FLASHINFER backend).
+XQA_SERIES = ((0, 22),)
 
 #: Series in which both patch targets (VllmConfig.compute_hash; base_loader's module-level
 #: process_weights_after_loading(model, model_config, target_device), called by
@@ -113,7 +145,21 @@ PATCHED_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
 
 
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
-    """The patches an engine running `cfg` needs (the same for every FP8Config)."""
+    """The patches an engine running `cfg` needs: two for every FP8Config, one more for XQA decode."""
+    xqa = [
+        MethodPatch(
+            name="fp8_kv_decode_with_xqa",
+            module="vllm.v1.attention.backends.flash_attn",
+            cls="FlashAttentionImpl",
+            attribute="forward",
+            wrap=_route_pure_decode_to_xqa,
+            versions=XQA_SERIES,
+            reason=(
+                "kv_decode_kernel='xqa': FA3 reads an FP8 KV cache at ~2.2 TB/s in decode; FlashInfer's XQA "
+                "reads it faster at RL decode batches, on the same cache and scales (fp8_align.vllm_plugin.kv.xqa_decode)"
+            ),
+        )
+    ]
     return [
         MethodPatch(
             name="compile_cache_key_includes_fp8_config",
@@ -143,7 +189,7 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
                 "(fp8_align.vllm_plugin.refit.weight_sync)"
             ),
         ),
-    ]
+    ] + (xqa if cfg.kv_decode_kernel == "xqa" else [])
 
 
 _applied: dict[str, tuple[MethodPatch, Callable[..., Any]]] = {}
@@ -154,6 +200,15 @@ def apply_patches(cfg: FP8Config) -> list[str]:
     version = installed_vllm_version()
     series = vllm_series(version) if version else None
     names = []
+    if cfg.kv_decode_kernel == "xqa":
+        from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_device
+
+        if series not in XQA_SERIES:
+            raise Fp8AlignPatchError(
+                f"kv_decode_kernel='xqa' is implemented for vLLM 0.22 (installed: {version}); vLLM 0.25+ decodes an FP8 "
+                "KV cache with XQA on Hopper itself with attention_backend='FLASHINFER': use kv_decode_kernel='auto' there"
+            )
+        check_xqa_device(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     for patch in _patches_for(cfg):
         if series not in patch.versions:
             # Reachable only with FP8_ALIGN_ALLOW_UNTESTED_VLLM=1 (the plugin refuses the release otherwise).
