@@ -514,3 +514,15 @@ def test_alignment_report_uses_transformer_engine_when_available() -> None:
     report = alignment_report(_model_weights(), cfg, training_pow2_scales=True)
     assert report.training_quantizer.startswith("TransformerEngine")
     assert report.bitwise_aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["amax_over_max", "transformer_engine"])
+def test_fp32_scales_against_real_transformer_engine(rule: str) -> None:
+    """With FP32 scales, TE's real quantizer and fp8_align agree bit for bit only under
+    scale_rule="transformer_engine"; the default rule differs by one ulp in some scales."""
+    pytest.importorskip("transformer_engine")
+    cfg = FP8Config(scale_rule=rule)
+    report = alignment_report(_model_weights(), cfg, training_quantizer="transformer_engine", training_pow2_scales=False)
+    assert report.training_quantizer.startswith("TransformerEngine")
+    assert report.bitwise_aligned == (rule == "transformer_engine")
