@@ -13,6 +13,9 @@ imported with (NVTE_FP8_BLOCK_SCALING_FP32_SCALES: "1" FP32, otherwise power of 
   TE's 1x128 quantizer vs fp8_align's torch reference (`quantize_activation_groupwise`) and the
   plugin's Triton kernel (`quantize_activation_triton`, what vLLM runs): codes and scales.
 
+Every generation-side comparison is made for both of fp8_align's scale rules (`FP8Config.scale_rule`):
+"amax_over_max" (scale_inv = amax / 448, codes x / scale_inv) and "transformer_engine" (TE's own).
+
     python -m benchmarks.te_alignment --out benchmarks/results/te_alignment_pow2.json
     NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 python -m benchmarks.te_alignment --out .../te_alignment_fp32.json
 """
@@ -34,7 +37,8 @@ from fp8_align.megatron_ext import alignment_report, te_pow2_scales_from_env
 from fp8_align.megatron_ext.hf_bridge import megatron_state_dict_from_hf
 from fp8_align.quant import dequantize_blockwise, quantize_activation_groupwise, quantize_weight_blockwise
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: fp8_align's generation-side scale rules (FP8Config.scale_rule).
+SCALE_RULES = ("amax_over_max", "transformer_engine")
 
 
 def te_quantize(x: torch.Tensor, pow2: bool, block_scaling_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +61,7 @@ def te_quantize(x: torch.Tensor, pow2: bool, block_scaling_dim: int) -> tuple[to
     return codes, scales
 
 
-def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, pow2: bool) -> dict[str, Any]:
+def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, pow2: bool, rule: str) -> dict[str, Any]:
     """Per fused Megatron matrix: fraction of dequantized values equal to vLLM's per-shard quantization."""
     mapped = megatron_state_dict_from_hf(hf_state, hf_config, fused_norms=True)
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
@@ -72,7 +76,7 @@ def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, po
             te_values = dequantize_blockwise(codes, scales.contiguous(), dtype=torch.float32)
             gen_values = []
             for shard in shards:
-                c, s = quantize_weight_blockwise(hf_state[hf + shard + ".weight"].cuda(), pow2_scale=pow2)
+                c, s = quantize_weight_blockwise(hf_state[hf + shard + ".weight"].cuda(), pow2_scale=pow2, scale_rule=rule)
                 gen_values.append(dequantize_blockwise(c, s, dtype=torch.float32))
             if fused.endswith("linear_qkv"):
                 q, k, v = gen_values
@@ -87,7 +91,7 @@ def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, po
     } | {"head_dim": d, "note": "1.0 = TE's fused-matrix codes x scales equal vLLM's per-shard quantization everywhere"}
 
 
-def activation_agreement(model: torch.nn.Module, prompts: list[list[int]], pow2: bool) -> dict[str, Any]:
+def activation_agreement(model: torch.nn.Module, prompts: list[list[int]], pow2: bool, rule: str) -> dict[str, Any]:
     """Inputs of every FP8 linear over `prompts`: TE 1x128 vs fp8_align's reference and Triton kernel."""
     from fp8_align.vllm_plugin.kernels.gpu import ScaleLayout, quantize_activation_triton
 
@@ -107,8 +111,8 @@ def activation_agreement(model: torch.nn.Module, prompts: list[list[int]], pow2:
     for name, chunks in captured.items():
         x = torch.cat(chunks).contiguous()
         te_codes, te_scales = te_quantize(x, pow2, 1)
-        ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2)
-        tri_codes, tri_scales = quantize_activation_triton(x, pow2, ScaleLayout.ROW_MAJOR.value)
+        ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2, scale_rule=rule)
+        tri_codes, tri_scales = quantize_activation_triton(x, pow2, ScaleLayout.ROW_MAJOR.value, rule)
         eq = (te_codes.view(torch.uint8) == ref_codes.view(torch.uint8))
         totals["values"] += x.numel()
         totals["te_vs_reference_codes"] += int(eq.sum())
@@ -126,6 +130,20 @@ def activation_agreement(model: torch.nn.Module, prompts: list[list[int]], pow2:
         "triton_vs_reference_codes_equal": totals["triton_vs_reference_codes"] / totals["values"],
         "triton_vs_reference_scales_equal": totals["triton_vs_reference_scales"] / totals["groups"],
         "min_codes_equal_per_linear": min(worst.values()),
+    }
+
+
+def weight_agreement(state: dict[str, torch.Tensor], num_layers: int, pow2: bool, rule: str) -> dict[str, Any]:
+    """`alignment_report` against TE's real quantizer for every decoder linear (HF layout)."""
+    cfg = FP8Config(use_weight_pow2_scale=pow2, use_activation_pow2_scale=pow2, scale_rule=rule)
+    report = alignment_report(state, cfg, training_quantizer="transformer_engine", num_layers=num_layers)
+    return {
+        "training_quantizer": report.training_quantizer,
+        "num_compared": len(report.compared),
+        "codes_equal": report.codes_equal,
+        "scales_equal": report.scales_equal,
+        "max_scale_rel_diff": report.max_scale_rel_diff,
+        "bitwise_aligned": report.bitwise_aligned,
     }
 
 
@@ -156,26 +174,22 @@ def main() -> None:
     path = smollm2_checkpoint()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     state = {k: v for k, v in model.state_dict().items()}
-    cfg = FP8Config(use_weight_pow2_scale=pow2, use_activation_pow2_scale=pow2)
-    report = alignment_report(state, cfg, training_quantizer="transformer_engine", num_layers=model.config.num_hidden_layers)
     prompts = tokenize_prompts(read_prompt_records(default_prompts_path())[: args.num_prompts], path, model.config.vocab_size)
     doc = {
-        "schema": "fp8_align.te_alignment/1",
+        "schema": "fp8_align.te_alignment/2",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "versions": {p: md.version(p) for p in ("transformer_engine", "transformer_engine_torch", "megatron-core", "torch")},
         "model": "SmolLM2-135M-Instruct (BF16)",
         "rounding": "power-of-two" if pow2 else "FP32",
-        "weights_hf_layout": {
-            "training_quantizer": report.training_quantizer,
-            "num_compared": len(report.compared),
-            "codes_equal": report.codes_equal,
-            "scales_equal": report.scales_equal,
-            "max_scale_rel_diff": report.max_scale_rel_diff,
-            "bitwise_aligned": report.bitwise_aligned,
+        "by_scale_rule": {
+            rule: {
+                "weights_hf_layout": _reported(weight_agreement, state, model.config.num_hidden_layers, pow2, rule),
+                "weights_megatron_fused_layout": _reported(fused_layout_agreement, state, model.config, pow2, rule),
+                "activations": _reported(activation_agreement, model, prompts, pow2, rule),
+            }
+            for rule in SCALE_RULES
         },
-        "weights_megatron_fused_layout": _reported(fused_layout_agreement, state, model.config, pow2),
-        "activations": _reported(activation_agreement, model, prompts, pow2),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

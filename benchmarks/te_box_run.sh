@@ -29,7 +29,7 @@ for stage in "$@"; do
     bench-pow2)
       "${bench[@]}" --variants bf16,fp8_pow2 --out "$out/bench_pow2" > "$out/bench_pow2.log" 2>&1; tail -30 "$out/bench_pow2.log" ;;
     bench-fp32)
-      NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 "${bench[@]}" --variants fp8,fp8_bf16_ends --out "$out/bench_fp32" \
+      NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 "${bench[@]}" --variants fp8,fp8_te_rule,fp8_bf16_ends --out "$out/bench_fp32" \
         > "$out/bench_fp32.log" 2>&1; tail -30 "$out/bench_fp32.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

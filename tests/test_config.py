@@ -13,6 +13,7 @@ def test_defaults_are_the_aligned_blockwise_recipe():
     assert cfg.weight_block_size == (128, 128) and cfg.activation_group_size == 128
     assert (cfg.num_first_layers_in_bf16, cfg.num_last_layers_in_bf16) == (0, 0)
     assert not cfg.use_weight_pow2_scale and not cfg.use_activation_pow2_scale
+    assert cfg.scale_rule == "amax_over_max"
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,7 @@ def test_defaults_are_the_aligned_blockwise_recipe():
         ({"use_deepgemm": True}, "unknown field"),
         ({"use_weight_pow2_scale": True}, "rounds weight and activation scales the same way"),
         ({"fp8": None, "fp8_param": True}, "fp8_param=True"),
+        ({"scale_rule": "te"}, "scale_rule: Input should be 'amax_over_max' or 'transformer_engine'"),
     ],
 )
 def test_invalid_configs_raise_actionable_errors(kwargs, message):
@@ -101,6 +103,23 @@ def test_generation_only_config_may_round_weights_only():
 def test_nemo_rl_round_trip():
     cfg = FP8Config.from_nemo_rl(_nemo_rl_dict())
     assert FP8Config.from_nemo_rl(cfg.to_nemo_rl()) == cfg
+
+
+def test_scale_rule_is_a_generation_field_in_every_layout(tmp_path):
+    """scale_rule travels through kwargs, NeMo RL's vllm_cfg, JSON/env and YAML alike."""
+    cfg = FP8Config.from_kwargs(scale_rule="transformer_engine", use_weight_pow2_scale=True, use_activation_pow2_scale=True)
+    nemo = cfg.to_nemo_rl()
+    assert nemo["policy"]["generation"]["vllm_cfg"]["scale_rule"] == "transformer_engine"
+    assert "scale_rule" not in nemo["policy"]["megatron_cfg"]["fp8_cfg"]
+    assert FP8Config.from_nemo_rl(nemo) == cfg
+    data = _nemo_rl_dict()
+    data["policy"]["generation"]["vllm_cfg"]["scale_rule"] = "transformer_engine"
+    assert FP8Config.from_nemo_rl(data).scale_rule == "transformer_engine"
+    assert FP8Config.from_env(cfg.to_env()) == cfg and FP8Config.from_json(cfg.to_json()).scale_rule == "transformer_engine"
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("scale_rule: transformer_engine\n")
+    assert FP8Config.from_yaml(flat).scale_rule == "transformer_engine"
+    assert "multiplier 448/amax" in FP8Config.model_fields["scale_rule"].description
 
 
 def test_nemo_rl_invalid_values_raise():

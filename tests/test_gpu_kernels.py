@@ -109,6 +109,29 @@ def test_activation_quant_bit_identical_to_reference(gk: ModuleType, case: str, 
         assert scales.stride() == expected_stride or groups == 1
 
 
+def _multiplier_overflow(shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Values near 1e-37 (bf16 subnormals among them): 448 / amax overflows FP32, where TE uses the
+    input dtype's largest value as multiplier and stores a subnormal scale_inv."""
+    return (torch.randn(*shape, generator=_generator(21), device="cuda") * 1e-37).to(dtype)
+
+
+@pytest.mark.parametrize("case", [*ACTIVATION_CASES, "multiplier_overflow"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
+def test_activation_quant_transformer_engine_rule_bit_identical(gk: ModuleType, case: str, pow2: bool) -> None:
+    """scale_rule="transformer_engine": the Triton kernel equals the torch reference and
+    te_emulation (TE's Float8BlockQuantizer) bit for bit, in every scale layout."""
+    from fp8_align.megatron_ext.te_emulation import te_quantize_activation_1d
+
+    x = _multiplier_overflow((16, 256)) if case == "multiplier_overflow" else _activation_cases()[case]
+    ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2, scale_rule="transformer_engine")
+    te_codes, te_scales = te_quantize_activation_1d(x, pow2)
+    assert torch.equal(_bits(ref_codes), _bits(te_codes)) and torch.equal(_bits(ref_scales), _bits(te_scales))
+    for layout in gk.ScaleLayout:
+        codes, scales = gk.quantize_activation_triton(x, pow2, int(layout), "transformer_engine")
+        assert torch.equal(_bits(codes), _bits(ref_codes)), f"{layout.name}: codes differ"
+        assert torch.equal(_bits(scales), _bits(ref_scales)), f"{layout.name}: scales differ"
+
+
 def test_reference_scale_rule_on_cuda() -> None:
     """The premise of the Triton kernel: on CUDA the reference scale is amax / 448 correctly
     rounded (not `amax * fl32(1/448)`, which torch computes for `tensor / python_float`)."""
@@ -166,6 +189,26 @@ def test_weight_quant_triton_bit_identical_to_reference(
         np_values, np_scales = reference_quantize_blocks(w.float().cpu().numpy(), 128, 128, pow2)
         assert torch.equal(codes.cpu().double(), torch.from_numpy(np_values)), "codes differ from the numpy reference"
         assert torch.equal(scales.cpu(), torch.from_numpy(np_scales)), "scales differ from the numpy reference"
+
+
+@pytest.mark.parametrize("case", [*WEIGHT_CASES, "multiplier_overflow"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
+def test_weight_quant_triton_transformer_engine_rule_bit_identical(case: str, pow2: bool) -> None:
+    """scale_rule="transformer_engine": single and grouped Triton launches equal the torch
+    reference and te_emulation (TE's Float8BlockQuantizer) bit for bit."""
+    from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
+    from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton, quantize_weights_blockwise_triton
+
+    w = _multiplier_overflow((130, 300)) if case == "multiplier_overflow" else _weight_cases()[case]
+    ref_codes, ref_scales = quantize_weight_blockwise(w, pow2_scale=pow2, scale_rule="transformer_engine")
+    te_codes, te_scales = te_quantize_weight_2d(w, pow2)
+    assert torch.equal(_bits(ref_codes), _bits(te_codes)) and torch.equal(_bits(ref_scales), _bits(te_scales))
+    codes, scales = quantize_weight_blockwise_triton(w, pow2, scale_rule="transformer_engine")
+    grouped_codes, grouped_scales = torch.empty_like(codes), torch.empty_like(scales)
+    quantize_weights_blockwise_triton([w], [grouped_codes], [grouped_scales], pow2, "transformer_engine")
+    for got_codes, got_scales in ((codes, scales), (grouped_codes, grouped_scales)):
+        assert torch.equal(_bits(got_codes), _bits(ref_codes)), "codes differ from the torch reference"
+        assert torch.equal(_bits(got_scales), _bits(ref_scales)), "scales differ from the torch reference"
 
 
 def test_weight_quant_triton_writes_into_merged_storage() -> None:

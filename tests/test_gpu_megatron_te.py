@@ -49,9 +49,10 @@ def _pow2() -> bool:
 def test_megatron_te_bf16_scores_like_hf(smollm2) -> None:
     """Same weights in megatron-core + TE layers (fused RMSNorm-linear, TE attention) and in HF, BF16.
 
-    Two BF16 implementations of one model differ only by rounding order; on this model two BF16
-    engines (vLLM vs HF) give a mult. prob. error of ~1.02, i.e. a few 1e-2 nats per token. A
-    mis-mapped weight moves log-probs by whole nats.
+    Two BF16 implementations of one model differ only by rounding order. Measured on this model
+    (H100, 850-900 generated tokens, benchmarks/RESULTS.md session 10): vLLM vs HF gives a mult.
+    prob. error of 1.023 greedy / 1.037 sampled with max |dlogp| 0.21-0.31, vLLM vs Megatron-TE
+    1.022 / 1.034 with max 0.36-0.38. A mis-mapped weight moves log-probs by whole nats.
     """
     from fp8_align.megatron_ext.hf_bridge import MegatronCausalLM, build_megatron_gpt
 
@@ -59,8 +60,9 @@ def test_megatron_te_bf16_scores_like_hf(smollm2) -> None:
     gpt = MegatronCausalLM(build_megatron_gpt(hf, None), hf.config)
     ref, got = _token_logprobs(hf, ids), _token_logprobs(gpt, ids)
     diff = (got - ref).abs()
-    assert diff.max() < 0.25, f"max |dlogp| {diff.max():.3f}"
-    assert diff.exp().mean() < 1.03
+    print(f"Megatron-TE vs HF, BF16: max |dlogp| {diff.max():.3f}, mult. prob. error {diff.exp().mean():.4f}")
+    assert diff.max() < 0.5, f"max |dlogp| {diff.max():.3f}"
+    assert diff.exp().mean() < 1.05
 
 
 def test_megatron_te_fp8_forward_is_block_fp8_of_the_same_model(smollm2) -> None:
@@ -110,11 +112,14 @@ def test_te_linear_forward_matches_the_reference_block_gemm(smollm2) -> None:
 
 def test_kv_calibrator_hooks_real_te_attention(smollm2) -> None:
     """KVScaleCalibrator on megatron-core's SelfAttention with TE's DotProductAttention gives the
-    per-layer K/V/Q scales of the HF model on the same text (post-RoPE amax, BF16 rounding: <3%)."""
+    per-layer K/V/Q scales of the HF model on the same text (post-RoPE amax of two BF16
+    implementations of the same weights: within 5%). The text is cut to a multiple of 16 tokens,
+    so MegatronCausalLM adds no padding positions the hooks would also see."""
     from fp8_align.megatron_ext import KVScaleCalibrator
-    from fp8_align.megatron_ext.hf_bridge import MegatronCausalLM, build_megatron_gpt
+    from fp8_align.megatron_ext.hf_bridge import TOKEN_MULTIPLE, MegatronCausalLM, build_megatron_gpt
 
     hf, ids = smollm2
+    ids = ids[:, : ids.shape[1] // TOKEN_MULTIPLE * TOKEN_MULTIPLE]
     gpt = MegatronCausalLM(build_megatron_gpt(hf, None), hf.config)
     with KVScaleCalibrator(gpt.gpt) as te_calib, torch.no_grad():
         gpt(input_ids=ids)
@@ -124,4 +129,4 @@ def test_kv_calibrator_hooks_real_te_attention(smollm2) -> None:
     assert sorted(te_scales) == sorted(hf_scales) == list(range(hf.config.num_hidden_layers))
     for layer, scales in hf_scales.items():
         for kind, value in scales.items():
-            assert abs(te_scales[layer][kind] - value) <= 0.03 * value, (layer, kind, te_scales[layer][kind], value)
+            assert abs(te_scales[layer][kind] - value) <= 0.05 * value, (layer, kind, te_scales[layer][kind], value)

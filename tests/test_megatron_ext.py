@@ -4,6 +4,7 @@ alignment report. Runs on CPU against the real megatron-core; TE-on-GPU checks a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 
@@ -238,6 +239,18 @@ def test_every_problem_is_listed_at_once() -> None:
     assert all(part in str(info.value) for part in ("Hopper", "12.9", "not installed"))
 
 
+def test_fp32_scales_with_the_default_rule_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """FP32 scales: amax/448 is TE's scale to one ulp only; the log names the rule that matches."""
+    with caplog.at_level(logging.WARNING, logger="fp8_align"):
+        validate_training_setup(FP8Config(), _hopper())
+    assert "scale_rule='transformer_engine'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fp8_align"):
+        validate_training_setup(FP8Config(scale_rule="transformer_engine"), _hopper())
+        validate_training_setup(CONFIGS["pow2"], _hopper(te_pow2_scales=True))
+    assert caplog.text == ""
+
+
 def test_accepted_mismatch_skips_the_rounding_checks() -> None:
     cfg = FP8Config(use_weight_pow2_scale=True, allow_recipe_mismatch=True)
     validate_training_setup(cfg, _hopper(te_pow2_scales=False))
@@ -397,6 +410,21 @@ def test_fp32_scales_agree_to_one_ulp_and_almost_every_code() -> None:
     assert 0.999 <= report.codes_equal < 1.0
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+def test_transformer_engine_scale_rule_is_bitwise_aligned(pow2: bool) -> None:
+    """With the generation side on TE's rule the report is bitwise aligned for FP32 scales too
+    (the weights above: FP32 scales under the default rule differ)."""
+    weights = {
+        f"layers.{i}.w": (torch.randn(1024, 1024, generator=torch.Generator().manual_seed(i)) * 0.02).to(torch.bfloat16)
+        for i in range(2)
+    }
+    cfg = FP8Config(scale_rule="transformer_engine", use_weight_pow2_scale=pow2, use_activation_pow2_scale=pow2)
+    report = alignment_report(weights, cfg, training_quantizer="emulation", training_pow2_scales=pow2)
+    assert report.bitwise_aligned and report.max_scale_rel_diff == 0.0
+    assert report.generation_scale_rule == "transformer_engine"
+    assert "scale rule transformer_engine" in report.to_markdown()
+
+
 def test_report_exposes_a_rounding_mismatch() -> None:
     cfg = FP8Config(use_weight_pow2_scale=True, use_activation_pow2_scale=True)
     report = alignment_report(_model_weights(), cfg, training_quantizer="emulation", training_pow2_scales=False)
@@ -486,3 +514,15 @@ def test_alignment_report_uses_transformer_engine_when_available() -> None:
     report = alignment_report(_model_weights(), cfg, training_pow2_scales=True)
     assert report.training_quantizer.startswith("TransformerEngine")
     assert report.bitwise_aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["amax_over_max", "transformer_engine"])
+def test_fp32_scales_against_real_transformer_engine(rule: str) -> None:
+    """With FP32 scales, TE's real quantizer and fp8_align agree bit for bit only under
+    scale_rule="transformer_engine"; the default rule differs by one ulp in some scales."""
+    pytest.importorskip("transformer_engine")
+    cfg = FP8Config(scale_rule=rule)
+    report = alignment_report(_model_weights(), cfg, training_quantizer="transformer_engine", training_pow2_scales=False)
+    assert report.training_quantizer.startswith("TransformerEngine")
+    assert report.bitwise_aligned == (rule == "transformer_engine")

@@ -143,6 +143,71 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes2, scales2))
 
 
+def test_emulated_kernel_quantizes_activations_by_the_configured_scale_rule():
+    """`apply(..., scale_rule)` reaches the emulated op: with "transformer_engine" the output is
+    the reference product under TE's rule (float32 output, where FP32 scales of the two rules differ)."""
+    import torch
+
+    from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
+    from fp8_align.vllm_plugin.kernels.emulated import EmulatedBlockFp8Kernel
+
+    g = torch.Generator().manual_seed(1)
+    codes, scales = quantize_weight_blockwise(torch.randn(320, 256, generator=g) * 0.02, scale_rule="transformer_engine")
+    x = torch.randn(64, 256, generator=g)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+    layer.fp8_align_shard_sizes = [320]
+    kernel = EmulatedBlockFp8Kernel()
+    kernel.prepare(layer)
+    expected = blockwise_fp8_linear(x, codes, scales, out_dtype=torch.float32, scale_rule="transformer_engine")
+    assert torch.equal(kernel.apply(layer, x, None, False, "transformer_engine"), expected)
+    assert not torch.equal(kernel.apply(layer, x, None, False), expected)
+
+
+def test_refit_writes_each_layer_with_its_configured_scale_rule():
+    """`refit.push._write_fp8_shards` quantizes every shard in place with its layer's pow2 flag
+    and scale rule (one grouped call per rounding): a TE-rule layer gets te_emulation's bits."""
+    import torch
+
+    from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
+    from fp8_align.quant import quantize_weight_blockwise
+    from fp8_align.vllm_plugin.kernels.emulated import EmulatedBlockFp8Kernel
+    from fp8_align.vllm_plugin.refit.push import Fp8ShardWrite, _write_fp8_shards
+
+    def fp8_layer(cfg: FP8Config) -> torch.nn.Module:
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros(320, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+        layer.fp8_align_shard_sizes = [192, 128]
+        layer.quant_method = type("Method", (), {"cfg": cfg})()
+        layer.fp8_align_kernel = EmulatedBlockFp8Kernel()
+        layer.fp8_align_kernel.prepare(layer)
+        return layer
+
+    g = torch.Generator().manual_seed(2)
+    shards = [(torch.randn(192, 256, generator=g) * 0.02).to(torch.bfloat16), (torch.randn(128, 256, generator=g) * 0.02).to(torch.bfloat16)]
+    te_layer, default_layer = fp8_layer(FP8Config(scale_rule="transformer_engine")), fp8_layer(FP8Config())
+    _write_fp8_shards(
+        [Fp8ShardWrite(f"w{i}", layer, "weight", i, shard) for layer in (te_layer, default_layer) for i, shard in enumerate(shards)]
+    )
+    references = ((te_layer, lambda w: te_quantize_weight_2d(w, False)), (default_layer, quantize_weight_blockwise))
+    for layer, reference in references:
+        expected = [reference(shard) for shard in shards]
+        assert torch.equal(layer.weight.view(torch.uint8), torch.cat([c for c, _ in expected]).view(torch.uint8))
+        assert torch.equal(layer.weight_scale_inv.view(torch.int32), torch.cat([s for _, s in expected]).view(torch.int32))
+    assert not torch.equal(te_layer.weight_scale_inv, default_layer.weight_scale_inv)
+
+
+def test_gpu_moe_refuses_the_transformer_engine_scale_rule():
+    """vLLM's fused-MoE kernel quantizes expert activations with its own rule: an engine asking
+    for TE's rule fails when the experts' method is built, instead of running the other rule."""
+    from fp8_align.vllm_plugin.moe.gpu import Fp8AlignMoEError, Fp8AlignMoEMethod
+
+    with pytest.raises(Fp8AlignMoEError, match="scale_rule='transformer_engine' is not supported for routed experts on CUDA"):
+        Fp8AlignMoEMethod(FP8Config(scale_rule="transformer_engine"), None, "model.layers.0.mlp.experts")
+
+
 def test_weight_sync_shard_indices_follow_vllm_loader_shard_ids():
     """vLLM's loaders name a shard 'q'/'k'/'v' (QKVParallelLinear), an int or a tuple of ints
     (MergedColumnParallelLinear), or None for a weight fused on disk (all shards)."""

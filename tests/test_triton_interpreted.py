@@ -1,4 +1,4 @@
-"""The Triton weight quantizers on CPU, through the Triton interpreter (TRITON_INTERPRET=1).
+"""The Triton quantizers on CPU, through the Triton interpreter (TRITON_INTERPRET=1).
 
 The compiled kernels are tested bit for bit against the torch reference on the GPU box
 (tests/test_gpu_kernels.py). Here, in CI: the grouped kernel (a whole refit in one launch) gives
@@ -7,7 +7,9 @@ scales, partial blocks and row views of merged storage, and every scale equals t
 reference's. Codes are compared kernel to kernel only: the interpreter's float32 -> e4m3 cast
 rounds some values next to a power of two differently from the GPU (an interpreter artifact),
 which would make a comparison with the reference fail for reasons outside our code.
-The interpreter must be enabled before Triton is imported, hence the subprocess.
+The scale_rule="transformer_engine" test swaps that cast (and the interpreter's widening of
+bf16/fp16 subnormals) for torch's and compares both kernels with the reference, codes included.
+The interpreter must be enabled before Triton is imported, hence the subprocesses.
 """
 
 from __future__ import annotations
@@ -71,3 +73,90 @@ def test_grouped_kernel_equals_single_kernel_and_reference_scales(single_rows_pe
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "14"
+
+
+#: Both Triton kernels with scale_rule="transformer_engine" against the torch reference, codes
+#: included. Two interpreter conversions are replaced by torch's: float32 -> e4m3 (the
+#: interpreter's rounds some values next to a power of two wrongly; torch rounds to nearest even,
+#: what the GPU's `cvt.rn.satfinite` computes for the clamped values) and the exact widening of
+#: bf16/fp16 to float32 (the interpreter's garbles subnormals, which the overflow case below
+#: holds). So the kernels' own arithmetic (multiplier, product, reciprocal) is compared bit for
+#: bit with the reference's.
+_TE_RULE_SCRIPT = """
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+_convert_float = interpreter._convert_float
+_WIDEN = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
+
+
+def torch_cast(values, input_dtype, output_dtype, rounding_mode):
+    if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+        as_float = np.ascontiguousarray(values).view(np.float32)
+        return torch.from_numpy(as_float).to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(values.shape)
+    if input_dtype in _WIDEN and output_dtype == tl.float32:
+        narrow = torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(_WIDEN[input_dtype])
+        return narrow.to(torch.float32).view(torch.int32).numpy().view(np.uint32).reshape(values.shape)
+    return _convert_float(values, input_dtype, output_dtype, rounding_mode)
+
+
+interpreter._convert_float = torch_cast
+
+from fp8_align.quant import quantize_activation_groupwise, quantize_weight_blockwise
+from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton, quantize_weights_blockwise_triton
+from fp8_align.vllm_plugin.kernels.gpu import ScaleLayout, quantize_activation_triton
+
+RULE = "transformer_engine"
+g = torch.Generator().manual_seed(1)
+
+
+def spread(rows, cols, dtype, decades):
+    # rows scaled over `decades` binades-worth of magnitudes, so amax covers many exponents
+    return (torch.randn(rows, cols, generator=g) * torch.logspace(-decades, decades, rows)[:, None]).to(dtype)
+
+
+def same(got, want):
+    # bitwise: e4m3 codes as bytes, float32 scales as int32
+    bits = torch.uint8 if got.element_size() == 1 else torch.int32
+    return got.dtype == want.dtype and torch.equal(got.view(bits), want.view(bits))
+
+
+checked, weight_scales_differ, activation_scales_differ = 0, 0, 0
+for dtype, decades in ((torch.bfloat16, 6), (torch.float16, 3), (torch.float32, 6)):
+    for pow2 in (False, True):
+        w = spread(300, 200, dtype, decades)
+        w[:128, :128] = 0  # all-zero block
+        w[256:, 128:] = torch.randn(44, 72, generator=g).to(dtype) * 1e-37  # 448 / amax overflows (fp16: zeros)
+        ref_codes, ref_scales = quantize_weight_blockwise(w, pow2_scale=pow2, scale_rule=RULE)
+        codes, scales = quantize_weight_blockwise_triton(w, pow2, scale_rule=RULE)
+        assert same(codes, ref_codes) and same(scales, ref_scales), ("single", dtype, pow2)
+        grouped_codes, grouped_scales = torch.empty_like(codes), torch.empty_like(scales)
+        quantize_weights_blockwise_triton([w], [grouped_codes], [grouped_scales], pow2, RULE)
+        assert same(grouped_codes, ref_codes) and same(grouped_scales, ref_scales), ("grouped", dtype, pow2)
+        x = spread(37, 300, dtype, decades)
+        x[3] = 0  # all-zero groups
+        x[5] = (torch.randn(300, generator=g) * 1e-37).to(dtype)  # 448 / amax overflows (fp16: zeros)
+        ref_x, ref_x_scales = quantize_activation_groupwise(x, pow2_scale=pow2, scale_rule=RULE)
+        for layout in ScaleLayout:
+            x_codes, x_scales = quantize_activation_triton(x, pow2, int(layout), RULE)
+            assert same(x_codes, ref_x) and same(x_scales.contiguous(), ref_x_scales), ("activation", dtype, pow2, layout)
+        if not pow2:  # FP32 scales of the default rule differ in some blocks: the rule is used
+            weight_scales_differ += int((quantize_weight_blockwise_triton(w, pow2)[1] != scales).sum())
+            activation_scales_differ += int((quantize_activation_triton(x, pow2, 0)[1] != x_scales).sum())
+        checked += 1
+assert weight_scales_differ > 0 and activation_scales_differ > 0, (weight_scales_differ, activation_scales_differ)
+print("checked", checked)
+"""
+
+
+def test_kernels_with_transformer_engine_rule_equal_the_reference_bit_for_bit() -> None:
+    """Weight kernel (single and grouped launch) and activation kernel, bf16/fp16/fp32, FP32 and
+    power-of-two scales, partial and all-zero blocks: codes and scales equal the torch reference
+    with scale_rule="transformer_engine" (itself equal to te_emulation, tests/test_scale_rule.py)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _TE_RULE_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "6"

@@ -7,6 +7,7 @@ core and in the worker: nothing here is mocked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8_align.bench.generate import GenerationError, run_generation
+from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
 from fp8_align.quant import quantize_weight_blockwise
 from tests.model_factory import make_tiny_llama
 
@@ -52,14 +54,32 @@ def fp8_pow2_last_layer_bf16(tiny_model, tmp_path_factory) -> dict:
     return _run(tiny_model, tmp_path_factory.mktemp("run") / "pow2.pt", cfg, inspect=True)
 
 
-def _expected_fp8(checkpoint: Path, layer: int, module: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales fp8_align.quant gives the checkpoint's own tensors, shard by shard."""
+@pytest.fixture(scope="module")
+def fp8_te_rule(tiny_model, tmp_path_factory) -> dict:
+    cfg = {"scale_rule": "transformer_engine", "num_first_layers_in_bf16": 1}
+    return _run(tiny_model, tmp_path_factory.mktemp("run") / "te_rule.pt", cfg, inspect=True)
+
+
+def _expected_fp8(
+    checkpoint: Path, layer: int, module: str, pow2: bool, quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales `quantize(weight, pow2)` gives the checkpoint's own tensors, shard by shard."""
     state = load_file(str(checkpoint / "model.safetensors"))
-    parts = [quantize_weight_blockwise(state[f"model.layers.{layer}.{name}.weight"], pow2_scale=pow2) for name in SHARDS[module]]
+    parts = [quantize(state[f"model.layers.{layer}.{name}.weight"], pow2) for name in SHARDS[module]]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _assert_layers(run: dict, checkpoint: Path, bf16_layers: set[int], pow2: bool) -> None:
+def _generation_side(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_weight_blockwise(w, pow2_scale=pow2)
+
+
+def _assert_layers(
+    run: dict,
+    checkpoint: Path,
+    bf16_layers: set[int],
+    pow2: bool,
+    quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _generation_side,
+) -> None:
     layers = run["layers"]
     for index in range(3):
         for module in SHARDS:
@@ -68,10 +88,10 @@ def _assert_layers(run: dict, checkpoint: Path, bf16_layers: set[int], pow2: boo
                 assert entry["method"] == "Fp8AlignBf16LinearMethod", (index, module)
                 continue
             assert entry["method"] == "Fp8AlignLinearMethod" and entry["kernel"] == "emulated"
-            codes, scales = _expected_fp8(checkpoint, index, module, pow2)
+            codes, scales = _expected_fp8(checkpoint, index, module, pow2, quantize)
             assert entry["weight"].dtype == torch.float8_e4m3fn
             assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (index, module)
-            assert torch.equal(entry["weight_scale_inv"], scales), (index, module)
+            assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (index, module)
             # the worker's forward of this layer is the reference block-FP8 product, bit for bit
             assert entry["reference_max_abs_diff"] == 0.0, (index, module)
     assert layers["lm_head"]["method"] != "Fp8AlignLinearMethod"
@@ -92,8 +112,21 @@ def test_pow2_scales_reach_the_worker_exactly(fp8_pow2_last_layer_bf16, tiny_mod
             assert bool((mantissa == 0.5).all())
 
 
-def test_fp8_engines_generate(fp8_first_layer_bf16, fp8_pow2_last_layer_bf16):
-    for run in (fp8_first_layer_bf16, fp8_pow2_last_layer_bf16):
+def test_transformer_engine_scale_rule_reaches_the_worker_exactly(fp8_te_rule, fp8_first_layer_bf16, tiny_model):
+    """scale_rule="transformer_engine": the worker holds te_emulation's codes and scales (TE's
+    Float8BlockQuantizer) bit for bit, and its forward is the reference product under that rule;
+    with FP32 scales some scales differ from the default rule's engine."""
+    _assert_layers(fp8_te_rule, tiny_model, bf16_layers={0}, pow2=False, quantize=te_quantize_weight_2d)
+    differing = sum(
+        int((entry["weight_scale_inv"] != fp8_first_layer_bf16["layers"][name]["weight_scale_inv"]).sum())
+        for name, entry in fp8_te_rule["layers"].items()
+        if "weight_scale_inv" in entry
+    )
+    assert differing > 0
+
+
+def test_fp8_engines_generate(fp8_first_layer_bf16, fp8_pow2_last_layer_bf16, fp8_te_rule):
+    for run in (fp8_first_layer_bf16, fp8_pow2_last_layer_bf16, fp8_te_rule):
         assert run["vllm_version"].startswith("0.32")
         for out in run["outputs"]:
             assert len(out["token_ids"]) == MAX_TOKENS

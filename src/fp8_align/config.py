@@ -35,7 +35,8 @@ class FP8Config(BaseModel):
 
     Generation fields use NeMo RL's `policy.generation.vllm_cfg` names; training fields use
     `policy.megatron_cfg.fp8_cfg` names. Scales are FP32 (`amax / 448`) unless the matching
-    `*_pow2_scale` flag rounds them up to a power of two.
+    `*_pow2_scale` flag rounds them up to a power of two; `scale_rule="transformer_engine"`
+    computes them as TransformerEngine does instead (`1 / fl(448 / amax)`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -47,6 +48,15 @@ class FP8Config(BaseModel):
     num_last_layers_in_bf16: int = 0
     use_weight_pow2_scale: bool = False
     use_activation_pow2_scale: bool = False
+    scale_rule: Literal["amax_over_max", "transformer_engine"] = Field(
+        default="amax_over_max",
+        description="How weight and activation scales are computed from a group's amax. "
+        "'amax_over_max': stored scale amax/448 (rounded up to a power of two with the pow2 flags), "
+        "codes x/scale. 'transformer_engine': multiplier 448/amax (rounded down to a power of two "
+        "with the pow2 flags), codes x*multiplier, stored scale 1/multiplier: bit-identical to "
+        "TransformerEngine's Float8BlockQuantizer, for FP32 and pow2 scales alike. All divisions "
+        "are correctly rounded FP32.",
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     kv_decode_kernel: Literal["auto", "xqa"] = Field(
         default="auto",
@@ -285,6 +295,7 @@ _GENERATION_FIELDS = (
     "num_last_layers_in_bf16",
     "use_weight_pow2_scale",
     "use_activation_pow2_scale",
+    "scale_rule",
     "kv_cache_dtype",
     "kv_decode_kernel",
     "fp8_attention",

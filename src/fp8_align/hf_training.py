@@ -45,19 +45,21 @@ class _BlockFp8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         weight_pow2_scale: bool,
         activation_pow2_scale: bool,
+        scale_rule: str,
     ) -> torch.Tensor:
-        codes, scale_inv = quantize_weight_blockwise(weight.detach(), pow2_scale=weight_pow2_scale)
+        codes, scale_inv = quantize_weight_blockwise(weight.detach(), pow2_scale=weight_pow2_scale, scale_rule=scale_rule)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return blockwise_fp8_linear(
-            x.detach(), codes, scale_inv, None if bias is None else bias.detach(), activation_pow2_scale, out_dtype=x.dtype
-        )
+            x.detach(), codes, scale_inv, None if bias is None else bias.detach(), activation_pow2_scale,
+            out_dtype=x.dtype, scale_rule=scale_rule,
+        )  # fmt: skip
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
-        return (*_bf16_straight_through(ctx, grad_out), None, None)
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        return (*_bf16_straight_through(ctx, grad_out), None, None, None)
 
 
 def _bf16_straight_through(
@@ -87,7 +89,7 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
 
         from fp8_align.quant.dispatch import quantize_weight_into
 
-        codes, scale_inv = quantize_weight_into(weight.detach(), module.weight_pow2_scale)
+        codes, scale_inv = quantize_weight_into(weight.detach(), module.weight_pow2_scale, scale_rule=module.scale_rule)
         layer = SimpleNamespace(
             weight=codes, weight_scale_inv=scale_inv, fp8_align_shard_sizes=[codes.shape[0]],
             fp8_align_prefix=module.name, params_dtype=x.dtype,
@@ -95,7 +97,9 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         kernel = module.engine_kernel(x.device, x.dtype)
-        return kernel.apply(layer, x.detach(), None if bias is None else bias.detach(), module.activation_pow2_scale)
+        return kernel.apply(
+            layer, x.detach(), None if bias is None else bias.detach(), module.activation_pow2_scale, module.scale_rule
+        )
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -130,6 +134,7 @@ class Fp8TrainingLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_pow2_scale = cfg.use_weight_pow2_scale
         self.activation_pow2_scale = cfg.use_activation_pow2_scale
+        self.scale_rule = cfg.scale_rule
         self.forward_kernel = forward_kernel
         self.name = name
         self.shard_sizes = tuple(shard_sizes or (linear.out_features,))
@@ -151,7 +156,9 @@ class Fp8TrainingLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.forward_kernel == "engine":
             return _EngineKernelLinearFunction.apply(x, self.weight, self.bias, self)
-        return _BlockFp8LinearFunction.apply(x, self.weight, self.bias, self.weight_pow2_scale, self.activation_pow2_scale)
+        return _BlockFp8LinearFunction.apply(
+            x, self.weight, self.bias, self.weight_pow2_scale, self.activation_pow2_scale, self.scale_rule
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -70,6 +70,11 @@ VARIANTS: dict[str, Variant] = {
             {"precision": "fp8", "use_weight_pow2_scale": True, "use_activation_pow2_scale": True},
         ),
         Variant(
+            "fp8_te_rule",
+            "block FP8, FP32 scales computed as TransformerEngine does (scale_rule='transformer_engine')",
+            {"precision": "fp8", "scale_rule": "transformer_engine"},
+        ),
+        Variant(
             "fp8_bf16_ends",
             "block FP8, first and last decoder layer in BF16",
             {"precision": "fp8", "num_first_layers_in_bf16": 1, "num_last_layers_in_bf16": 1},

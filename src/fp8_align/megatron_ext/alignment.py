@@ -3,8 +3,8 @@
 `alignment_report` quantizes each decoder-layer weight matrix twice: as TransformerEngine's
 blockwise recipe will during training (TE's own `Float8BlockQuantizer` where TE and CUDA are
 available, `te_emulation` otherwise) and as generation does
-(`fp8_align.quant.quantize_weight_blockwise`), then reports per weight how many E4M3 codes and
-block scales agree bit for bit. Routed experts are compared per expert and projection
+(`fp8_align.quant.quantize_weight_blockwise` with the config's pow2 flag and `scale_rule`), then
+reports per weight how many E4M3 codes and block scales agree bit for bit. Routed experts are compared per expert and projection
 (`weight_matrices`); which matrices are FP8 at all (routers and BF16 layers are not) is
 `fp8_align.layer_selection.decide_layer`, the rule the generation side applies.
 """
@@ -81,6 +81,7 @@ class AlignmentReport:
     training_quantizer: which implementation produced the training-side codes.
     training_pow2_scales / generation_pow2_scales: the weight-scale rounding each side used.
     skipped: names that are not weight matrices inside a decoder layer (embeddings, norms, lm_head).
+    generation_scale_rule: the generation side's `FP8Config.scale_rule`.
     """
 
     layers: tuple[LayerAlignment, ...]
@@ -88,6 +89,7 @@ class AlignmentReport:
     training_pow2_scales: bool
     generation_pow2_scales: bool
     skipped: tuple[str, ...]
+    generation_scale_rule: str = "amax_over_max"
 
     @property
     def compared(self) -> tuple[LayerAlignment, ...]:
@@ -129,7 +131,7 @@ class AlignmentReport:
             f"- training side: {self.training_quantizer}, {_rounding(self.training_pow2_scales)} scales",
             (
                 f"- generation side: fp8_align.quant.quantize_weight_blockwise, "
-                f"{_rounding(self.generation_pow2_scales)} scales"
+                f"{_rounding(self.generation_pow2_scales)} scales, scale rule {self.generation_scale_rule}"
             ),
             (
                 f"- {len(self.compared)} weights compared ({expert_matrices} of them routed-expert matrices), "
@@ -208,7 +210,9 @@ def alignment_report(
     trainer = _training_quantizer(training_quantizer)
     pow2 = trainer.default_pow2_scales if training_pow2_scales is None else training_pow2_scales
     layers = tuple(_compare(matrix, _decide(matrix, depth, experts, cfg), trainer, pow2, cfg) for matrix in matrices)
-    return AlignmentReport(layers, trainer.description, pow2, cfg.use_weight_pow2_scale, tuple(skipped))
+    return AlignmentReport(
+        layers, trainer.description, pow2, cfg.use_weight_pow2_scale, tuple(skipped), cfg.scale_rule
+    )
 
 
 def _decide(matrix: WeightMatrix, depth: int, num_experts: int | None, cfg: FP8Config) -> LayerDecision:
@@ -227,7 +231,9 @@ def _compare(
     agreement: tuple[float | None, float | None, float | None] = (None, None, None)
     if decision.fp8:
         train_codes, train_scales = trainer.quantize(weight, pow2, trainer.amax_epsilon)
-        gen_codes, gen_scales = quantize_weight_blockwise(weight, cfg.weight_block_size, cfg.use_weight_pow2_scale)
+        gen_codes, gen_scales = quantize_weight_blockwise(
+            weight, cfg.weight_block_size, cfg.use_weight_pow2_scale, scale_rule=cfg.scale_rule
+        )
         agreement = _agreement(
             train_codes.to(gen_codes.device), train_scales.to(gen_scales.device), gen_codes, gen_scales
         )

@@ -16,9 +16,11 @@ What TE does, read from its source (TransformerEngine 2.20; NVIDIA/TransformerEn
   taken in FP32 over the block (edge blocks padded with zeros), `scale_inv = 1 / scale` is stored,
   and each element is quantized as `fp8(float(x) * scale)`, a saturating round-to-nearest-even cast.
 
-fp8_align's generation side instead computes `scale_inv = amax / 448` (rounded UP to a power of two
-when pow2) and divides. With power-of-two scales the two agree bit for bit; with FP32 scales they
-can differ by rounding (see the alignment report).
+fp8_align's generation side by default computes `scale_inv = amax / 448` (rounded UP to a power of
+two when pow2) and divides. With power-of-two scales the two agree bit for bit; with FP32 scales they
+can differ by rounding (see the alignment report). With `FP8Config.scale_rule="transformer_engine"`
+generation uses this module's rule (the math lives in `fp8_align.quant.scales`) and agrees bit for
+bit with FP32 scales too.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, check_float_input
+from fp8_align.quant.scales import (
+    E4M3_MAX,
+    check_float_input,
+    quantize_with_multiplier,
+    reciprocal,
+    te_multiplier_from_amax,
+)
 
 #: TE reads this once, when `transformer_engine.common.recipe` is imported: "1" selects FP32 scales.
 TE_FP32_SCALES_ENV_VAR = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 
 #: TE's block length for both 1x128 and 128x128 block scaling.
 TE_BLOCK_LEN = 128
-
-_POW2_MASK = -0x00800000  # 0xFF800000 as int32: keeps the sign and exponent bits
 
 
 def te_pow2_scales_from_env(environ: Mapping[str, str] | None = None) -> bool:
@@ -57,27 +63,10 @@ def te_scale_from_amax(
     value_for_inf: float = torch.finfo(torch.float32).max,
     fp8_max: float = E4M3_MAX,
 ) -> torch.Tensor:
-    """TE's quantization multipliers `scale` (x_fp8 = x * scale) from block maxima.
-
-    Args:
-        amax: any shape, FP32 absolute maxima.
-        pow2_scale: clear the mantissa, rounding each multiplier down to a power of two.
-        amax_epsilon: floor applied to amax first (TE's recipe uses 0.0).
-        value_for_inf: multiplier used when `fp8_max / amax` overflows FP32 (TE: max finite value
-            of the input dtype).
-        fp8_max: largest finite code (448 for E4M3).
-    Returns:
-        FP32 tensor shaped like `amax`.
-    """
-    amax = amax.to(torch.float32).clamp_min(amax_epsilon)
-    degenerate = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
-    # Tensor / tensor: torch turns `python_scalar / tensor` into a multiply by the reciprocal
-    # (and, on CUDA, `tensor / python_scalar` too), which is not TE's correctly rounded division.
-    scale = torch.where(degenerate, torch.ones_like(amax), torch.full_like(amax, fp8_max) / amax)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
-    if pow2_scale:
-        scale = (scale.view(torch.int32) & _POW2_MASK).view(torch.float32)
-    return scale
+    """TE's quantization multipliers `scale` (x_fp8 = x * scale) from block maxima: FP32, shaped
+    like `amax`. The math is `fp8_align.quant.scales.te_multiplier_from_amax` (arguments as there),
+    the rule generation uses with `FP8Config.scale_rule="transformer_engine"`."""
+    return te_multiplier_from_amax(amax, pow2_scale, amax_epsilon, value_for_inf, fp8_max)
 
 
 def te_quantize_weight_2d(
@@ -101,8 +90,8 @@ def te_quantize_weight_2d(
     padded = F.pad(w.to(torch.float32), (0, kb * TE_BLOCK_LEN - k, 0, nb * TE_BLOCK_LEN - n))
     blocks = padded.view(nb, TE_BLOCK_LEN, kb, TE_BLOCK_LEN)
     scale = te_scale_from_amax(blocks.abs().amax(dim=(1, 3)), pow2_scale, amax_epsilon, torch.finfo(w.dtype).max)
-    codes = _multiply_and_cast(blocks, scale[:, None, :, None])
-    return codes.view(nb * TE_BLOCK_LEN, kb * TE_BLOCK_LEN)[:n, :k].contiguous(), _reciprocal(scale)
+    codes = quantize_with_multiplier(blocks, scale[:, None, :, None])
+    return codes.view(nb * TE_BLOCK_LEN, kb * TE_BLOCK_LEN)[:n, :k].contiguous(), reciprocal(scale)
 
 
 def te_quantize_activation_1d(
@@ -124,15 +113,6 @@ def te_quantize_activation_1d(
     padded = F.pad(x.to(torch.float32), (0, groups * TE_BLOCK_LEN - k))
     grouped = padded.view(*x.shape[:-1], groups, TE_BLOCK_LEN)
     scale = te_scale_from_amax(grouped.abs().amax(dim=-1), pow2_scale, amax_epsilon, torch.finfo(x.dtype).max)
-    codes = _multiply_and_cast(grouped, scale.unsqueeze(-1))
-    return codes.view(*x.shape[:-1], groups * TE_BLOCK_LEN)[..., :k].contiguous(), _reciprocal(scale)
+    codes = quantize_with_multiplier(grouped, scale.unsqueeze(-1))
+    return codes.view(*x.shape[:-1], groups * TE_BLOCK_LEN)[..., :k].contiguous(), reciprocal(scale)
 
-
-def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    """TE's stored `scale_inv = 1.0f / scale`, as a correctly rounded FP32 division."""
-    return torch.ones_like(scale) / scale
-
-
-def _multiply_and_cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`fp8(x * scale)` with CUDA's saturate-to-finite E4M3 conversion (round to nearest even)."""
-    return (x * scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 
 import torch
 
@@ -31,6 +32,8 @@ MIN_CAPABILITY_FOR_FP8 = (8, 9)
 #: Compute capability majors from Blackwell on (10.x data centre, 11.x, 12.x workstation).
 FIRST_BLACKWELL_MAJOR = 10
 HOPPER_MAJOR = 9
+
+logger = logging.getLogger("fp8_align")
 
 
 class TrainingSetupError(FP8ConfigError):
@@ -125,6 +128,21 @@ def validate_training_setup(
         )
     if problems:
         raise TrainingSetupError("FP8 training cannot start:\n" + "\n".join(f"  - {problem}" for problem in problems))
+    if cfg.fp8_recipe == "blockwise" and not cfg.allow_recipe_mismatch and _fp32_scales_differ_by_rounding(cfg):
+        logger.warning(
+            "fp8_align: FP32 scales with scale_rule='amax_over_max': generation stores amax/448 while "
+            "TransformerEngine stores 1/(448/amax), so some block scales differ in the last bit and a few "
+            "codes by one E4M3 step. Set scale_rule='transformer_engine' for bit-identical weights and activations."
+        )
+
+
+def _fp32_scales_differ_by_rounding(cfg: FP8Config) -> bool:
+    """True when generation under `cfg` is close to TE's blockwise recipe but not bitwise equal:
+    FP32 (not power-of-two) weight or activation scales with `scale_rule="amax_over_max"`.
+    Power-of-two scales agree under either rule (for every amax above ~1e-35); "transformer_engine"
+    agrees with FP32 scales too."""
+    pow2 = cfg.use_weight_pow2_scale and cfg.use_activation_pow2_scale
+    return cfg.precision == "fp8" and cfg.scale_rule == "amax_over_max" and not pow2
 
 
 def _hardware_problems(cfg: FP8Config, env: TrainingEnvironment) -> list[str]:

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fp8_align.quant.scales import check_finite, check_float_input, quantize_with_scale, scale_from_amax
+from fp8_align.quant.scales import check_finite, check_float_input, quantization_factors, quantize_with_factor
 
 DEFAULT_BLOCK_SIZE = (128, 128)
 
@@ -22,16 +22,19 @@ def quantize_weight_blockwise(
     w: torch.Tensor,
     block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
     pow2_scale: bool = False,
+    scale_rule: str = "amax_over_max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight to E4M3 with one FP32 scale per block.
 
     Args:
         w: [N, K] bf16/fp16/fp32 weight (out_features x in_features), any device.
         block_size: (bn, bk) block shape; edge blocks may be partial when N or K is not a multiple.
-        pow2_scale: round each scale up to a power of two.
+        pow2_scale: power-of-two scales (rounded as `scale_rule` says).
+        scale_rule: "amax_over_max" or "transformer_engine" (`fp8_align.quant.scales`).
     Returns:
         (w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/bn), ceil(K/bk)] float32) with
-        `w ~= w_fp8 * scale_inv` per block and `scale_inv = amax(|block|) / 448` (or its pow2 round-up).
+        `w ~= w_fp8 * scale_inv` per block; `scale_inv = amax(|block|) / 448` (or its pow2 round-up),
+        or `1 / fl(448 / amax)` under "transformer_engine".
     Raises:
         TypeError on a non-float or non-2D input, ValueError on NaN/Inf or a bad block size.
     """
@@ -44,8 +47,8 @@ def quantize_weight_blockwise(
     nb, kb = blockwise_scale_shape((n, k), (bn, bk))
     padded = F.pad(w.to(torch.float32), (0, kb * bk - k, 0, nb * bn - n))
     blocks = padded.view(nb, bn, kb, bk)
-    scale_inv = scale_from_amax(blocks.abs().amax(dim=(1, 3)), pow2_scale)
-    codes = quantize_with_scale(blocks, scale_inv[:, None, :, None])
+    factor, scale_inv = quantization_factors(blocks.abs().amax(dim=(1, 3)), pow2_scale, scale_rule, w.dtype)
+    codes = quantize_with_factor(blocks, factor[:, None, :, None], scale_rule)
     return codes.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale_inv
 
 

@@ -15,9 +15,10 @@ def quantize_weight_into(
     out_codes: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     check_finite: bool = True,
+    scale_rule: str = "amax_over_max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_weight_blockwise(w, pow2_scale=pow2_scale)` (128x128 blocks), optionally written into
-    existing storage.
+    """`quantize_weight_blockwise(w, pow2_scale=pow2_scale, scale_rule=scale_rule)` (128x128 blocks),
+    optionally written into existing storage.
 
     w: [N, K] bf16/fp16/fp32. out_codes: [N, K] float8_e4m3fn, out_scales: [ceil(N/128),
     ceil(K/128)] float32, on w's device (views into larger tensors are fine). On CUDA the Triton
@@ -29,8 +30,8 @@ def quantize_weight_into(
     if w.is_cuda:
         from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
 
-        return quantize_weight_blockwise_triton(w, pow2_scale, out_codes, out_scales, check_finite)
-    codes, scales = quantize_weight_blockwise(w, pow2_scale=pow2_scale)
+        return quantize_weight_blockwise_triton(w, pow2_scale, out_codes, out_scales, check_finite, scale_rule)
+    codes, scales = quantize_weight_blockwise(w, pow2_scale=pow2_scale, scale_rule=scale_rule)
     if out_codes is not None:
         codes = out_codes.copy_(codes)
     if out_scales is not None:
@@ -43,8 +44,9 @@ def quantize_weights_into(
     out_codes: Sequence[torch.Tensor],
     out_scales: Sequence[torch.Tensor],
     pow2_scale: bool,
+    scale_rule: str = "amax_over_max",
 ) -> None:
-    """`quantize_weight_into(w, pow2_scale, codes, scales, check_finite=False)` for each triple of the
+    """`quantize_weight_into(w, pow2_scale, codes, scales, False, scale_rule)` for each triple of the
     lists: on CUDA one grouped Triton launch (`triton_blockwise.quantize_weights_blockwise_triton`,
     all weights on one device), elsewhere one reference call per weight. Same bits either way.
     The caller has validated the inputs (finite).
@@ -54,7 +56,7 @@ def quantize_weights_into(
     if weights and weights[0].is_cuda:
         from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
 
-        quantize_weights_blockwise_triton(weights, out_codes, out_scales, pow2_scale)
+        quantize_weights_blockwise_triton(weights, out_codes, out_scales, pow2_scale, scale_rule)
         return
     for w, codes, scales in zip(weights, out_codes, out_scales):
-        quantize_weight_into(w, pow2_scale, codes, scales, check_finite=False)
+        quantize_weight_into(w, pow2_scale, codes, scales, check_finite=False, scale_rule=scale_rule)

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fp8_align.quant.scales import check_finite, check_float_input, quantize_with_scale, scale_from_amax
+from fp8_align.quant.scales import check_finite, check_float_input, quantization_factors, quantize_with_factor
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -17,17 +17,20 @@ def quantize_activation_groupwise(
     group_size: int = DEFAULT_GROUP_SIZE,
     pow2_scale: bool = False,
     check_inputs: bool = True,
+    scale_rule: str = "amax_over_max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to E4M3 in 1 x `group_size` groups along the last dim.
 
     Args:
         x: [..., K] bf16/fp16/fp32, any leading shape, any device.
         group_size: channels per group; the last group is partial when K is not a multiple.
-        pow2_scale: round each scale up to a power of two.
+        pow2_scale: power-of-two scales (rounded as `scale_rule` says).
         check_inputs: validate dtype and finiteness (costs a device sync on GPU).
+        scale_rule: "amax_over_max" or "transformer_engine" (`fp8_align.quant.scales`).
     Returns:
         (x_fp8 [..., K] float8_e4m3fn, scale [..., ceil(K / group_size)] float32) with
-        `x ~= x_fp8 * scale` per group and `scale = amax(|group|) / 448` (or its pow2 round-up).
+        `x ~= x_fp8 * scale` per group; `scale = amax(|group|) / 448` (or its pow2 round-up), or
+        `1 / fl(448 / amax)` under "transformer_engine".
     """
     if check_inputs:
         check_float_input(x, "activation")
@@ -38,8 +41,8 @@ def quantize_activation_groupwise(
     groups = math.ceil(k / group_size)
     padded = F.pad(x.to(torch.float32), (0, groups * group_size - k))
     grouped = padded.view(*x.shape[:-1], groups, group_size)
-    scale = scale_from_amax(grouped.abs().amax(dim=-1), pow2_scale)
-    codes = quantize_with_scale(grouped, scale.unsqueeze(-1))
+    factor, scale = quantization_factors(grouped.abs().amax(dim=-1), pow2_scale, scale_rule, x.dtype)
+    codes = quantize_with_factor(grouped, factor.unsqueeze(-1), scale_rule)
     return codes.view(*x.shape[:-1], groups * group_size)[..., :k].contiguous(), scale
 
 

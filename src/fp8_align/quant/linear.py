@@ -54,6 +54,7 @@ def blockwise_fp8_linear(
     activation_pow2_scale: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     check_inputs: bool = True,
+    scale_rule: str = "amax_over_max",
 ) -> torch.Tensor:
     """`y = x @ w.T (+ bias)` with x quantized in 1x128 groups and w in 128x128 blocks.
 
@@ -63,6 +64,7 @@ def blockwise_fp8_linear(
             the widening); scale_inv: [ceil(N/128), ceil(K/128)] float32.
         bias: optional [N], added after rounding to `out_dtype` (as vLLM does after the GEMM).
         activation_pow2_scale: power-of-two activation scales.
+        scale_rule: how activation scales are computed (`fp8_align.quant.scales`).
     Returns:
         [..., N] in `out_dtype` (see `fp8_block_gemm` for the accumulation order).
     """
@@ -70,7 +72,9 @@ def blockwise_fp8_linear(
     if x.shape[-1] != k:
         raise ValueError(f"activation last dim {x.shape[-1]} does not match weight in_features {k}")
     lead = x.shape[:-1]
-    x_fp8, x_scale = quantize_activation_groupwise(x.reshape(-1, k), DEFAULT_BLOCK_SIZE[1], activation_pow2_scale, check_inputs)
+    x_fp8, x_scale = quantize_activation_groupwise(
+        x.reshape(-1, k), DEFAULT_BLOCK_SIZE[1], activation_pow2_scale, check_inputs, scale_rule
+    )
     out = fp8_block_gemm(x_fp8, x_scale, w_fp8, scale_inv, out_dtype)
     if bias is not None:
         out = out + bias.to(out_dtype)

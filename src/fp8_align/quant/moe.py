@@ -71,12 +71,14 @@ def quantize_experts_into(
     s2: torch.Tensor,
     pow2_scale: bool,
     experts: list[int] | None = None,
+    scale_rule: str = "amax_over_max",
 ) -> None:
     """Quantize BF16 experts shard by shard into existing codes and scales.
 
     w13 [E, 2I, H] and w2 [E, H, I] (bf16/fp16/fp32, finite); c13/c2 the same shapes in
     float8_e4m3fn; s13/s2 float32 as `expert_scale_shapes`. `experts`: the expert indices to
-    write (default all). One grouped launch on CUDA (`quantize_weights_into`).
+    write (default all). `scale_rule`: see `fp8_align.quant.scales`. One grouped launch on CUDA
+    (`quantize_weights_into`).
     """
     intermediate, hidden = w2.shape[2], w2.shape[1]
     weights, codes, scales = [], [], []
@@ -87,10 +89,12 @@ def quantize_experts_into(
             weights.append(src[e, where.rows])
             codes.append(dst[e, where.rows])
             scales.append(dst_scale[e, where.scale_rows])
-    quantize_weights_into(weights, codes, scales, pow2_scale)
+    quantize_weights_into(weights, codes, scales, pow2_scale, scale_rule)
 
 
-def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, ...]:
+def quantize_experts(
+    w13: torch.Tensor, w2: torch.Tensor, pow2_scale: bool, scale_rule: str = "amax_over_max"
+) -> tuple[torch.Tensor, ...]:
     """(c13, s13, c2, s2) of BF16 experts w13 [E, 2I, H], w2 [E, H, I] (see `quantize_experts_into`)."""
     num_experts, hidden, intermediate = w2.shape
     s13_shape, s2_shape = expert_scale_shapes(num_experts, intermediate, hidden)
@@ -98,7 +102,7 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, pow2_scale: bool) -> t
     c2 = torch.empty(w2.shape, dtype=FP8_DTYPE, device=w2.device)
     s13 = torch.empty(s13_shape, dtype=torch.float32, device=w13.device)
     s2 = torch.empty(s2_shape, dtype=torch.float32, device=w2.device)
-    quantize_experts_into(w13, w2, c13, s13, c2, s2, pow2_scale)
+    quantize_experts_into(w13, w2, c13, s13, c2, s2, pow2_scale, scale_rule=scale_rule)
     return c13, s13, c2, s2
 
 
@@ -111,6 +115,7 @@ def block_fp8_moe_reference(
     c2: torch.Tensor,
     s2: torch.Tensor,
     act_pow2: bool,
+    scale_rule: str = "amax_over_max",
 ) -> torch.Tensor:
     """One MoE layer's routed experts in block FP8 (SiLU-gated MLP experts).
 
@@ -120,7 +125,8 @@ def block_fp8_moe_reference(
     quantized in 1x128 groups; gate and up GEMMs (`fp8_block_gemm`, FP32 accumulation) rounded
     to x.dtype; silu(gate) * up in FP32 rounded to x.dtype, quantized again in 1x128 groups; the
     down GEMM rounded to x.dtype; weighted by the token's routing weight and summed over its k
-    experts in FP32. Returns [T, H] in x.dtype.
+    experts in FP32. Activation scales follow `act_pow2` and `scale_rule` (`fp8_align.quant.scales`).
+    Returns [T, H] in x.dtype.
     """
     intermediate, hidden = c2.shape[2], c2.shape[1]
     gate, up = expert_shard_rows("w1", intermediate, hidden), expert_shard_rows("w3", intermediate, hidden)
@@ -129,11 +135,13 @@ def block_fp8_moe_reference(
         if e < 0:
             continue
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
-        x_fp8, x_scale = quantize_activation_groupwise(x[tokens], pow2_scale=act_pow2, check_inputs=False)
+        x_fp8, x_scale = quantize_activation_groupwise(
+            x[tokens], pow2_scale=act_pow2, check_inputs=False, scale_rule=scale_rule
+        )
         g = fp8_block_gemm(x_fp8, x_scale, c13[e, gate.rows], s13[e, gate.scale_rows], out_dtype=x.dtype)
         u = fp8_block_gemm(x_fp8, x_scale, c13[e, up.rows], s13[e, up.scale_rows], out_dtype=x.dtype)
         h = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
-        h_fp8, h_scale = quantize_activation_groupwise(h, pow2_scale=act_pow2, check_inputs=False)
+        h_fp8, h_scale = quantize_activation_groupwise(h, pow2_scale=act_pow2, check_inputs=False, scale_rule=scale_rule)
         y = fp8_block_gemm(h_fp8, h_scale, c2[e], s2[e], out_dtype=x.dtype)
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots].float()[:, None])
     return out.to(x.dtype)

@@ -1,9 +1,11 @@
 """Triton kernel for `quantize_weight_blockwise` on CUDA: one program per 128x128 block.
 
 Bit-identical to the torch reference `fp8_align.quant.quantize_weight_blockwise` (tested in
-tests/test_gpu_kernels.py): `scale = amax / 448` correctly rounded (1.0 for an all-zero block,
-at least FLT_MIN), rounded up to a power of two when asked; `code = RNE(clamp(w / scale, +-448))`
-with a correctly rounded division. The reference reads the weight about six times (pad, abs,
+tests/test_gpu_kernels.py), under either scale rule (`fp8_align.quant.scales`): by default
+`scale = amax / 448` correctly rounded (1.0 for an all-zero block, at least FLT_MIN), rounded up
+to a power of two when asked, `code = RNE(clamp(w / scale, +-448))` with a correctly rounded
+division; with "transformer_engine", TE's multiplier `m = 448 / amax`, `code = RNE(clamp(w * m))`,
+`scale = 1 / m`. The reference reads the weight about six times (pad, abs,
 amax, divide, clamp, cast); this kernel reads it from memory once (a second pass re-reads each
 slice of a block from L2) and writes the codes once, and can write straight into existing storage (the rows of a merged vLLM weight, for an in-place refit).
 
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
-from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, FP32_TINY, check_float_input
+from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, FP32_TINY, check_float_input, check_scale_rule
 
 BLOCK = DEFAULT_BLOCK_SIZE[0]
 #: Under the Triton interpreter (TRITON_INTERPRET=1, how the CPU tests run these kernels) CPU
@@ -60,7 +62,8 @@ def int64_table_to_device(rows: Sequence[Sequence[int]], device: torch.device) -
 def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """`fp8_align.quant.scale_from_amax` in Triton, for FP32 amax tensors of any shape: amax / 448
     correctly rounded (1.0 where amax is 0, at least TINY), rounded up to a power of two when POW2.
-    Shared by the weight kernel here and the activation kernel of the vLLM plugin."""
+    Used through `quantization_factors_triton` by the weight kernel here and the activation kernel
+    of the vLLM plugin."""
     scale = tl.maximum(tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0), TINY)
     if POW2:
         # smallest power of two >= scale (a positive normal float): clear the mantissa and bump
@@ -72,12 +75,55 @@ def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2
 
 
 @triton.jit
+def te_multiplier_from_amax_triton(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr, VALUE_FOR_INF: tl.constexpr):
+    """`fp8_align.quant.scales.te_multiplier_from_amax` in Triton (FP32 amax of any shape):
+    FP8_MAX / amax correctly rounded, 1.0 where amax is 0, inf or NaN, VALUE_FOR_INF where the
+    quotient overflows, rounded down to a power of two (mantissa cleared) when POW2."""
+    usable = (amax > 0) & (amax.to(tl.int32, bitcast=True) < 0x7F800000)  # positive and finite
+    multiplier = tl.where(usable, tl.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), 1.0)
+    multiplier = tl.where(multiplier.to(tl.int32, bitcast=True) == 0x7F800000, VALUE_FOR_INF, multiplier)
+    if POW2:
+        # a positive multiplier: keeping the exponent bits rounds it down to a power of two
+        multiplier = (multiplier.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return multiplier
+
+
+@triton.jit
+def quantization_factors_triton(
+    amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr, TE_RULE: tl.constexpr, VALUE_FOR_INF: tl.constexpr
+):
+    """`fp8_align.quant.scales.quantization_factors` in Triton: (factor, scale_inv), FP32, shaped
+    like amax. TE_RULE selects "transformer_engine" (factor: a multiplier, scale_inv = 1 / factor,
+    VALUE_FOR_INF: the largest finite value of the input dtype), else "amax_over_max" (factor: the
+    scale itself, a divisor)."""
+    if TE_RULE:
+        multiplier = te_multiplier_from_amax_triton(amax, FP8_MAX, POW2, VALUE_FOR_INF)
+        return multiplier, tl.div_rn(tl.zeros_like(multiplier) + 1.0, multiplier)
+    else:
+        scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
+        return scale, scale
+
+
+@triton.jit
+def quantize_with_factor_triton(x, factor, FP8_MAX: tl.constexpr, TE_RULE: tl.constexpr):
+    """`fp8_align.quant.scales.quantize_with_factor` in Triton: FP32 x times (TE_RULE) or divided
+    by (correctly rounded) a broadcastable factor, saturated to +-FP8_MAX; the caller casts to E4M3."""
+    if TE_RULE:
+        q = x * factor
+    else:
+        q = tl.div_rn(x, factor)
+    return tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def _quantize_block(
     w_ptr, q_ptr, s_ptr, block_n, block_k, N, K, num_k_blocks, stride_wn, stride_qn, stride_sn, stride_sk,
     TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    POW2: tl.constexpr, ROWS_PER_PASS: tl.constexpr,
+    POW2: tl.constexpr, ROWS_PER_PASS: tl.constexpr, TE_RULE: tl.constexpr, VALUE_FOR_INF: tl.constexpr,
 ):  # fmt: skip
     """Quantize block (block_n, block_k) of w [N, K] into q and its scale into s (the math of both kernels).
+
+    TE_RULE / VALUE_FOR_INF: the scale rule (`quantization_factors_triton`).
 
     Two passes over ROWS_PER_PASS-row slices of the block: amax, then quantize, re-reading each
     slice, which the first pass just brought into L2. A program holds one slice in registers, not
@@ -96,12 +142,12 @@ def _quantize_block(
         # 1 where an element is NaN or +-Inf (both compare false with `<= FLT_MAX`), else 0.
         non_finite = tl.maximum(non_finite, tl.max(tl.max(tl.where(magnitude <= FP32_MAX, 0, 1), axis=1), axis=0))
         amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
-    scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
+    factor, scale = quantization_factors_triton(amax, TINY, FP8_MAX, POW2, TE_RULE, VALUE_FOR_INF)
     for start in tl.range(0, BLOCK_N, ROWS_PER_PASS):
         rows = (first_row + start + tl.arange(0, ROWS_PER_PASS)).to(tl.int64)
         valid = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=valid, other=0.0, eviction_policy="evict_first")
-        q = tl.minimum(tl.maximum(tl.div_rn(w.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
+        q = quantize_with_factor_triton(w.to(tl.float32), factor, FP8_MAX, TE_RULE)
         tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(tl.float8e4nv), mask=valid)
     nan = tl.full([], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     scale_ptr = s_ptr + block_n * stride_sn + block_k * stride_sk
@@ -113,11 +159,13 @@ def _quantize_weight_block_kernel(
     w_ptr, q_ptr, s_ptr, N, K, num_k_blocks, stride_wn, stride_qn, stride_sn, stride_sk,
     TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, POW2: tl.constexpr, ROWS_PER_PASS: tl.constexpr,
+    TE_RULE: tl.constexpr, VALUE_FOR_INF: tl.constexpr,
 ):  # fmt: skip
     for i in tl.range(0, K_BLOCKS, num_stages=NUM_STAGES):
         _quantize_block(
             w_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1) * K_BLOCKS + i, N, K, num_k_blocks,
             stride_wn, stride_qn, stride_sn, stride_sk, TINY, FP32_MAX, FP8_MAX, BLOCK_N, BLOCK_K, POW2, ROWS_PER_PASS,
+            TE_RULE, VALUE_FOR_INF,
         )  # fmt: skip
 
 
@@ -126,6 +174,7 @@ def _quantize_weights_grouped_kernel(
     table, weight_of_block, first_block, num_weights,
     TINY: tl.constexpr, FP32_MAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     POW2: tl.constexpr, W_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ROWS_PER_PASS: tl.constexpr,
+    TE_RULE: tl.constexpr, VALUE_FOR_INF: tl.constexpr,
 ):  # fmt: skip
     """One program per 128x128 block of any of the weights in `table` (one launch for all).
 
@@ -158,7 +207,7 @@ def _quantize_weights_grouped_kernel(
     _quantize_block(
         w_ptr, q_ptr, s_ptr, local // k_blocks, local % k_blocks, n, k, k_blocks, stride_wn, stride_qn,
         tl.load(field + 8 * num_weights), tl.load(field + 9 * num_weights), TINY, FP32_MAX, FP8_MAX, BLOCK_N, BLOCK_K, POW2,
-        ROWS_PER_PASS,
+        ROWS_PER_PASS, TE_RULE, VALUE_FOR_INF,
     )  # fmt: skip
 
 
@@ -186,15 +235,17 @@ def quantize_weight_blockwise_triton(
     out_codes: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     check_finite: bool = True,
+    scale_rule: str = "amax_over_max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 block E4M3 quantization of a [N, K] bf16/fp16/fp32 CUDA weight (last dim contiguous).
 
     out_codes: optional [N, K] float8_e4m3fn CUDA tensor (last dim contiguous) to write into;
     out_scales: optional [ceil(N/128), ceil(K/128)] float32 tensor to write into. Returns
-    (codes, scales) exactly as `quantize_weight_blockwise(w, pow2_scale=pow2_scale)`.
+    (codes, scales) exactly as `quantize_weight_blockwise(w, pow2_scale=pow2_scale, scale_rule=scale_rule)`.
     check_finite: raise ValueError when `w` holds NaN/Inf (one device sync); with False the
     caller must have checked, and such a block's scale is NaN.
     """
+    te_rule = check_scale_rule(scale_rule) == "transformer_engine"
     codes, scales = _checked_outputs(w, out_codes, out_scales)
     if w.numel() == 0:
         return codes, scales
@@ -205,7 +256,7 @@ def quantize_weight_blockwise_triton(
         w.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
         TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
         K_BLOCKS=k_blocks, NUM_STAGES=LAUNCH["num_stages"], POW2=pow2_scale, ROWS_PER_PASS=LAUNCH["rows_per_pass"],
-        num_warps=LAUNCH["num_warps"],
+        TE_RULE=te_rule, VALUE_FOR_INF=torch.finfo(w.dtype).max, num_warps=LAUNCH["num_warps"],
     )  # fmt: skip
     if check_finite and not bool(torch.isfinite(scales).all()):
         raise ValueError(f"weight of shape {tuple(w.shape)} contains NaN or Inf; FP8 scales would be invalid")
@@ -217,8 +268,9 @@ def quantize_weights_blockwise_triton(
     out_codes: Sequence[torch.Tensor],
     out_scales: Sequence[torch.Tensor],
     pow2_scale: bool = False,
+    scale_rule: str = "amax_over_max",
 ) -> None:
-    """`quantize_weight_blockwise_triton(w, pow2_scale, codes, scales, check_finite=False)` for every
+    """`quantize_weight_blockwise_triton(w, pow2_scale, codes, scales, False, scale_rule)` for every
     (w, codes, scales) of the three lists, in one kernel launch per weight dtype.
 
     Same bits as one call per weight (the same per-block code); what changes is launch cost and
@@ -229,6 +281,7 @@ def quantize_weights_blockwise_triton(
     """
     if not (len(weights) == len(out_codes) == len(out_scales)):
         raise ValueError(f"got {len(weights)} weights, {len(out_codes)} code and {len(out_scales)} scale outputs")
+    te_rule = check_scale_rule(scale_rule) == "transformer_engine"
     by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     for w, codes, scales in zip(weights, out_codes, out_scales):
         _checked_outputs(w, codes, scales)
@@ -259,5 +312,5 @@ def quantize_weights_blockwise_triton(
             table, weight_of_block, first_block_on_device, len(group),
             TINY=FP32_TINY, FP32_MAX=torch.finfo(torch.float32).max, FP8_MAX=E4M3_MAX, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
             POW2=pow2_scale, W_DTYPE=TRITON_DTYPES[dtype], ALIGNED=aligned, ROWS_PER_PASS=GROUPED_LAUNCH["rows_per_pass"],
-            num_warps=GROUPED_LAUNCH["num_warps"],
+            TE_RULE=te_rule, VALUE_FOR_INF=torch.finfo(dtype).max, num_warps=GROUPED_LAUNCH["num_warps"],
         )  # fmt: skip

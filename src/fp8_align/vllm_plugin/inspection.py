@@ -73,9 +73,12 @@ def _max_diff_to_reference(module: torch.nn.Module) -> float:
     x = torch.randn(_SELF_CHECK_TOKENS, module.weight.shape[1], generator=generator).to(torch.bfloat16)
     x = x.to(module.weight.device)
     got = module.quant_method.apply(module, x)
-    act_pow2 = module.quant_method.cfg.use_activation_pow2_scale
+    cfg = module.quant_method.cfg
     parts = [
-        blockwise_fp8_linear(x, module.weight[rows], module.weight_scale_inv[scale_rows], activation_pow2_scale=act_pow2)
+        blockwise_fp8_linear(
+            x, module.weight[rows], module.weight_scale_inv[scale_rows],
+            activation_pow2_scale=cfg.use_activation_pow2_scale, scale_rule=cfg.scale_rule,
+        )  # fmt: skip
         for rows, scale_rows in shard_slices(module.fp8_align_shard_sizes)
     ]
     return float((got.float() - torch.cat(parts, dim=-1).float()).abs().max())

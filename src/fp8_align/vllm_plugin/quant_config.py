@@ -83,7 +83,8 @@ def _decide(layer: torch.nn.Module, prefix: str, cfg: FP8Config, is_experts: boo
 
 def _experts_method(cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> Any:
     """fp8_align's routed-experts method for this platform: emulated on CPU, vLLM's Triton
-    block-FP8 MoE kernel on CUDA (after matching its activation-scale rounding to the recipe)."""
+    block-FP8 MoE kernel on CUDA (after matching its activation-scale rounding to the recipe;
+    a scale rule that kernel cannot compute raises `Fp8AlignMoEError`)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

@@ -15,12 +15,18 @@ from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 @torch.library.custom_op("fp8_align::emulated_block_fp8_mm", mutates_args=())
 def emulated_block_fp8_mm(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, shard_sizes: list[int], act_pow2: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    shard_sizes: list[int],
+    act_pow2: bool,
+    scale_rule: str,
 ) -> torch.Tensor:
     """[M, K] activations x block-FP8 weight [N, K] (per-shard 128x128 grids) -> [M, N] in x.dtype.
 
-    weight: the E4M3 codes, as float8_e4m3fn or as float32 holding exactly those values."""
-    x_fp8, x_scale = quantize_activation_groupwise(x, pow2_scale=act_pow2, check_inputs=False)
+    weight: the E4M3 codes, as float8_e4m3fn or as float32 holding exactly those values.
+    Activations are quantized in 1x128 groups with `act_pow2` and `scale_rule`."""
+    x_fp8, x_scale = quantize_activation_groupwise(x, pow2_scale=act_pow2, check_inputs=False, scale_rule=scale_rule)
     outputs = [
         fp8_block_gemm(x_fp8, x_scale, weight[rows], weight_scale_inv[scale_rows], out_dtype=x.dtype)
         for rows, scale_rows in shard_slices(shard_sizes)
@@ -30,6 +36,11 @@ def emulated_block_fp8_mm(
 
 @emulated_block_fp8_mm.register_fake
 def _emulated_block_fp8_mm_shape(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, shard_sizes: list[int], act_pow2: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    shard_sizes: list[int],
+    act_pow2: bool,
+    scale_rule: str,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))

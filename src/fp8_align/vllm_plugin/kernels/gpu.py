@@ -56,8 +56,8 @@ from vllm.utils.deep_gemm import is_deep_gemm_supported
 from fp8_align.config import FP8Config
 from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.quant import E4M3_MAX
-from fp8_align.quant.scales import FP32_TINY
-from fp8_align.quant.triton_blockwise import BLOCK, scale_from_amax_triton
+from fp8_align.quant.scales import FP32_TINY, check_scale_rule
+from fp8_align.quant.triton_blockwise import BLOCK, quantization_factors_triton, quantize_with_factor_triton
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.linear.shards import shard_slices
@@ -97,16 +97,19 @@ def _quantize_activation_kernel(
     GROUP: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
     POW2: tl.constexpr,
+    TE_RULE: tl.constexpr,
+    VALUE_FOR_INF: tl.constexpr,
 ):
+    """Row `program_id(0)`, groups GROUPS_PER_PROGRAM * program_id(1) + [0, GROUPS_PER_PROGRAM) of
+    x: codes into q, scales into s. TE_RULE / VALUE_FOR_INF: the scale rule (`quantization_factors_triton`)."""
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     valid = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = scale_from_amax_triton(amax, TINY, FP8_MAX, POW2)
-    q = tl.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    factor, scale = quantization_factors_triton(amax, TINY, FP8_MAX, POW2, TE_RULE, VALUE_FOR_INF)
+    q = quantize_with_factor_triton(x, factor[:, None], FP8_MAX, TE_RULE)
     tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=valid)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
@@ -120,14 +123,19 @@ def _empty_scales(m: int, groups: int, layout: ScaleLayout, device: torch.device
 
 
 @torch.library.custom_op("fp8_align::quantize_activation_groupwise", mutates_args=())
-def quantize_activation_triton(x: torch.Tensor, pow2: bool, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_triton(
+    x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = "amax_over_max"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 group quantization of a [M, K] bf16/fp16/fp32 CUDA tensor (last dim contiguous).
 
     Returns (codes [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32 in `ScaleLayout(layout)`),
-    bit-identical to `fp8_align.quant.quantize_activation_groupwise(x, pow2_scale=pow2)`:
-    `scale = amax / 448` (1.0 for an all-zero group, at least FLT_MIN), rounded up to a power of
-    two when `pow2`; `code = RNE(clamp(x / scale, +-448))`; both divisions correctly rounded.
+    bit-identical to `fp8_align.quant.quantize_activation_groupwise(x, pow2_scale=pow2,
+    scale_rule=scale_rule)`. "amax_over_max": `scale = amax / 448` (1.0 for an all-zero group, at
+    least FLT_MIN), rounded up to a power of two when `pow2`; `code = RNE(clamp(x / scale, +-448))`;
+    both divisions correctly rounded. "transformer_engine": TE's multiplier `m = 448 / amax`
+    (rounded down to a power of two when `pow2`), `code = RNE(clamp(x * m, +-448))`, `scale = 1 / m`.
     """
+    te_rule = check_scale_rule(scale_rule) == "transformer_engine"
     m, k = x.shape
     groups = math.ceil(k / BLOCK)
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
@@ -140,13 +148,13 @@ def quantize_activation_triton(x: torch.Tensor, pow2: bool, layout: int) -> tupl
         x.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
         TINY=FP32_TINY, FP8_MAX=E4M3_MAX,
         GROUP=BLOCK, GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM, POW2=pow2,
-        num_warps=4,
+        TE_RULE=te_rule, VALUE_FOR_INF=torch.finfo(x.dtype).max, num_warps=4,
     )  # fmt: skip
     return codes, scales
 
 
 @quantize_activation_triton.register_fake
-def _(x: torch.Tensor, pow2: bool, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = "amax_over_max") -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     return codes, _empty_scales(m, math.ceil(k / BLOCK), ScaleLayout(layout), x.device)
@@ -285,10 +293,17 @@ class GpuBlockFp8Kernel(BlockFp8Kernel):
             "; ".join(self.passed) or "none",
         )
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act_pow2: bool) -> torch.Tensor:
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        act_pow2: bool,
+        scale_rule: str = "amax_over_max",
+    ) -> torch.Tensor:
         """[..., K] -> [..., N] in x's dtype: 1x128 FP8 activations, block-FP8 GEMM, + bias."""
         x2 = _as_2d(x)
-        x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(x2, act_pow2, int(self.scale_layout))
+        x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(x2, act_pow2, int(self.scale_layout), scale_rule)
         out = self.gemm(layer, x_fp8, x_scale, x.dtype)
         if bias is not None:
             out = out + bias
@@ -450,8 +465,15 @@ class ReferenceBlockFp8Kernel(GpuBlockFp8Kernel):
     def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
         return None
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act_pow2: bool) -> torch.Tensor:
-        return emulated_block_fp8_linear(x, layer.weight, layer, bias, act_pow2)
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        act_pow2: bool,
+        scale_rule: str = "amax_over_max",
+    ) -> torch.Tensor:
+        return emulated_block_fp8_linear(x, layer.weight, layer, bias, act_pow2, scale_rule)
 
 
 #: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/kernels.py).

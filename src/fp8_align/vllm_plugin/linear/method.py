@@ -23,8 +23,11 @@ from fp8_align.vllm_plugin.refit.weight_sync import requantizing_weight_loader
 logger = logging.getLogger("vllm.fp8_align")
 
 
-def quantize_shards(weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a merged [sum(shard_sizes), K] weight shard by shard (q|k|v, gate|up).
+def quantize_shards(
+    weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bool, scale_rule: str = "amax_over_max"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a merged [sum(shard_sizes), K] weight shard by shard (q|k|v, gate|up) with
+    `pow2_scale` and `scale_rule`.
 
     Each shard gets its own 128x128 block grid, exactly as if the checkpoint's separate
     projections were quantized one by one. Returns (codes [N, K] e4m3, scales [sum_s ceil(n_s/128),
@@ -35,7 +38,7 @@ def quantize_shards(weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bo
     codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
     scales = torch.empty((slices[-1][1].stop, -(-weight.shape[1] // DEFAULT_BLOCK_SIZE[1])), dtype=torch.float32, device=weight.device)
     for rows, scale_rows in slices:
-        quantize_weight_into(weight[rows], pow2_scale, codes[rows], scales[scale_rows])
+        quantize_weight_into(weight[rows], pow2_scale, codes[rows], scales[scale_rows], scale_rule=scale_rule)
     return codes, scales
 
 
@@ -75,7 +78,7 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         if layer.weight.dtype == FP8_DTYPE:
             return
         bf16 = layer.weight.data
-        codes, scales = quantize_shards(bf16, layer.fp8_align_shard_sizes, self.cfg.use_weight_pow2_scale)
+        codes, scales = quantize_shards(bf16, layer.fp8_align_shard_sizes, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule)
         kernel = select_kernel(self.cfg, codes.shape, layer.fp8_align_shard_sizes, bf16.device, out_dtype=bf16.dtype)
         layer.weight = torch.nn.Parameter(codes, requires_grad=False)
         layer.weight.weight_loader = requantizing_weight_loader(layer)
@@ -91,7 +94,7 @@ class Fp8AlignLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ W.T (+ bias) in block FP8 with 1x128 dynamic activation groups."""
         kernel: BlockFp8Kernel = layer.fp8_align_kernel
-        return kernel.apply(layer, x, bias, self.cfg.use_activation_pow2_scale)
+        return kernel.apply(layer, x, bias, self.cfg.use_activation_pow2_scale, self.cfg.scale_rule)
 
 
 class Fp8AlignBf16LinearMethod(UnquantizedLinearMethod):

@@ -50,7 +50,7 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize the loaded experts (idempotent) and keep float32 copies of the codes."""
-        if quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale):
+        if quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule):
             setattr(layer, C13_F32, layer.w13_weight.detach().to(torch.float32))
             setattr(layer, C2_F32, layer.w2_weight.detach().to(torch.float32))
             attach_requantizing_loaders(layer)
@@ -92,5 +92,5 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
         local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
         return emulated_block_fp8_moe(
             x, topk_weights, local_ids, getattr(layer, C13_F32), layer.w13_weight_scale_inv,
-            getattr(layer, C2_F32), layer.w2_weight_scale_inv, self.cfg.use_activation_pow2_scale,
+            getattr(layer, C2_F32), layer.w2_weight_scale_inv, self.cfg.use_activation_pow2_scale, self.cfg.scale_rule,
         )  # fmt: skip

@@ -23,9 +23,10 @@ def emulated_block_fp8_moe(
     c2: torch.Tensor,
     s2: torch.Tensor,
     act_pow2: bool,
+    scale_rule: str = "amax_over_max",
 ) -> torch.Tensor:
     """[T, H] routed-expert output in x.dtype: `fp8_align.quant.moe.block_fp8_moe_reference`."""
-    return block_fp8_moe_reference(x, topk_weights, topk_ids, c13, s13, c2, s2, act_pow2)
+    return block_fp8_moe_reference(x, topk_weights, topk_ids, c13, s13, c2, s2, act_pow2, scale_rule)
 
 
 @emulated_block_fp8_moe.register_fake
@@ -38,5 +39,6 @@ def _emulated_block_fp8_moe_shape(
     c2: torch.Tensor,
     s2: torch.Tensor,
     act_pow2: bool,
+    scale_rule: str = "amax_over_max",
 ) -> torch.Tensor:
     return torch.empty_like(x)

@@ -68,13 +68,13 @@ def create_bf16_expert_weights(
         set_weight_attrs(param, extra_weight_attrs)
 
 
-def quantize_loaded_experts(layer: torch.nn.Module, pow2_scale: bool) -> bool:
-    """Replace the loaded BF16 experts by codes + FP32 (or pow2) scales (Parameters without a
-    loader: see `attach_requantizing_loaders`); False (nothing done) when
+def quantize_loaded_experts(layer: torch.nn.Module, pow2_scale: bool, scale_rule: str = "amax_over_max") -> bool:
+    """Replace the loaded BF16 experts by codes + FP32 (or pow2) scales computed by `scale_rule`
+    (Parameters without a loader: see `attach_requantizing_loaders`); False (nothing done) when
     the layer already holds FP8 codes (vLLM may process a model twice: verl does after a sync)."""
     if layer.w13_weight.dtype == FP8_DTYPE:
         return False
-    c13, s13, c2, s2 = quantize_experts(layer.w13_weight.data, layer.w2_weight.data, pow2_scale)
+    c13, s13, c2, s2 = quantize_experts(layer.w13_weight.data, layer.w2_weight.data, pow2_scale, scale_rule)
     layer.w13_weight = torch.nn.Parameter(c13, requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(c2, requires_grad=False)
     layer.w13_weight_scale_inv = torch.nn.Parameter(s13, requires_grad=False)
@@ -152,13 +152,14 @@ def _quantize_shard_into(
     where = expert_shard_rows(shard, layer.fp8_align_intermediate_size, layer.w2_weight.shape[1])
     codes = layer.w13_weight.data if where.param == "w13" else layer.w2_weight.data
     scales = layer.w13_weight_scale_inv.data if where.param == "w13" else layer.w2_weight_scale_inv.data
-    pow2 = layer.quant_method.cfg.use_weight_pow2_scale
+    cfg = layer.quant_method.cfg
     with torch.no_grad():
         quantize_weights_into(
             [buffer[e if all_experts else 0, where.rows] for e in experts],
             [codes[e, where.rows] for e in experts],
             [scales[e, where.scale_rows] for e in experts],
-            pow2,
+            cfg.use_weight_pow2_scale,
+            cfg.scale_rule,
         )
 
 

@@ -18,6 +18,9 @@ the configured `use_activation_pow2_scale` before any MoE kernel is built. These
 not bit-identical to `fp8_align.quant.quantize_activation_groupwise` (the epsilon differs for
 all-zero groups, and vLLM fuses SiLU-and-multiply with the second quantization when E8M0 is off),
 so tests compare the layer output with `block_fp8_moe_reference` within a tolerance.
+For the same reason `scale_rule="transformer_engine"` cannot be honoured here: vLLM's kernel always
+divides by `amax / 448`, so an engine with that rule refuses to build FP8 routed experts on CUDA
+(`check_scale_rule_supported`) instead of silently quantizing activations by the other rule.
 """
 
 from __future__ import annotations
@@ -40,12 +43,28 @@ class Fp8AlignMoEError(ValueError):
     """An MoE layer fp8_align cannot run in block FP8 on this engine, with what to change."""
 
 
+def check_scale_rule_supported(cfg: FP8Config, prefix: str) -> None:
+    """Raise Fp8AlignMoEError when `cfg.scale_rule` is one vLLM's MoE kernels cannot compute.
+
+    vLLM quantizes the experts' activations inside its fused-MoE kernel with its own rule
+    (`amax / 448`, see the module docstring); TransformerEngine's rule is not available there.
+    """
+    if cfg.scale_rule != "amax_over_max":
+        raise Fp8AlignMoEError(
+            f"{prefix}: scale_rule={cfg.scale_rule!r} is not supported for routed experts on CUDA: vLLM's "
+            "block-FP8 MoE kernel quantizes the experts' activations itself with scale amax/448, so "
+            "TransformerEngine's rule (multiplier 448/amax) cannot be applied there. Use "
+            "scale_rule='amax_over_max' for MoE models on GPU, or keep the MoE layers in BF16."
+        )
+
+
 class Fp8AlignMoEMethod(Fp8MoEMethod):
     """Block-FP8 routed experts on vLLM's Triton block-FP8 MoE kernel (see the module docstring)."""
 
     fp8_align_experts = True
 
     def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
+        check_scale_rule_supported(cfg, prefix)
         block = list(DEFAULT_BLOCK_SIZE)
         super().__init__(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=block), layer)
         self.cfg = cfg
@@ -89,7 +108,7 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize the loaded experts (idempotent), then build vLLM's MoE kernel on them."""
-        if not quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale):
+        if not quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule):
             return
         self._setup_kernel(
             layer, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, None, None

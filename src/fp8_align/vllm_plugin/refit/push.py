@@ -437,7 +437,8 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
     so the device holds at most one extra BF16 tensor. Then each layer whose codes changed
     refreshes what its GEMM backend derived from them (`BlockFp8Kernel.weights_written`).
     """
-    grouped: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+    # keyed by (pow2, scale rule): one grouped launch per rounding
+    grouped: dict[tuple[bool, str], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
     rewritten: dict[int, torch.nn.Module] = {}
     for write in writes:
         layer = write.layer
@@ -446,16 +447,17 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
             layer.bias.data[rows].copy_(write.tensor)
             continue
         rewritten[id(layer)] = layer
-        pow2 = layer.quant_method.cfg.use_weight_pow2_scale
+        rounding = (layer.quant_method.cfg.use_weight_pow2_scale, layer.quant_method.cfg.scale_rule)
         codes, scales = layer.weight.data[rows], layer.weight_scale_inv.data[scale_rows]
         if write.tensor.device != layer.weight.device:
-            quantize_weight_into(write.tensor.to(layer.weight.device).contiguous(), pow2, codes, scales, check_finite=False)
+            weight = write.tensor.to(layer.weight.device).contiguous()
+            quantize_weight_into(weight, rounding[0], codes, scales, check_finite=False, scale_rule=rounding[1])
             continue
-        weights, all_codes, all_scales = grouped.setdefault(pow2, ([], [], []))
+        weights, all_codes, all_scales = grouped.setdefault(rounding, ([], [], []))
         weights.append(write.tensor.contiguous())
         all_codes.append(codes)
         all_scales.append(scales)
-    for pow2, (weights, all_codes, all_scales) in grouped.items():
-        quantize_weights_into(weights, all_codes, all_scales, pow2)
+    for (pow2, scale_rule), (weights, all_codes, all_scales) in grouped.items():
+        quantize_weights_into(weights, all_codes, all_scales, pow2, scale_rule)
     for layer in rewritten.values():
         layer.fp8_align_kernel.weights_written(layer)

@@ -89,11 +89,13 @@ def requantizing_weight_loader(layer: torch.nn.Module) -> Callable[..., None]:
         staging = bf16_weight_parameter(target, tuple(codes.shape), target.params_dtype, target.weight_loader, codes.device)
         target.weight_loader(staging, loaded_weight.to(codes.device), *args, **kwargs)
         slices = shard_slices(target.fp8_align_shard_sizes)
-        pow2 = target.quant_method.cfg.use_weight_pow2_scale
+        cfg = target.quant_method.cfg
         with torch.no_grad():
             for index in _shard_indices(shard_id, len(slices)):
                 rows, scale_rows = slices[index]
-                quantize_weight_into(staging.data[rows], pow2, codes[rows], scales[scale_rows])
+                quantize_weight_into(
+                    staging.data[rows], cfg.use_weight_pow2_scale, codes[rows], scales[scale_rows], scale_rule=cfg.scale_rule
+                )
         target.fp8_align_kernel.weights_written(target)
 
     return load_and_requantize
