@@ -72,7 +72,14 @@ def test_variant_specs(tmp_path: Path, variant: str) -> None:
     assert moe["env"] == ({} if variant == "bf16" else {"VLLM_USE_DEEP_GEMM_E8M0": "0"})
     assert dense["env"] == {}
     assert moe["fp8_align"] == variant.startswith("fp8_align")
-    assert moe["kv_cache_dtype"] == ("fp8" if variant.endswith("_kv") else "auto")
+    assert moe["kv_cache_dtype"] == ("fp8" if "_kv" in variant else "auto")
+    if moe["fp8_align"]:
+        from fp8_align import FP8Config
+
+        cfg = FP8Config(**moe["fp8_config"])
+        assert not cfg.use_deep_gemm
+        assert cfg.kv_decode_kernel == ("xqa" if variant.endswith("_xqa") else "auto")
+        assert moe["calibrate_kv"] == variant.startswith("fp8_align_kv")
 
 
 # --------------------------------------------------------------------------- one report over calls
