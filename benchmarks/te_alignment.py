@@ -26,7 +26,6 @@ import argparse
 import datetime
 import importlib.metadata as md
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -34,45 +33,26 @@ import torch
 
 from fp8_align import FP8Config
 from fp8_align.megatron_ext import alignment_report, te_pow2_scales_from_env
-from fp8_align.megatron_ext.hf_bridge import megatron_state_dict_from_hf
+from fp8_align.megatron_ext.alignment import transformer_engine_quantize
+from fp8_align.megatron_ext.hf_bridge import head_dim, megatron_state_dict_from_hf
 from fp8_align.quant import dequantize_blockwise, quantize_activation_groupwise, quantize_weight_blockwise
 
 #: fp8_align's generation-side scale rules (FP8Config.scale_rule).
 SCALE_RULES = ("amax_over_max", "transformer_engine")
 
 
-def te_quantize(x: torch.Tensor, pow2: bool, block_scaling_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """TE's Float8BlockQuantizer on a 2-D CUDA tensor -> (codes, logical scale_inv [rows or row-blocks, col-blocks])."""
-    import transformer_engine_torch as tex
-    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
-
-    quantizer = Float8BlockQuantizer(
-        fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, amax_epsilon=0.0,
-        force_pow_2_scales=pow2, block_scaling_dim=block_scaling_dim,
-    )  # fmt: skip
-    with torch.no_grad():
-        q = quantizer(x)
-    n, k = x.shape
-    codes = q._rowwise_data.view(torch.float8_e4m3fn)
-    if block_scaling_dim == 2:
-        scales = q._rowwise_scale_inv[: math.ceil(n / 128), : math.ceil(k / 128)]
-    else:  # 1x128: TE stores the scales transposed, [ceil(K/128), padded M]
-        scales = q._rowwise_scale_inv[: math.ceil(k / 128), :n].t()
-    return codes, scales
-
-
 def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, pow2: bool, rule: str) -> dict[str, Any]:
     """Per fused Megatron matrix: fraction of dequantized values equal to vLLM's per-shard quantization."""
     mapped = megatron_state_dict_from_hf(hf_state, hf_config, fused_norms=True)
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    d, hidden = hf_config.hidden_size // heads, hf_config.hidden_size
+    d, hidden = head_dim(hf_config), hf_config.hidden_size
     rows: dict[str, list[float]] = {"linear_qkv": [], "linear_fc1": []}
     for i in range(hf_config.num_hidden_layers):
         hf = f"model.layers.{i}."
         for fused, shards in (("self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                               ("mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj"))):
             w = mapped[f"decoder.layers.{i}.{fused}.weight"].cuda()
-            codes, scales = te_quantize(w, pow2, 2)
+            codes, scales = transformer_engine_quantize(w, pow2, 2)
             te_values = dequantize_blockwise(codes, scales.contiguous(), dtype=torch.float32)
             gen_values = []
             for shard in shards:
@@ -110,7 +90,7 @@ def activation_agreement(model: torch.nn.Module, prompts: list[list[int]], pow2:
     worst: dict[str, float] = {}
     for name, chunks in captured.items():
         x = torch.cat(chunks).contiguous()
-        te_codes, te_scales = te_quantize(x, pow2, 1)
+        te_codes, te_scales = transformer_engine_quantize(x, pow2, 1)
         ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2, scale_rule=rule)
         tri_codes, tri_scales = quantize_activation_triton(x, pow2, ScaleLayout.ROW_MAJOR.value, rule)
         eq = (te_codes.view(torch.uint8) == ref_codes.view(torch.uint8))

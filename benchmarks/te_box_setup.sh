@@ -8,6 +8,9 @@
 # nvidia-cudnn-frontend 1.32.0 also satisfies TE's >= 1.29). Build log: /root/te_build.log
 # (and $OUT/te_build.log when $OUT is set, with the built wheel); versions: /root/te_env.txt.
 _te_id=$(cat .gpute/ID 2>/dev/null || echo none)
+_te_unzip() {  # _te_unzip DEST WHEEL...: extract wheels (zip files) into DEST
+  python3 -c "import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]" "$@"
+}
 _te_site=/root/te_site
 if [ "$(cat $_te_site/.complete 2>/dev/null)" != "$_te_id" ]; then
   mkdir -p /root/stage && cp .gpute/te.part_* /root/stage/ 2>/dev/null || true
@@ -18,15 +21,9 @@ if [ "$(cat $_te_site/.complete 2>/dev/null)" != "$_te_id" ]; then
     echo "te_box_setup: parts in /root/stage do not match bundle $_te_id (got $_got): copy every te.part_NN"; return 1
   fi
   rm -rf "$_te_site" /root/te_wheels && mkdir -p "$_te_site" && tar -C /root -xf "$_te_tar" && mv /root/wheels /root/te_wheels
-  python3 - "$_te_site" $(ls /root/te_wheels/*.whl | grep -v nvidia_cuda_c) <<'PY' || return 1
-import sys, zipfile
-for wheel in sys.argv[2:]:
-    zipfile.ZipFile(wheel).extractall(sys.argv[1])
-PY
+  _te_unzip "$_te_site" $(ls /root/te_wheels/*.whl | grep -v nvidia_cuda_c) || return 1
   # Build-only headers (crt/host_config.h, nv/target, cub), kept out of the runtime path.
-  rm -rf /root/te_build_headers && for _w in /root/te_wheels/nvidia_cuda_c*.whl; do
-    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$_w" /root/te_build_headers || return 1
-  done
+  rm -rf /root/te_build_headers && _te_unzip /root/te_build_headers /root/te_wheels/nvidia_cuda_c*.whl || return 1
   rm -rf /root/te_src /root/te_built && mkdir -p /root/te_src /root/te_built && tar -C /root/te_src -xzf /root/te_wheels/transformer_engine_torch-2.20.2.tar.gz
   _started=$(date +%s)
   # A wheel built on an earlier box (same torch 2.11.0+cu130, Python 3.12) may be carried in .gpute/
@@ -44,11 +41,7 @@ PY
   [ -z "${OUT:-}" ] || cp /root/te_build.log "$OUT/te_build.log"
   [ "$_rc" = 0 ] || { tail -40 /root/te_build.log; return 1; }
   [ -z "${OUT:-}" ] || cp /root/te_built/transformer_engine_torch-*.whl "$OUT/"
-  python3 - "$_te_site" /root/te_built/transformer_engine_torch-*.whl <<'PY' || return 1
-import sys, zipfile
-for wheel in sys.argv[2:]:
-    zipfile.ZipFile(wheel).extractall(sys.argv[1])
-PY
+  _te_unzip "$_te_site" /root/te_built/transformer_engine_torch-*.whl || return 1
   echo "$_te_id" > "$_te_site/.complete"
 fi
 export PYTHONPATH="$PYTHONPATH:$_te_site"

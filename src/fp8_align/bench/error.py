@@ -250,6 +250,7 @@ def run_bench_error(
     pairs: list[dict[str, Any]] = []
     bf16_model: nn.Module | None = None
     megatron_bf16: nn.Module | None = None
+    sides = training_sides(settings.training_side)
     for name, output in generations_as_completed(specs, plan, settings.out_dir / "engines", say, status):
         variant = VARIANTS[name]
         engines[name] = _engine_summary(output)
@@ -258,23 +259,24 @@ def run_bench_error(
         scoring_started = time.perf_counter()
         if bf16_model is None:
             bf16_model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=torch.bfloat16).to(device).eval()
+        cfg = variant.fp8_config()
         models = {"bf16": bf16_model}
         fp8_sides = set()
-        if variant.fp8_kwargs is not None:
-            models[name] = fp8_model(bf16_model, variant.fp8_config())
+        if cfg is not None:
+            models[name] = fp8_model(bf16_model, cfg)
             fp8_sides.add(name)
-        if variant.fp8_kwargs is not None and "engine-kernels" in training_sides(settings.training_side):
-            models[f"engine_kernels_{name}"] = fp8_model(bf16_model, variant.fp8_config(), forward_kernel="engine")
+        if cfg is not None and "engine-kernels" in sides:
+            models[f"engine_kernels_{name}"] = fp8_model(bf16_model, cfg, forward_kernel="engine")
             fp8_sides.add(f"engine_kernels_{name}")
-        if "megatron-te" in training_sides(settings.training_side):
+        if "megatron-te" in sides:
             from fp8_align.bench.megatron_side import MEGATRON_BF16_SIDE, megatron_te_model
 
-            say(f"scoring '{name}' with megatron-core + TransformerEngine ({'BF16' if variant.fp8_kwargs is None else 'BF16 and block FP8'})")
+            say(f"scoring '{name}' with megatron-core + TransformerEngine ({'BF16' if cfg is None else 'BF16 and block FP8'})")
             if megatron_bf16 is None:
                 megatron_bf16 = megatron_te_model(bf16_model, None)
             models[MEGATRON_BF16_SIDE] = megatron_bf16
-            if variant.fp8_kwargs is not None:
-                models[f"megatron_te_{name}"] = megatron_te_model(bf16_model, variant.fp8_config())
+            if cfg is not None:
+                models[f"megatron_te_{name}"] = megatron_te_model(bf16_model, cfg)
                 fp8_sides.add(f"megatron_te_{name}")
         pairs += pair_records(name, score_generation(output["outputs_by_sampling"], models), fp8_sides)
         models.clear()
@@ -358,6 +360,7 @@ def result_document(
 
 
 def _training_side_description(training_side: str) -> dict[str, str]:
+    extra = training_sides(training_side)
     sides = {
         "bf16": "HF transformers forward, BF16 weights and activations; log_softmax in FP32",
         "fp8": (
@@ -365,13 +368,13 @@ def _training_side_description(training_side: str) -> dict[str, str]:
             "blocks, 1x128 activation groups, the variant's scale and BF16-layer settings); log_softmax in FP32"
         ),
     }
-    if "engine-kernels" in training_sides(training_side):
+    if "engine-kernels" in extra:
         sides["engine_kernels_fp8"] = (
             "HF transformers forward whose recipe linears run the vLLM plugin's own GPU path (its weight and activation "
             "quantizers, the block-FP8 GEMM backend it selects for the engine's stacked layer): "
             "fp8_align.hf_training.apply_fp8_training(forward_kernel='engine'); attention and norms are HF's"
         )
-    if "megatron-te" in training_sides(training_side):
+    if "megatron-te" in extra:
         from fp8_align.bench.megatron_side import describe_megatron_te_side
 
         sides.update(describe_megatron_te_side())

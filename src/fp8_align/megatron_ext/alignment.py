@@ -276,30 +276,43 @@ def _training_quantizer(choice: TrainingQuantizerChoice) -> _TrainingQuantizer:
     return _transformer_engine_quantizer()
 
 
+def transformer_engine_quantize(
+    x: torch.Tensor, pow2: bool, block_scaling_dim: int, amax_epsilon: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's own `Float8BlockQuantizer` (rowwise, E4M3) on a 2-D tensor, moved to CUDA.
+
+    Args:
+        x: [N, K] bf16/fp16/fp32. pow2: TE's `force_pow_2_scales`.
+        block_scaling_dim: 2 for 128x128 weight blocks, 1 for 1x128 activation groups.
+    Returns:
+        (codes [N, K] float8_e4m3fn, scale_inv float32 in the logical layout of `fp8_align.quant`:
+        [ceil(N/128), ceil(K/128)] for blocks, [N, ceil(K/128)] for groups; TE's own storage is
+        padded, and transposed for 1x128 groups).
+    """
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    quantizer = Float8BlockQuantizer(
+        fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, amax_epsilon=amax_epsilon,
+        force_pow_2_scales=pow2, block_scaling_dim=block_scaling_dim,
+    )  # fmt: skip
+    with torch.no_grad():
+        quantized = quantizer(x.to("cuda"))
+    n, k = x.shape
+    codes = quantized._rowwise_data.view(torch.float8_e4m3fn)
+    if block_scaling_dim == 2:
+        return codes, quantized._rowwise_scale_inv[: math.ceil(n / TE_BLOCK_LEN), : math.ceil(k / TE_BLOCK_LEN)]
+    return codes, quantized._rowwise_scale_inv[: math.ceil(k / TE_BLOCK_LEN), :n].t()
+
+
 def _transformer_engine_quantizer() -> _TrainingQuantizer:
     import transformer_engine
-    import transformer_engine_torch as tex
     from transformer_engine.common.recipe import Float8BlockScaling
-    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
     qparams = Float8BlockScaling.fp8_quant_fwd_weight
 
     def quantize(weight: torch.Tensor, pow2: bool, amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-        quantizer = Float8BlockQuantizer(
-            fp8_dtype=tex.DType.kFloat8E4M3,
-            rowwise=True,
-            columnwise=False,
-            amax_epsilon=amax_epsilon,
-            force_pow_2_scales=pow2,
-            block_scaling_dim=2,
-        )
-        with torch.no_grad():
-            quantized = quantizer(weight.to("cuda"))
-        n, k = weight.shape
-        codes = quantized._rowwise_data.view(torch.float8_e4m3fn)
-        # TE pads the scale columns to a multiple of 4 for the GEMM; keep the logical blocks.
-        scales = quantized._rowwise_scale_inv[: math.ceil(n / TE_BLOCK_LEN), : math.ceil(k / TE_BLOCK_LEN)]
-        return codes, scales
+        return transformer_engine_quantize(weight, pow2, 2, amax_epsilon)
 
     return _TrainingQuantizer(
         f"TransformerEngine {transformer_engine.__version__} Float8BlockQuantizer (128x128 blocks)",

@@ -245,15 +245,14 @@ class MegatronCausalLM(nn.Module):
         self.config = hf_config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
-        if attention_mask is not None:
-            lengths = attention_mask.sum(dim=1, keepdim=True)
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-            if not torch.equal(attention_mask.bool(), positions < lengths):
-                raise ValueError("MegatronCausalLM takes right-padded batches only (attention_mask = 1...1 0...0 per row)")
         length = input_ids.shape[1]
         padded = torch.nn.functional.pad(input_ids, (0, -length % TOKEN_MULTIPLE))
-        positions = torch.arange(padded.shape[1], device=input_ids.device)[None].expand_as(padded)
-        logits = self.gpt(padded, positions, attention_mask=None)
+        positions = torch.arange(padded.shape[1], device=input_ids.device)[None]
+        if attention_mask is not None:
+            lengths = attention_mask.sum(dim=1, keepdim=True)
+            if not torch.equal(attention_mask.bool(), positions[:, :length] < lengths):
+                raise ValueError("MegatronCausalLM takes right-padded batches only (attention_mask = 1...1 0...0 per row)")
+        logits = self.gpt(padded, positions.expand_as(padded), attention_mask=None)
         return SimpleNamespace(logits=logits[:, :length])
 
 

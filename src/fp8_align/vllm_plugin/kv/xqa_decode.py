@@ -113,7 +113,6 @@ def _workspace(device: torch.device) -> torch.Tensor:
         if index not in _workspaces:
             if torch.cuda.is_current_stream_capturing():
                 raise XqaDecodeError("XQA workspace first needed inside CUDA-graph capture; run an eager decode step first")
-            check_xqa_device(device)
             _workspaces[index] = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return _workspaces[index]
 
