@@ -28,10 +28,15 @@ skip_tokenizer_init):
     fp8_align_kv_xqa   fp8_align_kv with FP8Config(kv_decode_kernel="xqa"): pure-decode batches
                read the FP8 cache with FlashInfer's XQA kernel instead of FA3 (vLLM 0.22 on
                Hopper; the XQA module prebuilt and installed as docs/xqa_decode.md says)
+    fp8_align_dg, fp8_align_kv_xqa_dg   the same with DeepGEMM linears: FP8Config(use_deep_gemm=True),
+               VLLM_USE_DEEP_GEMM=1 in the engine process, and DG_JIT_CACHE_DIR=--deepgemm-cache
+               when given (a cache filled ahead by `fp8-align prepare-deepgemm`; without it each
+               engine compiles its ~1,700 kernels cold, one by one)
 
-Both FP8 variants use CUTLASS so that they differ only in where the weights are quantized:
-DeepGEMM JIT-compiles a kernel per M tiling at engine start (about 0.8 s per warm-up M value,
-cold, on the H100 box), minutes for an 8B model, which would swamp the start-time comparison.
+fp8_align and vllm_fp8 both use CUTLASS so that they differ only in where the weights are
+quantized: DeepGEMM JIT-compiles a kernel per warm-up M value at engine start (about 0.8 s each,
+cold, on the H100 box), minutes for an 8B model, which would swamp the start-time comparison;
+the _dg variants measure DeepGEMM with its JIT cache prepared ahead.
 
 Models (`--model`):
 
@@ -102,7 +107,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
-VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa")
+VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa", "fp8_align_dg", "fp8_align_kv_xqa_dg")
 #: Prompts in the engine-side KV-scale calibration batch of `fp8_align_kv`.
 CALIBRATION_PROMPTS = 8
 #: Report fields that must be equal for variants measured in different calls to share a report.
@@ -431,14 +436,22 @@ def variant_env(model: str, variant: str) -> dict[str, str]:
 
 
 def variant_spec(
-    variant: str, model: str, bf16_path: Path, fp8_path: Path, shapes: list[dict[str, Any]], settings: dict[str, Any]
+    variant: str, model: str, bf16_path: Path, fp8_path: Path, shapes: list[dict[str, Any]], settings: dict[str, Any],
+    deepgemm_cache: Path | None = None,
 ) -> dict[str, Any]:
-    """What one variant's engine process runs (its spec file, read by run_engine and run_variant)."""
+    """What one variant's engine process runs (its spec file, read by run_engine and run_variant).
+    `_dg` variants run DeepGEMM linears with DG_JIT_CACHE_DIR=`deepgemm_cache` (None: cold)."""
+    deep_gemm = variant.endswith("_dg")
+    env = variant_env(model, variant)
+    if deep_gemm:
+        env["VLLM_USE_DEEP_GEMM"] = "1"
+        if deepgemm_cache is not None:
+            env["DG_JIT_CACHE_DIR"] = str(deepgemm_cache)
     return {
         "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
         "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
-        "fp8_config": {"use_deep_gemm": False, **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if variant.endswith("_xqa") else {})},
-        "calibrate_kv": variant.startswith("fp8_align_kv"), "env": variant_env(model, variant), "shapes": shapes,
+        "fp8_config": {"use_deep_gemm": deep_gemm, **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if "_xqa" in variant else {})},
+        "calibrate_kv": variant.startswith("fp8_align_kv"), "env": env, "shapes": shapes,
         "llm_kwargs": MODELS[model].llm_kwargs, **settings,
     }  # fmt: skip
 
@@ -455,7 +468,8 @@ def report_header(model: str, shape_names: list[str], repeats: dict[str, int], s
     """This call's report fields other than the variants (device and versions included), as they
     read back from a report file."""
     shape = MODELS[model]
-    gemm = "CUTLASS in both FP8 variants (VLLM_USE_DEEP_GEMM=0, FP8Config(use_deep_gemm=False))"
+    gemm = ("CUTLASS in every FP8 variant (VLLM_USE_DEEP_GEMM=0, FP8Config(use_deep_gemm=False)) but the _dg ones: "
+            "DeepGEMM (VLLM_USE_DEEP_GEMM=1, FP8Config(use_deep_gemm=True))")
     if "num_experts" in shape.config:
         gemm += "; routed experts: vLLM's Triton block-FP8 fused MoE (each variant's moe_backend), VLLM_USE_DEEP_GEMM_E8M0=0"
     header = {
@@ -522,6 +536,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-runner", choices=["v1", "v2"],
                         help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); default: vLLM's choice, which in "
                              "0.22 is V2 for an unquantized Qwen3 and V1 for every quantized model")  # fmt: skip
+    parser.add_argument("--deepgemm-cache", type=Path, metavar="DIR",
+                        help="DeepGEMM JIT cache of the _dg variants, filled ahead by `fp8-align prepare-deepgemm` "
+                             "(default: each engine's own fresh cache, compiled cold)")  # fmt: skip
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--work", type=Path, default=Path("/root/rollout_work"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -579,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant}: kept from {earlier}", flush=True)
             continue
         run = run_info(report["device"])
-        spec = variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings)
+        spec = variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache)
         try:
             result = run_variant(variant, spec, args.work / variant)
         except VariantError as exc:  # recorded in the report and in the exit status
@@ -617,7 +634,8 @@ def _add_ratios(report: dict[str, Any]) -> None:
             for name, value in tok_s.items():
                 ratios[f"{name}_vs_bf16"] = value / tok_s["bf16"]
         for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv"), ("fp8_align_kv_xqa", "vllm_fp8_kv"),
-                             ("fp8_align_kv_xqa", "fp8_align_kv")):
+                             ("fp8_align_kv_xqa", "fp8_align_kv"), ("fp8_align_dg", "fp8_align"), ("fp8_align_dg", "vllm_fp8"),
+                             ("fp8_align_kv_xqa_dg", "vllm_fp8_kv"), ("fp8_align_kv_xqa_dg", "fp8_align_kv_xqa")):
             if ours in tok_s and theirs in tok_s:
                 ratios[f"{ours}_vs_{theirs}"] = tok_s[ours] / tok_s[theirs]
         report["ratios"][shape] = ratios
@@ -625,16 +643,16 @@ def _add_ratios(report: dict[str, Any]) -> None:
 
 def _print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['device']} vllm {report['vllm']}, variants on one GPU: {report['variants_on_one_gpu']}")
-    print(f"{'shape':<6} {'variant':<16} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
+    print(f"{'shape':<6} {'variant':<20} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
     for shape in report["shapes"]:
         for name, r in report["variants"].items():
             if "error" in r:
-                print(f"{shape:<6} {name:<16} FAILED")
+                print(f"{shape:<6} {name:<20} FAILED")
                 continue
             timed, load = r["by_shape"][shape], r.get("model_load_s")
             ratio = report["ratios"].get(shape, {}).get(f"{name}_vs_bf16", float("nan"))
             print(
-                f"{shape:<6} {name:<16} {timed['output_tok_per_s']:>10.0f} {ratio:>8.3f} {r['engine_start_s']:>8.1f} "
+                f"{shape:<6} {name:<20} {timed['output_tok_per_s']:>10.0f} {ratio:>8.3f} {r['engine_start_s']:>8.1f} "
                 f"{load if load is not None else float('nan'):>7.1f} {len(timed['generate_s']):>8}"
             )
 

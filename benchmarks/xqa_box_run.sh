@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The XQA decode session on the GPU box (issue #16), one or more stages per device call:
-#   bash benchmarks/xqa_box_run.sh STAGE...   STAGE: setup | tests | rollout-VARIANT[,VARIANT...]
+# The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
+#   bash benchmarks/xqa_box_run.sh STAGE...
+#   STAGE: setup | dg-prepare | tests | rollout-VARIANT[,VARIANT...]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (scripts/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
-# Rollouts: Qwen3-8B shape, 512 x (512 in, 2048 out), variants joined into one report under
-# /root/rollout_work (the same machine across calls). Output: $OUT/xqa_results.tgz.
+# dg-prepare fills DeepGEMM's JIT cache /root/dg_cache for the Qwen3-8B shape's linears
+# (`fp8-align prepare-deepgemm`, 16 processes); the _dg rollout variants start with it.
+# Rollouts: Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
+# variant), variants joined into one report under /root/rollout_work (the same machine across
+# calls). Output: $OUT/xqa_results.tgz.
 set -uo pipefail
 out="${OUT:-/tmp/out}/xqa"; mkdir -p "$out"
 source benchmarks/gpu_box_setup.sh >/dev/null || exit 1
@@ -16,12 +20,21 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     setup) ls "$aot" ;;
+    dg-prepare)
+      mkdir -p /root/dg_config && echo '{"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}' > /root/dg_config/config.json
+      python3 -m fp8_align.cli prepare-deepgemm --model /root/dg_config --cache-dir /root/dg_cache \
+        --json "$out/deepgemm_prepare.json" > "$out/deepgemm_prepare.log" 2>&1
+      tail -c 1500 "$out/deepgemm_prepare.log"; du -sh /root/dg_cache ;;
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_xqa.py > "$out/pytest_xqa.txt" 2>&1
-      grep -E "XQA|xqa|passed|failed|Error" "$out/pytest_xqa.txt" | tail -25 ;;
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_xqa.py tests/test_gpu_deepgemm_cache.py \
+        > "$out/pytest_xqa_dg.txt" 2>&1
+      grep -E "XQA|xqa|cold|passed|failed|Error" "$out/pytest_xqa_dg.txt" | tail -25 ;;
     rollout-*)
       variants="${stage#rollout-}"
-      python3 benchmarks/rollout_throughput.py --shapes long --variants "$variants" --results "$out" > "$out/rollout_${variants//,/_}.log" 2>&1
+      # shellcheck disable=SC2086
+      python3 benchmarks/rollout_throughput.py ${ROLLOUT_ARGS:---shapes short,long --model-runner v2} \
+        --deepgemm-cache /root/dg_cache --variants "$variants" --results "$out" > "$out/rollout_${variants//,/_}.log" 2>&1
       tail -12 "$out/rollout_${variants//,/_}.log"
       cp /root/rollout_work/*/*.log "$out/" 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;

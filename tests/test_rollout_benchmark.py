@@ -63,22 +63,24 @@ def test_default_model_keeps_its_names_and_fp8_config(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("variant", rollout.VARIANTS)
 def test_variant_specs(tmp_path: Path, variant: str) -> None:
-    """MoE: every variant loads dummy weights; both FP8 paths get E8M0 rounding off. 8B: as before."""
-    bf16_dir, fp8_dir = tmp_path / "bf16", tmp_path / "fp8"
+    """MoE: every variant loads dummy weights; both FP8 paths get E8M0 rounding off. 8B: as before.
+    _dg variants: DeepGEMM in the config and the process, with the prepared JIT cache when given."""
+    bf16_dir, fp8_dir, cache = tmp_path / "bf16", tmp_path / "fp8", tmp_path / "dg"
     moe = rollout.variant_spec(variant, MOE, bf16_dir, fp8_dir, [], {"model_runner": None})
-    dense = rollout.variant_spec(variant, "qwen3-8b", bf16_dir, fp8_dir, [], {"model_runner": None})
+    dense = rollout.variant_spec(variant, "qwen3-8b", bf16_dir, fp8_dir, [], {"model_runner": None}, deepgemm_cache=cache)
+    deep_gemm = variant.endswith("_dg")
     assert moe["load_format"] == "dummy" and dense["load_format"] == "auto"
     assert moe["model"] == dense["model"] == str(fp8_dir if variant.startswith("vllm_fp8") else bf16_dir)
-    assert moe["env"] == ({} if variant == "bf16" else {"VLLM_USE_DEEP_GEMM_E8M0": "0"})
-    assert dense["env"] == {}
+    assert moe["env"] == {**({} if variant == "bf16" else {"VLLM_USE_DEEP_GEMM_E8M0": "0"}), **({"VLLM_USE_DEEP_GEMM": "1"} if deep_gemm else {})}
+    assert dense["env"] == ({"VLLM_USE_DEEP_GEMM": "1", "DG_JIT_CACHE_DIR": str(cache)} if deep_gemm else {})
     assert moe["fp8_align"] == variant.startswith("fp8_align")
     assert moe["kv_cache_dtype"] == ("fp8" if "_kv" in variant else "auto")
     if moe["fp8_align"]:
         from fp8_align import FP8Config
 
         cfg = FP8Config(**moe["fp8_config"])
-        assert not cfg.use_deep_gemm
-        assert cfg.kv_decode_kernel == ("xqa" if variant.endswith("_xqa") else "auto")
+        assert cfg.use_deep_gemm == deep_gemm
+        assert cfg.kv_decode_kernel == ("xqa" if "_xqa" in variant else "auto")
         assert moe["calibrate_kv"] == variant.startswith("fp8_align_kv")
 
 

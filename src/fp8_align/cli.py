@@ -62,6 +62,55 @@ def _bench_error(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_deepgemm(args: argparse.Namespace) -> int:
+    from fp8_align.vllm_plugin.kernels.deepgemm_cache import dense_linear_shapes, parse_shapes
+
+    try:
+        if (args.model is None) == (args.shapes is None):
+            raise ValueError("give one of --model and --shapes")
+        if args.shapes is not None:
+            shapes = parse_shapes(args.shapes)
+        else:
+            config = json.loads((args.model / "config.json").read_text())
+            shapes = dense_linear_shapes(config.get("text_config", config), args.tensor_parallel_size)
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from fp8_align.vllm_plugin.kernels.deepgemm_cache import prepare_deepgemm_cache
+
+    report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir)
+    text = json.dumps(report, indent=2)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    print(text)
+    print(f"engines started with DG_JIT_CACHE_DIR={report['cache_dir']} load these kernels instead of compiling them", file=sys.stderr)
+    return 0
+
+
+def _add_prepare_deepgemm(sub: argparse._SubParsersAction) -> None:
+    from fp8_align.vllm_plugin.kernels.deepgemm_cache import DEFAULT_MAX_BATCHED_TOKENS
+
+    prep = sub.add_parser(
+        "prepare-deepgemm",
+        help="fill DeepGEMM's JIT cache for a model's FP8 linears ahead of engine start (CUDA, SM90, vLLM)",
+        description="Compile the DeepGEMM kernels an fp8_align engine warms up at start (one per [N, K] and M), "
+        "in parallel processes, into DG_JIT_CACHE_DIR (default: vLLM's $VLLM_CACHE_ROOT/deep_gemm). Run it once "
+        "per GPU model and vLLM version, on the GPU model the engines use; start the engines with the same "
+        "DG_JIT_CACHE_DIR (or VLLM_CACHE_ROOT).",
+    )
+    prep.add_argument("--model", type=Path, help="checkpoint directory: the linear shapes come from its config.json (dense decoders)")
+    prep.add_argument("--shapes", help="comma-separated NxK of each linear per rank instead of --model (e.g. 6144x4096,4096x4096)")
+    prep.add_argument("--tensor-parallel-size", type=int, default=1, help="shapes per rank of this tensor-parallel size (default 1)")
+    prep.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+        help=f"the engines' max_num_batched_tokens, or more (default {DEFAULT_MAX_BATCHED_TOKENS}: vLLM's LLM() default on H100/H200)",
+    )  # fmt: skip
+    prep.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
+    prep.add_argument("--cache-dir", type=Path, default=None, help="DeepGEMM JIT cache (default: DG_JIT_CACHE_DIR, else vLLM's)")
+    prep.add_argument("--json", type=Path, default=None, help="also write the report here")
+    prep.set_defaults(func=_prepare_deepgemm)
+
+
 def _add_bench_error(sub: argparse._SubParsersAction) -> None:
     from fp8_align.bench.error import TRAINING_SIDES, VARIANTS, BenchSettings
 
@@ -120,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(func=_doctor)
     _add_bench_error(sub)
+    _add_prepare_deepgemm(sub)
     return parser
 
 

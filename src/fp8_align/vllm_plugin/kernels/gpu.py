@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -254,6 +255,21 @@ def _cublas_probe_error(device_index: int) -> str | None:
     return None
 
 
+#: A DeepGEMM warm-up slower than this (seconds per [N, K]) compiled rather than loaded its kernels.
+DEEPGEMM_COLD_WARMUP_S = 20.0
+
+
+def deepgemm_warmup_m_values(n: int, max_tokens: int, device: torch.device) -> list[int]:
+    """The M values (token counts) an [N, K] DeepGEMM layer is warmed up with: vLLM's own choice
+    per VLLM_DEEP_GEMM_WARMUP ("relax": every M where DeepGEMM's tiling or wave count changes, up
+    to `max_tokens`; "full": 1..max_tokens). A set for a smaller `max_tokens` is a subset."""
+    from vllm.model_executor.warmup.deep_gemm_warmup import _generate_optimal_warmup_m_values
+
+    if envs.VLLM_DEEP_GEMM_WARMUP == "relax":
+        return _generate_optimal_warmup_m_values(max_tokens, n, device)
+    return list(range(1, max_tokens + 1))
+
+
 # --------------------------------------------------------------------------- backends
 #: [N, K] shapes DeepGEMM was already JIT-compiled for in this process.
 _DEEPGEMM_WARM_SHAPES: set[tuple[int, int]] = set()
@@ -346,28 +362,39 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
         not ours, so without this the compiles land inside generate calls. Same M values, our
         call path (FP32 scales, TMA-aligned activation scales), once per [N, K]. Needs the
         engine's config (max_num_batched_tokens): outside an engine (unit tests, weight reload,
-        which reuses the compiled kernels) nothing is compiled ahead.
+        which reuses the compiled kernels) nothing is compiled ahead. Kernels already in
+        DeepGEMM's JIT cache (DG_JIT_CACHE_DIR) are loaded, not compiled: `fp8-align
+        prepare-deepgemm` fills it ahead, in parallel.
         """
-        from vllm.model_executor.warmup.deep_gemm_warmup import _generate_optimal_warmup_m_values
-
         n, k = layer.weight.shape
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is None or envs.VLLM_DEEP_GEMM_WARMUP == "skip" or (n, k) in _DEEPGEMM_WARM_SHAPES:
             return
         start = time.perf_counter()
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        m_values = deepgemm_warmup_m_values(n, max_tokens, layer.weight.device)
+        self.run_for_m_values(layer, m_values)
+        _DEEPGEMM_WARM_SHAPES.add((n, k))
+        seconds = time.perf_counter() - start
+        logger.info("fp8_align: DeepGEMM warm-up N=%d K=%d: %d M values in %.1f s", n, k, len(m_values), seconds)
+        if seconds > DEEPGEMM_COLD_WARMUP_S:
+            logger.warning(
+                "fp8_align: DeepGEMM compiled its kernels for N=%d K=%d at engine start (%.1f s): fill its JIT cache "
+                "ahead with `fp8-align prepare-deepgemm --model <checkpoint> --max-num-batched-tokens %d` "
+                "(DG_JIT_CACHE_DIR=%s, same GPU model and software)",
+                n, k, seconds, max_tokens, os.environ.get("DG_JIT_CACHE_DIR", "$VLLM_CACHE_ROOT/deep_gemm"),
+            )  # fmt: skip
+
+    def run_for_m_values(self, layer: torch.nn.Module, m_values: list[int]) -> None:
+        """Run the layer's GEMM once for each M (zero activations), compiling what DeepGEMM's JIT
+        cache lacks. `layer` needs only `weight` ([N, K] e4m3) and `weight_scale_inv`."""
+        n, k = layer.weight.shape
         device = layer.weight.device
-        if envs.VLLM_DEEP_GEMM_WARMUP == "relax":
-            m_values = _generate_optimal_warmup_m_values(max_tokens, n, device)
-        else:
-            m_values = list(range(1, max_tokens + 1))
-        x_fp8 = torch.zeros((max_tokens, k), dtype=torch.float8_e4m3fn, device=device)
+        x_fp8 = torch.zeros((max(m_values), k), dtype=torch.float8_e4m3fn, device=device)
         for m in m_values:
             x_scale = _empty_scales(m, k // BLOCK, self.scale_layout, device).fill_(1.0)
             self.gemm(layer, x_fp8[:m], x_scale, torch.bfloat16)
         torch.cuda.synchronize(device)
-        _DEEPGEMM_WARM_SHAPES.add((n, k))
-        logger.info("fp8_align: DeepGEMM warm-up N=%d K=%d: %d M values in %.1f s", n, k, len(m_values), time.perf_counter() - start)
 
     def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty((x_fp8.shape[0], layer.weight.shape[0]), dtype=out_dtype, device=x_fp8.device)

@@ -1,0 +1,205 @@
+"""DeepGEMM's JIT cache, filled ahead of an engine start by compile processes running in parallel.
+
+An engine whose fp8_align layers run on DeepGEMM needs one compiled kernel per ([N, K], M) it
+can run (`DeepGemmBlockFp8Kernel.warm_up` at engine start, over the M values vLLM's
+VLLM_DEEP_GEMM_WARMUP picks). DeepGEMM compiles them with NVRTC one after another in the worker
+(~0.8 s each on an H100; about 1,700 for an 8B model at vLLM's default 16,384 batched tokens)
+and keeps each in DG_JIT_CACHE_DIR (vLLM's default: $VLLM_CACHE_ROOT/deep_gemm) under a key of
+its generated source and compiler, so a cache that the same calls filled on the same GPU model
+with the same vLLM turns the engine's warm-up into loads.
+
+`prepare_deepgemm_cache` makes those calls (`DeepGemmBlockFp8Kernel.run_for_m_values`, the
+engine's own) split over `jobs` processes; `fp8-align prepare-deepgemm` is its command line.
+`dense_linear_shapes` lists the [N, K] of a dense decoder's FP8 linears per tensor-parallel rank
+from its Hugging Face config; the engine logs the shapes it warmed up (`DeepGEMM warm-up N= K=`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: DeepGEMM's tile: a layer is DeepGEMM's only when K and every shard are multiples of it.
+BLOCK = 128
+#: vLLM 0.22's max_num_batched_tokens for `LLM(...)` on GPUs of 70 GiB or more (H100, H200).
+DEFAULT_MAX_BATCHED_TOKENS = 16384
+#: Config keys of architectures whose FP8 layers `dense_linear_shapes` does not describe.
+_NOT_DENSE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank", "q_lora_rank")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One FP8 linear per tensor-parallel rank: [n, k] weight codes made of stacked `shards`."""
+
+    name: str
+    n: int
+    k: int
+    shards: tuple[int, ...]
+
+    @property
+    def runs_on_deepgemm(self) -> bool:
+        """K and every shard are multiples of 128 (the rule of `DeepGemmBlockFp8Kernel`)."""
+        return self.k % BLOCK == 0 and all(size % BLOCK == 0 for size in self.shards)
+
+
+def dense_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> list[LinearShape]:
+    """The merged linears of a dense decoder layer (Llama / Qwen / Mistral family) on one rank:
+    qkv_proj, o_proj, gate_up_proj, down_proj, as vLLM stacks and splits them.
+
+    `config` is the checkpoint's config.json. Mixture-of-Experts and MLA configs are refused: their
+    expert GEMMs are not these kernels; pass their shapes explicitly (`--shapes`).
+    """
+    found = [key for key in _NOT_DENSE_KEYS if config.get(key)]
+    if found:
+        raise ValueError(f"{config.get('model_type', 'this model')} is not a dense decoder ({', '.join(found)} set): pass --shapes NxK[,NxK...]")
+    tp = tensor_parallel_size
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    if heads % tp or inter % tp or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(f"tensor_parallel_size {tp} does not split {heads} heads / {kv_heads} KV heads / intermediate {inter}")
+    q, kv = heads // tp * head_dim, max(kv_heads // tp, 1) * head_dim
+    shapes = [
+        LinearShape("qkv_proj", q + 2 * kv, hidden, (q, kv, kv)),
+        LinearShape("o_proj", hidden, q, (hidden,)),
+        LinearShape("gate_up_proj", 2 * inter // tp, hidden, (inter // tp, inter // tp)),
+        LinearShape("down_proj", hidden, inter // tp, (hidden,)),
+    ]
+    return list({(s.n, s.k): s for s in shapes}.values())
+
+
+def parse_shapes(text: str) -> list[LinearShape]:
+    """"6144x4096,4096x4096" -> one single-shard LinearShape per NxK."""
+    shapes = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        n, sep, k = item.lower().partition("x")
+        if not sep or not n.isdigit() or not k.isdigit():
+            raise ValueError(f"shape {item!r} is not NxK (e.g. 6144x4096)")
+        shapes.append(LinearShape(item, int(n), int(k), (int(n),)))
+    if not shapes:
+        raise ValueError("no shapes given")
+    return shapes
+
+
+def split_work(m_values: Mapping[tuple[int, int], list[int]], jobs: int) -> list[dict[str, list[int]]]:
+    """Deal each [N, K]'s M values round-robin to `jobs` workers: worker j gets {"NxK": [M...]}."""
+    work: list[dict[str, list[int]]] = [{} for _ in range(jobs)]
+    turn = 0
+    for (n, k), values in m_values.items():
+        for m in values:
+            work[turn % jobs].setdefault(f"{n}x{k}", []).append(m)
+            turn += 1
+    return [w for w in work if w]
+
+
+def prepare_deepgemm_cache(
+    shapes: list[LinearShape],
+    max_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+    jobs: int | None = None,
+    cache_dir: Path | None = None,
+    device_index: int = 0,
+) -> dict[str, Any]:
+    """Compile DeepGEMM's kernels for `shapes` at every warm-up M up to `max_tokens`, in `jobs`
+    processes on CUDA device `device_index`, into `cache_dir` (default: DG_JIT_CACHE_DIR, else
+    vLLM's $VLLM_CACHE_ROOT/deep_gemm).
+
+    Returns a report: cache_dir, shapes, kernels (calls made), wall_s, and compile_s_sum (the
+    workers' summed per-call seconds: what an engine's serial warm-up spends on a cold cache).
+    Raises RuntimeError with a worker's output when one fails, ValueError when no shape can run
+    on DeepGEMM.
+    """
+    import torch
+    from tqdm.auto import tqdm
+    from vllm import envs
+
+    from fp8_align.vllm_plugin.kernels.gpu import deepgemm_warmup_m_values
+
+    eligible = [s for s in shapes if s.runs_on_deepgemm]
+    if not eligible:
+        raise ValueError(f"no shape runs on DeepGEMM (K and every shard multiples of {BLOCK}): {shapes}")
+    cache = Path(cache_dir or os.environ.get("DG_JIT_CACHE_DIR") or Path(envs.VLLM_CACHE_ROOT) / "deep_gemm").resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", device_index)
+    m_values = {(s.n, s.k): deepgemm_warmup_m_values(s.n, max_tokens, device) for s in eligible}
+    total = sum(map(len, m_values.values()))
+    work = split_work(m_values, jobs or os.cpu_count() or 1)
+    env = {**os.environ, "DG_JIT_CACHE_DIR": str(cache)}
+    start = time.perf_counter()
+    bar = tqdm(total=total, desc=f"DeepGEMM kernels ({len(work)} processes)", unit="kernel")
+    lock, outputs, seconds = threading.Lock(), [[] for _ in work], [0.0 for _ in work]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", __name__, "--worker", json.dumps(part), str(device_index)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for part in work
+    ]  # fmt: skip
+
+    def follow(index: int) -> None:
+        for line in procs[index].stdout:
+            if line.startswith("compiled "):
+                seconds[index] += float(line.split()[-1])
+                with lock:
+                    bar.update(1)
+            else:
+                outputs[index].append(line)
+
+    threads = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(len(procs))]
+    for thread in threads:
+        thread.start()
+    codes = [proc.wait() for proc in procs]
+    for thread in threads:
+        thread.join()
+    bar.close()
+    failed = [i for i, code in enumerate(codes) if code != 0]
+    if failed:
+        i = failed[0]
+        raise RuntimeError(f"DeepGEMM compile worker {i} exited with {codes[i]}:\n{''.join(outputs[i])[-4000:]}")
+    return {
+        "cache_dir": str(cache),
+        "shapes": [{"name": s.name, "n": s.n, "k": s.k, "m_values": len(m_values[(s.n, s.k)])} for s in eligible],
+        "skipped_shapes": [s.name for s in shapes if not s.runs_on_deepgemm],
+        "max_tokens": max_tokens,
+        "jobs": len(work),
+        "kernels": total,
+        "wall_s": round(time.perf_counter() - start, 2),
+        "compile_s_sum": round(sum(seconds), 2),
+        "device": torch.cuda.get_device_name(device),
+    }
+
+
+def _worker(part: dict[str, list[int]], device_index: int) -> None:
+    """Run the engine's DeepGEMM warm-up calls for {"NxK": [M...]}; print one line per call."""
+    import types
+
+    import torch
+
+    from fp8_align.vllm_plugin.kernels.gpu import DeepGemmBlockFp8Kernel
+
+    device = torch.device("cuda", device_index)
+    kernel = DeepGemmBlockFp8Kernel()
+    for shape, values in part.items():
+        n, k = map(int, shape.split("x"))
+        layer = types.SimpleNamespace(
+            weight=torch.zeros((n, k), dtype=torch.float8_e4m3fn, device=device),
+            weight_scale_inv=torch.ones((n // BLOCK, k // BLOCK), dtype=torch.float32, device=device),
+        )
+        for m in values:
+            start = time.perf_counter()
+            kernel.run_for_m_values(layer, [m])
+            print(f"compiled {n} {k} {m} {time.perf_counter() - start:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _worker(json.loads(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.exit("usage: python -m fp8_align.vllm_plugin.kernels.deepgemm_cache --worker JSON DEVICE (run by prepare_deepgemm_cache)")
