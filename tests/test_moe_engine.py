@@ -113,6 +113,19 @@ def test_experts_fp8_router_and_edge_layer_bf16(llm, checkpoints):
     _assert_experts_hold(llm, load_file(str(checkpoints["w1"] / "model.safetensors")))
 
 
+def test_experts_quantized_during_load(llm):
+    """quantize_during_load (default): the experts' and linears' BF16 weights start on the meta
+    device and are materialized and quantized a layer at a time, so the BF16 held at once is at
+    most one of the two FP8 decoder layers' (both have the same shapes)."""
+    from fp8_align.vllm_plugin.load_memory import load_memory_state
+
+    load = llm.apply_model(load_memory_state)[0]
+    experts = 2 * NUM_EXPERTS * 3 * INTER * HIDDEN  # bytes of one layer's w13 + w2 in BF16
+    assert load["layers"] == 2 * 3  # layers 1-2: experts, qkv_proj, o_proj
+    assert load["total_bytes"] > 2 * experts
+    assert experts <= load["peak_bytes"] <= load["total_bytes"] // 2
+
+
 def _score(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():

@@ -65,6 +65,13 @@ class FP8Config(BaseModel):
         "(prefill stays on FA3); needs kv_cache_dtype='fp8' and the XQA module (docs/xqa_decode.md).",
     )
     fp8_attention: bool = False
+    quantize_during_load: bool = Field(
+        default=True,
+        description="Quantize each FP8 layer as soon as its checkpoint tensors are loaded: its BF16 weights "
+        "are created on the meta device and vLLM's online (layerwise) processing materializes and processes "
+        "one layer at a time, so besides the FP8 model at most the layers being loaded hold BF16 weights. "
+        "False: every BF16 weight is created, the whole checkpoint loaded, then quantized (peak: the BF16 model).",
+    )
     recalibrate_scales_every_step: bool = True
     weight_block_size: tuple[int, int] = (128, 128)
     activation_group_size: int = 128

@@ -15,10 +15,19 @@ import torch
 # BF16 linear's weight for the CPU GEMM library (layer.cpu_linear). vLLM 0.20, 0.22, 0.25, 0.27, 0.29, 0.32.
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+# vllm.model_executor.model_loader.reload.layerwise.initialize_online_processing(layer): wraps the
+# layer's weight loaders so that, for a quant method with `uses_meta_device = True`, vLLM
+# materializes the layer's meta tensors and runs its `process_weights_after_loading` as soon as
+# every checkpoint element of the layer has arrived (what is left over is processed by the
+# loader's `finalize_layerwise_processing`; the dummy loader does the same per layer).
+# vLLM 0.20, 0.22, 0.25, 0.27, 0.29, 0.32.
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+
 __all__ = [
     "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
     "dispatch_cpu_unquantized_gemm",
+    "initialize_online_processing",
     "kv_scales_unread_reason",
     "moe_activation_name",
     "routed_experts_class",

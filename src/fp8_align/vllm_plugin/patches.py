@@ -97,15 +97,18 @@ def _hash_with_fp8_align_config(compute_hash: Callable[[Any], str]) -> Callable[
 def _install_sync_after_processing(process: Callable[..., None]) -> Callable[..., None]:
     """`process_weights_after_loading(model, model_config, target_device)` that then installs
     fp8_align's weight sync on the model (`weight_sync.install_weight_sync`; models without
-    fp8_align layers are left as they are), after logging the engine's FP8/BF16 layer summary."""
+    fp8_align layers are left as they are), after logging the engine's FP8/BF16 layer summary and
+    the BF16 bytes its FP8 layers held at once while loading (`load_memory`)."""
 
     @functools.wraps(process)
     def patched(model: torch.nn.Module, model_config: Any, target_device: torch.device) -> None:
         process(model, model_config, target_device)
         from fp8_align.vllm_plugin.layer_plan import log_layer_plan
+        from fp8_align.vllm_plugin.load_memory import log_load_memory
         from fp8_align.vllm_plugin.refit.weight_sync import install_weight_sync
 
         log_layer_plan(model)
+        log_load_memory(model)
         install_weight_sync(model, model_config)
         if "fp8_kv_decode_with_xqa" in _applied:
             from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_backend

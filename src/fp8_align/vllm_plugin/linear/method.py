@@ -14,10 +14,11 @@ from vllm.model_executor.utils import set_weight_attrs
 from fp8_align.config import FP8Config
 from fp8_align.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
-from fp8_align.vllm_plugin.compat import dispatch_cpu_unquantized_gemm
+from fp8_align.vllm_plugin.compat import dispatch_cpu_unquantized_gemm, initialize_online_processing
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
 from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.vllm_plugin.load_memory import note_quantizing, track_bf16_weights
 from fp8_align.vllm_plugin.refit.weight_sync import requantizing_weight_loader
 
 logger = logging.getLogger("vllm.fp8_align")
@@ -48,6 +49,9 @@ class Fp8AlignLinearMethod(LinearMethodBase):
     def __init__(self, cfg: FP8Config, prefix: str) -> None:
         self.cfg = cfg
         self.prefix = prefix
+        #: vLLM's flag for online processing: the BF16 weight is created on the meta device and the
+        #: layer is quantized as soon as it is loaded (`FP8Config.quantize_during_load`).
+        self.uses_meta_device = cfg.quantize_during_load
 
     def create_weights(
         self,
@@ -59,13 +63,18 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        """A BF16 weight the stock loaders fill; it is quantized after loading."""
+        """A BF16 weight the stock loaders fill; it is quantized once loaded (during the load when
+        `quantize_during_load`: created on the meta device, materialized by vLLM with the layer)."""
         weight_loader = extra_weight_attrs.pop("weight_loader")
         layer.fp8_align_weight_attrs = dict(extra_weight_attrs)
         shape = (sum(output_partition_sizes), input_size_per_partition)
-        layer.register_parameter("weight", bf16_weight_parameter(layer, shape, params_dtype, weight_loader))
+        device = torch.device("meta") if self.uses_meta_device else None
+        layer.register_parameter("weight", bf16_weight_parameter(layer, shape, params_dtype, weight_loader, device))
         layer.fp8_align_shard_sizes = list(output_partition_sizes)
         layer.fp8_align_prefix = self.prefix
+        track_bf16_weights(layer, ("weight",))
+        if self.uses_meta_device:
+            initialize_online_processing(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize the loaded BF16 weight to E4M3 codes + FP32 block scales.
@@ -77,6 +86,7 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         """
         if layer.weight.dtype == FP8_DTYPE:
             return
+        note_quantizing()
         bf16 = layer.weight.data
         codes, scales = quantize_shards(bf16, layer.fp8_align_shard_sizes, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule)
         kernel = select_kernel(self.cfg, codes.shape, layer.fp8_align_shard_sizes, bf16.device, out_dtype=bf16.dtype)

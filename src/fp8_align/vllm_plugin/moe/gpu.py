@@ -69,6 +69,8 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
         super().__init__(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=block), layer)
         self.cfg = cfg
         layer.fp8_align_prefix = prefix
+        #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
+        self.uses_meta_device = cfg.quantize_during_load
         backend = getattr(self.fp8_backend, "name", str(self.fp8_backend))
         if backend not in IN_PLACE_BACKENDS:
             raise Fp8AlignMoEError(
@@ -99,7 +101,9 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
                 "grids do not line up with the single grid vLLM's block-FP8 MoE kernel reads. With tensor "
                 "parallelism, lower tensor_parallel_size or use enable_expert_parallel=True (whole experts per rank)."
             )
-        create_bf16_expert_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, extra_weight_attrs)
+        create_bf16_expert_weights(
+            layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, extra_weight_attrs, self.uses_meta_device
+        )
         layer.num_experts = num_experts
         layer.orig_dtype = params_dtype
         layer.weight_block_size = list(DEFAULT_BLOCK_SIZE)
