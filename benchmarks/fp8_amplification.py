@@ -23,6 +23,7 @@ amplification. Output: DIR/fp8_amplification.json and a table.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import platform
@@ -61,10 +62,8 @@ def silu_mul_one_rounding(mlp: nn.Module) -> None:
 
 def perturbed(model: nn.Module, which: str) -> nn.Module:
     """A copy of `model` with the named operator(s) computed vLLM's way (see the module doc)."""
-    import copy
-
     copy_ = copy.deepcopy(model)
-    for name, module in copy_.named_modules():
+    for module in copy_.modules():
         kind = type(module).__name__
         if which in ("rmsnorm", "both") and kind.endswith("RMSNorm"):
             rmsnorm_one_rounding(module)

@@ -114,6 +114,17 @@ def test_fp8_layer_state_survives_executor_pickling():
     assert _fp8_codes_restored(received["bf16"]) == {"method": "UnquantizedLinearMethod"}
 
 
+def _fp8_layer(codes, scales):
+    """A bare module holding one-shard FP8 codes and scales, as the linear method leaves a layer."""
+    import torch
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+    layer.fp8_align_shard_sizes = [codes.shape[0]]
+    return layer
+
+
 def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     """The CPU backend keeps the codes widened to float32; after an in-place rewrite of codes and
     scales (what the refit does) `weights_written` refreshes that copy in its storage, and the
@@ -127,10 +138,7 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     w1, w2 = (torch.randn(320, 256, generator=g) * 0.02 for _ in range(2))
     x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
     codes, scales = quantize_weight_blockwise(w1)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align_shard_sizes = [320]
+    layer = _fp8_layer(codes, scales)
     kernel = EmulatedBlockFp8Kernel()
     kernel.prepare(layer)
     widened = getattr(layer, CODES_F32)
@@ -154,10 +162,7 @@ def test_emulated_kernel_quantizes_activations_by_the_configured_scale_rule():
     g = torch.Generator().manual_seed(1)
     codes, scales = quantize_weight_blockwise(torch.randn(320, 256, generator=g) * 0.02, scale_rule="transformer_engine")
     x = torch.randn(64, 256, generator=g)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align_shard_sizes = [320]
+    layer = _fp8_layer(codes, scales)
     kernel = EmulatedBlockFp8Kernel()
     kernel.prepare(layer)
     expected = blockwise_fp8_linear(x, codes, scales, out_dtype=torch.float32, scale_rule="transformer_engine")

@@ -63,7 +63,7 @@ def _bench_error(args: argparse.Namespace) -> int:
 
 
 def _prepare_deepgemm(args: argparse.Namespace) -> int:
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import dense_linear_shapes, parse_shapes
+    from fp8_align.vllm_plugin.kernels.deepgemm_cache import dense_linear_shapes, parse_shapes, prepare_deepgemm_cache
 
     try:
         if (args.model is None) == (args.shapes is None):
@@ -76,8 +76,6 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import prepare_deepgemm_cache
-
     report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir)
     text = json.dumps(report, indent=2)
     if args.json is not None:

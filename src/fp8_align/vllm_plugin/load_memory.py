@@ -28,7 +28,7 @@ _STATE = {"peak_bytes": 0, "total_bytes": 0, "layers": 0}
 def track_bf16_weights(layer: torch.nn.Module, names: tuple[str, ...]) -> None:
     """Register `layer`'s BF16 weight Parameters `names` (just created, possibly on meta)."""
     _LAYERS[layer] = names
-    _STATE["total_bytes"] += sum(getattr(layer, name).numel() * getattr(layer, name).element_size() for name in names)
+    _STATE["total_bytes"] += sum(w.numel() * w.element_size() for w in (getattr(layer, name) for name in names))
     _STATE["layers"] += 1
 
 

@@ -1,10 +1,15 @@
-"""The interface every block-FP8 GEMM backend implements (CPU emulation and the CUDA backends)."""
+"""The interface every block-FP8 GEMM backend implements (CPU emulation and the CUDA backends), and
+`LayerShape`, the weight layout their eligibility rules read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from fp8_align.quant import DEFAULT_BLOCK_SIZE
+
+BLOCK = DEFAULT_BLOCK_SIZE[0]
 
 
 @dataclass(frozen=True)
@@ -31,3 +36,25 @@ class BlockFp8Kernel:
         """[..., K] -> [..., N] in x's dtype, activations quantized with power-of-two scales when
         `act_pow2` and by `scale_rule` ("amax_over_max" / "transformer_engine")."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The FP8 weight of one layer: [n, k] codes made of `shard_sizes` stacked row blocks."""
+
+    n: int
+    k: int
+    shard_sizes: tuple[int, ...]
+
+    @property
+    def uniform_grid(self) -> bool:
+        """The stacked per-shard scale grids equal one [ceil(n/128), ceil(k/128)] grid."""
+        return all(size % BLOCK == 0 for size in self.shard_sizes[:-1])
+
+    @property
+    def full_blocks(self) -> bool:
+        """Uniform grid of whole 128x128 blocks: every shard and K are multiples of 128."""
+        return self.k % BLOCK == 0 and all(size % BLOCK == 0 for size in self.shard_sizes)
+
+    def describe(self) -> str:
+        return f"N={self.n} K={self.k} shards={list(self.shard_sizes)}"

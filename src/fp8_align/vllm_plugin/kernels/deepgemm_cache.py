@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: DeepGEMM's tile: a layer is DeepGEMM's only when K and every shard are multiples of it.
-BLOCK = 128
+from fp8_align.vllm_plugin.kernels.base import BLOCK, LayerShape
+
 #: vLLM 0.22's max_num_batched_tokens for `LLM(...)` on GPUs of 70 GiB or more (H100, H200).
 DEFAULT_MAX_BATCHED_TOKENS = 16384
 #: Config keys of architectures whose FP8 layers `dense_linear_shapes` does not describe.
@@ -46,8 +46,8 @@ class LinearShape:
 
     @property
     def runs_on_deepgemm(self) -> bool:
-        """K and every shard are multiples of 128 (the rule of `DeepGemmBlockFp8Kernel`)."""
-        return self.k % BLOCK == 0 and all(size % BLOCK == 0 for size in self.shards)
+        """K and every shard are multiples of 128 (`LayerShape.full_blocks`, the rule of `DeepGemmBlockFp8Kernel`)."""
+        return LayerShape(self.n, self.k, self.shards).full_blocks
 
 
 def dense_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> list[LinearShape]:

@@ -59,7 +59,7 @@ from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.quant import E4M3_MAX
 from fp8_align.quant.scales import FP32_TINY, check_scale_rule
 from fp8_align.quant.triton_blockwise import BLOCK, quantization_factors_triton, quantize_with_factor_triton
-from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
+from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel, LayerShape
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.linear.shards import shard_slices
 
@@ -189,28 +189,6 @@ def _(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: 
 
 
 # --------------------------------------------------------------------------- eligibility
-@dataclass(frozen=True)
-class LayerShape:
-    """The FP8 weight of one layer: [n, k] codes made of `shard_sizes` stacked row blocks."""
-
-    n: int
-    k: int
-    shard_sizes: tuple[int, ...]
-
-    @property
-    def uniform_grid(self) -> bool:
-        """The stacked per-shard scale grids equal one [ceil(n/128), ceil(k/128)] grid."""
-        return all(size % BLOCK == 0 for size in self.shard_sizes[:-1])
-
-    @property
-    def full_blocks(self) -> bool:
-        """Uniform grid of whole 128x128 blocks: every shard and K are multiples of 128."""
-        return self.k % BLOCK == 0 and all(size % BLOCK == 0 for size in self.shard_sizes)
-
-    def describe(self) -> str:
-        return f"N={self.n} K={self.k} shards={list(self.shard_sizes)}"
-
-
 @dataclass(frozen=True)
 class Target:
     """Where a layer runs: the CUDA device, its capability, the output dtype, the config."""
