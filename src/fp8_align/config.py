@@ -75,6 +75,16 @@ class FP8Config(BaseModel):
     recalibrate_scales_every_step: bool = True
     weight_block_size: tuple[int, int] = (128, 128)
     activation_group_size: int = 128
+    on_policy: Literal["off", "bitwise"] = Field(
+        default="off",
+        description="'bitwise': the engine runs batch- and prefill/decode-invariant kernels "
+        "(vLLM's VLLM_BATCH_INVARIANT mode with TRITON_ATTN, prefix caching off, fp8_align's own "
+        "RMSNorm, SiLU-and-mul and RoPE ops and a block-FP8 GEMM with one tile configuration for every "
+        "token count), and `fp8_align.hf_training.BitwiseForward` runs the same kernels in the trainer, "
+        "so the log-probs that generated each token equal the trainer's bit for bit. Llama, Qwen2 and "
+        "Qwen3 models, one CUDA GPU, BF16 KV cache; anything else is refused at engine start. "
+        "Build the engine with `engine_kwargs(cfg)`.",
+    )
     strict: bool = Field(
         default=False,
         description="Refuse to start when a layer the recipe would run in FP8 has to stay BF16 "
@@ -151,6 +161,12 @@ class FP8Config(BaseModel):
             raise ValueError(
                 "precision='bf16' with an FP8 KV cache or FP8 attention is not a recipe fp8_align "
                 "aligns; set precision='fp8' or kv_cache_dtype='auto'."
+            )
+        if self.on_policy == "bitwise" and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                "on_policy='bitwise' needs the BF16 KV cache: an FP8 KV cache quantizes K/V with scales the "
+                "trainer's full-sequence attention does not see, so decode and training attention differ. "
+                "Set kv_cache_dtype='auto' (and fp8_attention=False, kv_decode_kernel='auto') or on_policy='off'."
             )
         if self.fp8_param and self.fp8 is None:
             raise ValueError("fp8_param=True keeps training parameters in FP8 and needs fp8='e4m3' (training in FP8)")
@@ -307,6 +323,7 @@ _GENERATION_FIELDS = (
     "kv_decode_kernel",
     "fp8_attention",
     "recalibrate_scales_every_step",
+    "on_policy",
     "strict",
 )
 #: NeMo RL's own names for generation fields (its vllm_cfg keys) -> FP8Config field names.

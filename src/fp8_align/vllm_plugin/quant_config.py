@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -19,6 +20,7 @@ from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_eng
 from fp8_align.vllm_plugin.layer_plan import record_decision
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
 from fp8_align.vllm_plugin.moe.experts import unsupported_experts_reason
+from fp8_align.vllm_plugin.on_policy import check_bitwise_engine
 from fp8_align.vllm_plugin.patches import apply_patches, set_moe_activation_rounding
 
 
@@ -28,6 +30,8 @@ class Fp8AlignQuantConfig(QuantizationConfig):
     def __init__(self, fp8_config: FP8Config | None = None) -> None:
         super().__init__()
         self.fp8_config = config_from_engine(None) if fp8_config is None else fp8_config
+        #: `on_policy="bitwise"` engine settings checked (once per engine, at its first layer).
+        self._bitwise_checked = False
 
     def __repr__(self) -> str:
         return f"Fp8AlignQuantConfig({self.fp8_config.to_json()})"
@@ -59,6 +63,9 @@ class Fp8AlignQuantConfig(QuantizationConfig):
         is_experts = isinstance(layer, routed_experts_class())
         if not (is_experts or isinstance(layer, LinearBase)):
             return None
+        if self.fp8_config.on_policy == "bitwise" and not self._bitwise_checked:
+            check_bitwise_engine(get_current_vllm_config())
+            self._bitwise_checked = True
         apply_patches(self.fp8_config)
         decision = _decide(layer, prefix, self.fp8_config, is_experts)
         record_decision(layer, decision, self.fp8_config)
@@ -104,6 +111,4 @@ def register_quantization_method() -> None:
 
 
 def _hf_text_config() -> Any:
-    from vllm.config import get_current_vllm_config
-
     return get_current_vllm_config().model_config.hf_text_config

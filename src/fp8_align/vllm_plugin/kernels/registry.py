@@ -1,7 +1,8 @@
 """Backend selection: which block-FP8 GEMM a layer runs on.
 
 The registry imports the backends; no backend imports the registry. On CPU the only backend is
-`emulated` (`fp8_align.quant.fp8_block_gemm`, shard by shard); on CUDA `kernels.gpu` chooses.
+`emulated` (`fp8_align.quant.fp8_block_gemm`, shard by shard); on CUDA `kernels.gpu` chooses, except
+for `on_policy="bitwise"`, which always runs `kernels.fixed_tile` (one tile configuration for every M).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def select_kernel(
     """
     if device.type == "cpu":
         return EmulatedBlockFp8Kernel()
+    if cfg.on_policy == "bitwise":
+        from fp8_align.vllm_plugin.kernels.fixed_tile import FixedTileBlockFp8Kernel
+
+        return FixedTileBlockFp8Kernel()
     from fp8_align.vllm_plugin.kernels.gpu import select_gpu_kernel
 
     return select_gpu_kernel(cfg, weight_shape, shard_sizes, device, out_dtype)

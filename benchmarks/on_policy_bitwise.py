@@ -1,0 +1,220 @@
+"""Bitwise on-policy proof (GPU): a `FP8Config(on_policy="bitwise")` engine's returned log-probs
+against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling and batch size.
+
+    python benchmarks/on_policy_bitwise.py --out benchmarks/results/on_policy_bitwise.json
+        [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--batch-sizes 1,7,64,512]
+        [--max-tokens 96] [--work /root/bitwise_work]
+
+Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
+and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
+bf16 (all linears BF16), fp8 (FP32 scales), fp8_pow2 (power-of-two weight and activation scales).
+Per (model, variant) one engine (its own process): 4 probe prompts of different lengths are
+generated alone (batch size 1) and together with filler prompts up to batch sizes 7, 64 and 512,
+greedy and at temperature 1 (a fixed seed per request); every generated sequence is then scored by
+BitwiseForward on the same GPU. A row per (model, variant, sampling, batch size): tokens,
+max |engine logp - trainer logp| and the token multiplicative probability error
+mean(exp(|dlogp|)); per (model, variant, sampling) whether each probe's tokens and log-probs were
+the same bits at every batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = ("smollm2", "qwen3-8b-4l")
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {"precision": "bf16"},
+    "fp8": {"precision": "fp8"},
+    "fp8_pow2": {"precision": "fp8", "use_weight_pow2_scale": True, "use_activation_pow2_scale": True},
+}
+#: Qwen3-8B's shape with 4 of its 36 decoder layers.
+QWEN3_8B_4L = {
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 4, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}  # fmt: skip
+MAX_MODEL_LEN = 1024
+#: Share of GPU memory the engine takes; the trainer's model lives beside it on the same GPU.
+GPU_MEMORY_UTILIZATION = 0.5
+#: Sequences BitwiseForward scores per call (any grouping gives the same bits).
+TRAINER_BATCH = 32
+
+
+def prepare_model(name: str, work: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """(checkpoint dir, probe prompts, filler prompts) as token ids."""
+    rng = random.Random(0)
+    if name == "smollm2":
+        from fp8_align.bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
+        from fp8_align.models import smollm2_checkpoint
+
+        path = smollm2_checkpoint()
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        chats = tokenize_prompts(read_prompt_records(default_prompts_path()), path, vocab)
+        long_probe = [t for chat in chats[:8] for t in chat][:400]
+        probes = [chats[0], chats[1], chats[2], long_probe]
+        fillers = [chats[i % len(chats)][: rng.randint(8, len(chats[i % len(chats)]))] for i in range(508)]
+        return path, probes, fillers
+    if name == "qwen3-8b-4l":
+        path = work / "qwen3-8b-4l"
+        if not (path / "config.json").is_file():
+            import torch
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B_4L)).to(torch.bfloat16)
+            model.save_pretrained(path)
+            del model
+        vocab = QWEN3_8B_4L["vocab_size"]
+
+        def prompt(length: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(length)]
+
+        return path, [prompt(n) for n in (5, 37, 130, 400)], [prompt(rng.randint(8, 300)) for _ in range(508)]
+    raise ValueError(f"unknown model {name!r}; known: {MODELS}")
+
+
+def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
+    diffs = [abs(a - b) for a, b in zip(engine, trainer, strict=True)]
+    return max(diffs, default=0.0), sum(math.exp(d) for d in diffs) / max(len(diffs), 1)
+
+
+def run_one(model_name: str, variant: str, batch_sizes: list[int], max_tokens: int, work: Path) -> dict[str, Any]:
+    """One engine and the trainer forward for (model, variant); returns its rows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fp8_align import FP8Config
+    from fp8_align.hf_training import BitwiseForward
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    path, probes, fillers = prepare_model(model_name, work)
+    cfg = FP8Config(on_policy="bitwise", **VARIANTS[variant])
+    start = time.perf_counter()
+    llm = LLM(
+        model=str(path), skip_tokenizer_init=True, max_num_seqs=512, max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, **engine_kwargs(cfg),
+    )  # fmt: skip
+    engine_start_s = time.perf_counter() - start
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = BitwiseForward(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), cfg)
+    rows, invariance = [], []
+    for sampling in ("greedy", "sampled"):
+        probe_runs: list[list[tuple[list[int], list[float]]]] = []
+        for size in batch_sizes:
+            groups = [[p] for p in probes] if size == 1 else [probes + fillers[: size - len(probes)]]
+            sequences, prompt_lens, engine_logprobs, probe_outputs = [], [], [], []
+            for group in groups:
+                params = [
+                    SamplingParams(
+                        temperature=0.0 if sampling == "greedy" else 1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+                        seed=None if sampling == "greedy" else 1000 + i, detokenize=False,
+                    )  # fmt: skip
+                    for i in range(len(group))
+                ]
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in group], params, use_tqdm=False)
+                for i, (prompt, out) in enumerate(zip(group, outputs)):
+                    completion = out.outputs[0]
+                    tokens = list(completion.token_ids)
+                    logps = [step[t].logprob for step, t in zip(completion.logprobs, tokens)]
+                    sequences.append(prompt + tokens)
+                    prompt_lens.append(len(prompt))
+                    engine_logprobs.append(logps)
+                    if i < len(probes):
+                        probe_outputs.append((tokens, logps))
+            probe_runs.append(probe_outputs)
+            trainer_logprobs: list[list[float]] = []
+            with torch.no_grad():
+                for chunk in range(0, len(sequences), TRAINER_BATCH):
+                    part = slice(chunk, chunk + TRAINER_BATCH)
+                    trainer_logprobs += [lp.tolist() for lp in trainer.token_logprobs(sequences[part], prompt_lens[part])]
+            flat_engine = [x for lp in engine_logprobs for x in lp]
+            flat_trainer = [x for lp in trainer_logprobs for x in lp]
+            max_abs, mult = _metrics(flat_engine, flat_trainer)
+            rows.append({
+                "model": model_name, "variant": variant, "sampling": sampling, "batch_size": size,
+                "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
+                "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+        invariance.append({
+            "model": model_name, "variant": variant, "sampling": sampling, "batch_sizes": batch_sizes,
+            "probe_tokens_equal": all(run[i][0] == probe_runs[0][i][0] for run in probe_runs for i in range(len(probes))),
+            "probe_logprobs_equal": all(run[i][1] == probe_runs[0][i][1] for run in probe_runs for i in range(len(probes))),
+        })  # fmt: skip
+        print(json.dumps(invariance[-1]), flush=True)
+    del llm
+    gc.collect()
+    return {"rows": rows, "invariance": invariance, "engine_start_s": {f"{model_name}/{variant}": round(engine_start_s, 1)}}
+
+
+def _device_and_versions() -> dict[str, str]:
+    import torch
+    import triton
+    import vllm
+
+    return {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__, "vllm": vllm.__version__,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON report (one row per model, variant, sampling, batch size)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batch-sizes", default="1,7,64,512")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_bitwise"))
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if any(b != 1 and b < 4 for b in batch_sizes):
+        parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        args.out.write_text(json.dumps(run_one(*args.one, batch_sizes, args.max_tokens, args.work)))
+        return 0
+    report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
+    report.update(rows=[], invariance=[], engine_start_s={}, failures=[])
+    for model in args.models.split(","):
+        for variant in args.variants.split(","):
+            part = args.work / f"{model}_{variant}.json"
+            part.unlink(missing_ok=True)
+            log = args.work / f"{model}_{variant}.log"
+            cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, "--batch-sizes", args.batch_sizes,
+                   "--max-tokens", str(args.max_tokens), "--work", str(args.work)]  # fmt: skip
+            with log.open("w") as handle:
+                code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+            if code or not part.is_file():
+                report["failures"].append({"model": model, "variant": variant, "returncode": code, "log_tail": log.read_text()[-3000:]})
+                print(f"FAILED {model}/{variant} (rc {code}); log {log}", flush=True)
+                continue
+            result = json.loads(part.read_text())
+            for key in ("rows", "invariance"):
+                report[key] += result[key]
+            report["engine_start_s"].update(result["engine_start_s"])
+            args.out.write_text(json.dumps(report, indent=1))
+            for row in result["rows"]:
+                print(f"{model:12s} {variant:9s} {row['sampling']:8s} b={row['batch_size']:<4d} tokens={row['tokens']:<6d} "
+                      f"max|dlogp|={row['max_abs_dlogp']:.3g} mult={row['mult_prob_error']:.6f}", flush=True)  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=1))
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

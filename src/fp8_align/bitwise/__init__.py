@@ -1,0 +1,14 @@
+"""Bitwise on-policy operators: the kernels a `FP8Config(on_policy="bitwise")` engine and
+`fp8_align.hf_training.BitwiseForward` both run, so generation and training log-probs are equal
+bit for bit.
+
+`reference` holds the pure-torch definition of each operator (and RoPE's FP32 table), `ops` the
+torch custom ops both sides call (Triton kernels on CUDA, the references on CPU), and
+`triton_kernels` the kernels themselves: RMSNorm, residual-add + RMSNorm, SiLU-and-mul and a
+block-FP8 GEMM with one tile configuration for every token count. Every kernel computes a row
+(token) from that row alone, in an order fixed by the kernel's constants, so a token's result
+does not depend on how many other tokens share the launch (batch size, prefill or decode).
+"""
+
+#: HF `model_type`s whose forward both sides reproduce (vLLM's Llama, Qwen2 and Qwen3 model code).
+MODEL_TYPES = ("llama", "qwen2", "qwen3")

@@ -1,0 +1,132 @@
+"""The engine half of `FP8Config(on_policy="bitwise")`: what is refused at start, the operator
+forwards the patches install, and RoPE's FP32 table on the engine's rotary layers.
+
+An engine in this mode runs, for every token, kernels whose result does not depend on the batch
+or on prefill versus decode: vLLM's batch-invariant mode (`VLLM_BATCH_INVARIANT=1`: its
+fixed-configuration Triton matmul for BF16 linears and lm_head and its row-wise log-softmax in the
+sampler), the TRITON_ATTN backend (one 2D kernel and one tile size for prefill and decode under
+that mode), fp8_align's operators (`torch.ops.fp8_align.bitwise_*`) in place of vLLM's RMSNorm,
+SiLU-and-mul and RoPE, and fp8_align's fixed-tile block-FP8 GEMM. `hf_training.BitwiseForward`
+runs the same kernels in the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm import envs
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.platforms import current_platform
+
+import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
+from fp8_align.bitwise import MODEL_TYPES
+from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
+from fp8_align.versions import installed_vllm_version, vllm_series
+from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, BITWISE_ENGINE_KWARGS
+
+#: vLLM series whose batch-invariant mode, TRITON_ATTN kernel and model code (Llama, Qwen2, Qwen3
+#: forwards; RMSNorm, SiluAndMul, RotaryEmbedding layers) the bitwise engine was built and proven on.
+BITWISE_SERIES = ((0, 22),)
+#: The attention backend whose decode and prefill run one kernel with one tile size in that mode.
+ATTENTION_BACKEND = BITWISE_ENGINE_KWARGS["attention_backend"]
+#: Buffer holding the FP32 RoPE table on each of the engine's rotary layers.
+ROPE_TABLE_ATTR = "fp8_align_rope_table"
+
+
+class BitwiseModeError(RuntimeError):
+    """An engine setting that would make `on_policy="bitwise"` not bitwise; says what to change."""
+
+
+def bitwise_engine_problems(vllm_config: Any) -> list[str]:
+    """Every reason the engine of `vllm_config` (a vLLM VllmConfig) cannot run bitwise, each with
+    the setting to change; empty when it can."""
+    problems = []
+    version = installed_vllm_version()
+    if not current_platform.is_cuda():
+        problems.append(
+            "it runs on CUDA GPUs only: vLLM's CPU attention computes prefill and decode with different kernels "
+            "and the CPU has no Triton kernels (set on_policy='off' on CPU)"
+        )
+    if version is None or vllm_series(version) not in BITWISE_SERIES:
+        tested = ", ".join(f"{a}.{b}" for a, b in BITWISE_SERIES)
+        problems.append(f"it is built on vLLM {tested}'s batch-invariant kernels and model code; the installed vLLM is {version}")
+    if not envs.VLLM_BATCH_INVARIANT:
+        problems.append(f"{BATCH_INVARIANT_ENV_VAR}=1 must be set before the engine starts (engine_kwargs(cfg) sets it)")
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    if getattr(backend, "name", backend) != ATTENTION_BACKEND:
+        problems.append(f"attention_backend must be {ATTENTION_BACKEND!r} (got {getattr(backend, 'name', backend)!r})")
+    if vllm_config.cache_config.enable_prefix_caching:
+        problems.append("enable_prefix_caching must be False: a cached prefix was computed in another batch")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        problems.append(f"kv_cache_dtype must be 'auto' (BF16), got {vllm_config.cache_config.cache_dtype!r}")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        problems.append(
+            f"tensor_parallel_size and pipeline_parallel_size must be 1 (got {parallel.tensor_parallel_size}, "
+            f"{parallel.pipeline_parallel_size}): a split model reduces across GPUs in another order than the trainer"
+        )
+    model_config = vllm_config.model_config
+    if not model_config.disable_cascade_attn:
+        problems.append("disable_cascade_attn must be True: cascade attention splits shared prefixes off")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        problems.append("speculative decoding must be off: draft-verified tokens are scored in other batches")
+    if model_config.dtype != torch.bfloat16:
+        problems.append(f"dtype must be bfloat16 (got {model_config.dtype})")
+    text_config = model_config.hf_text_config
+    if text_config.model_type not in MODEL_TYPES:
+        problems.append(f"model_type {text_config.model_type!r} is not one of {MODEL_TYPES}")
+    else:
+        try:
+            RopeSpec.from_hf_config(text_config)
+        except UnsupportedRopeError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def check_bitwise_engine(vllm_config: Any) -> None:
+    """Raise BitwiseModeError listing `bitwise_engine_problems(vllm_config)`, if there are any."""
+    problems = bitwise_engine_problems(vllm_config)
+    if problems:
+        raise BitwiseModeError(
+            "FP8Config(on_policy='bitwise') cannot be bitwise on this engine:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def attach_rope_tables(model: torch.nn.Module, hf_text_config: Any) -> int:
+    """Give every rotary layer of `model` the FP32 RoPE table of `hf_text_config` (the trainer builds
+    the same one from the same config.json); returns how many layers got it. Raises BitwiseModeError
+    when a layer rotates other channels than the config says."""
+    spec = RopeSpec.from_hf_config(hf_text_config)
+    device = next(model.parameters()).device
+    table = rope_table(spec, device)
+    layers = [module for module in model.modules() if isinstance(module, RotaryEmbedding)]
+    for layer in layers:
+        if (layer.head_size, layer.rotary_dim, layer.is_neox_style) != (spec.head_size, spec.rotary_dim, True):
+            raise BitwiseModeError(
+                f"rotary layer head_size={layer.head_size} rotary_dim={layer.rotary_dim} neox={layer.is_neox_style} does "
+                f"not match the config's head_size={spec.head_size} rotary_dim={spec.rotary_dim} (NeoX style)"
+            )
+        layer.register_buffer(ROPE_TABLE_ATTR, table, persistent=False)
+    return len(layers)
+
+
+def bitwise_rms_norm_forward(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+    """vLLM `RMSNorm.forward` on fp8_align's operators: normed, or (normed, x + residual)."""
+    if self.variance_size_override is not None or not self.has_weight:
+        raise BitwiseModeError("on_policy='bitwise' supports RMSNorm with a weight over the whole last dimension only")
+    if residual is None:
+        return torch.ops.fp8_align.bitwise_rms_norm(x, self.weight, self.variance_epsilon)
+    return torch.ops.fp8_align.bitwise_fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+
+def bitwise_silu_and_mul_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """vLLM `SiluAndMul.forward` on fp8_align's operator."""
+    return torch.ops.fp8_align.bitwise_silu_and_mul(x)
+
+
+def bitwise_rope_forward(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None) -> Any:
+    """vLLM `RotaryEmbedding.forward(positions, query, key)` with the layer's FP32 table."""
+    if key is None:
+        raise BitwiseModeError("on_policy='bitwise' rotates query and key together; this layer was called without a key")
+    return torch.ops.fp8_align.bitwise_rope(positions, query, key, getattr(self, ROPE_TABLE_ATTR), self.head_size, self.rotary_dim)

