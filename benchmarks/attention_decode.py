@@ -85,7 +85,7 @@ def time_decode_attention(
 def time_xqa_decode(batch: int, context: int, block_size: int, repeats: int = 30) -> dict[str, Any]:
     """Median seconds of one FlashInfer XQA decode call (BF16 query, E4M3 KV cache, the same
     scattered pages as `time_decode_attention`) and the KV-cache bytes it reads. Needs the XQA
-    module for this shape prebuilt (scripts/build_flashinfer_aot.sh) where nvcc is missing."""
+    module for this shape prebuilt (benchmarks/box/build_flashinfer_aot.sh) where nvcc is missing."""
     import torch
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 

@@ -1,7 +1,7 @@
 """The real training side on the GPU box: megatron-core GPT with TransformerEngine layers.
 
-Needs TransformerEngine 2.20 with its torch extension and megatron-core (benchmarks/te_box_setup.sh)
-and the SmolLM2 checkpoint (benchmarks/gpu_model_setup.sh). Nothing is mocked.
+Needs TransformerEngine 2.20 with its torch extension and megatron-core (benchmarks/box/te_box_setup.sh)
+and the SmolLM2 checkpoint (benchmarks/box/gpu_model_setup.sh). Nothing is mocked.
 """
 
 from __future__ import annotations
