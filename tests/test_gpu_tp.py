@@ -13,7 +13,7 @@ emulation as well as the single-GPU test requires. Also `refit_weights` into a T
 (eager): each rank's codes and scales equal the reference of its slice of the new weights.
 
 Run on the box with `--basetemp $OUT/pt` so the engine logs (next to each run's output) come
-back. Status: passed under both executors on nvidia-h200-x2 (2026-11-23, benchmarks/RESULTS.md
+back. Status: passed under both executors on nvidia-h200-x2 (2026-11-23, benchmarks/results_log.md,
 session 5); the same layout passes on CPU (tests/test_vllm_plugin_tp.py).
 """
 

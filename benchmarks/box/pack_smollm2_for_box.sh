@@ -3,7 +3,7 @@
 # job does) for the offline GPU box: zstd-compressed safetensors in parts that fit the device
 # tool's 64 MiB carry limit, plus config/tokenizer files and the checkpoint's sha256.
 #   bash benchmarks/box/pack_smollm2_for_box.sh [.gpumodel]      (run from the repository root, in .venv)
-# On the box, `source benchmarks/box/gpu_model_setup.sh` reassembles it (see benchmarks/RESULTS.md).
+# On the box, `source benchmarks/box/gpu_model_setup.sh` reassembles it (docs/dev/gpu_box.md).
 set -euo pipefail
 out="${1:-.gpumodel}"
 ckpt=$(.venv/bin/python -c "from fp8_align.models import smollm2_checkpoint; print(smollm2_checkpoint())")

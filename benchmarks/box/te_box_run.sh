@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-TransformerEngine session on the GPU box (issue #17), one stage per device call:
 #   bash benchmarks/box/te_box_run.sh STAGE...     STAGE: setup | tests | align | bench-pow2 | bench-fp32
-# Needs the vLLM kit, SmolLM2 and the TE bundle staged in /root/stage (see benchmarks/RESULTS.md);
+# Needs the vLLM kit, SmolLM2 and the TE bundle staged in /root/stage (docs/dev/gpu_box.md);
 # every stage re-sources the setup scripts (cheap once installed). Output under $OUT/te/.
 set -uo pipefail
 out="${OUT:-/tmp/out}/te"; mkdir -p "$out"
