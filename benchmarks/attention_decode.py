@@ -24,7 +24,7 @@ from typing import Any
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.rollout_throughput import _device_and_versions  # noqa: E402
+from benchmarks.rollout.report import device_and_versions  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -85,7 +85,7 @@ def time_decode_attention(
 def time_xqa_decode(batch: int, context: int, block_size: int, repeats: int = 30) -> dict[str, Any]:
     """Median seconds of one FlashInfer XQA decode call (BF16 query, E4M3 KV cache, the same
     scattered pages as `time_decode_attention`) and the KV-cache bytes it reads. Needs the XQA
-    module for this shape prebuilt (scripts/build_flashinfer_aot.sh) where nvcc is missing."""
+    module for this shape prebuilt (benchmarks/box/build_flashinfer_aot.sh) where nvcc is missing."""
     import torch
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **_device_and_versions(), "batch": args.batch, "context": args.context, "runs": [],
+        **device_and_versions(), "batch": args.batch, "context": args.context, "runs": [],
     }  # fmt: skip
     for block_size in map(int, args.block_sizes.split(",")):
         if "xqa" in kernels:

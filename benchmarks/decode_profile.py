@@ -31,7 +31,8 @@ from typing import Any
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.rollout_throughput import QWEN3_8B, _device_and_versions, ensure_bf16_checkpoint  # noqa: E402
+from benchmarks.rollout.checkpoints import QWEN3_8B, ensure_bf16_checkpoint  # noqa: E402
+from benchmarks.rollout.report import device_and_versions  # noqa: E402
 
 VARIANTS = ("bf16", "fp8_align_kv")
 #: Kernel-name patterns -> family (first match wins; the rest is "other").
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **_device_and_versions(), "context": args.context, "steps": args.steps,
+        **device_and_versions(), "context": args.context, "steps": args.steps,
         "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir), "variants": {},
     }  # fmt: skip
     for variant, batch in batches.items():

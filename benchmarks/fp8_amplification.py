@@ -2,9 +2,9 @@
 
     python -m benchmarks.fp8_amplification [--num-prompts 16] [--max-new-tokens 64] [--results DIR]
 
-On the H100, vLLM fp8_align vs a training side with the same quantizer and the same GEMM kernels
-stayed +0.09 (greedy) above the BF16/BF16 token mult. prob. error (benchmarks/RESULTS.md, session
-10). This measures the mechanism proposed for it, with one engine only (HF transformers, CPU):
+An engine and a training side with the same quantizer and the same GEMM kernels still differ by
+more than BF16/BF16 in token mult. prob. error (benchmarks/results_log.md, session 10). This
+measures the mechanism proposed for that residual, with one engine only (HF transformers, CPU):
 two forwards of SmolLM2-135M-Instruct over the same tokens that differ in one non-GEMM operator,
 computed two ways that agree to BF16 rounding, as HF and vLLM compute them:
 

@@ -44,7 +44,8 @@ from typing import Any
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.rollout_throughput import QWEN3_8B, _device_and_versions, ensure_bf16_checkpoint  # noqa: E402
+from benchmarks.rollout.checkpoints import QWEN3_8B, ensure_bf16_checkpoint  # noqa: E402
+from benchmarks.rollout.report import device_and_versions  # noqa: E402
 
 VARIANTS = ("bf16", "fp8_align", "fp8_align_load_weights")
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **_device_and_versions(),
+        **device_and_versions(),
         "model": {"config": QWEN3_8B, "init": "random, bf16, torch.manual_seed(0); pushed values x1.01"},
         "transport": "CUDA IPC handles via collective_rpc (same for both variants)",
         "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir),

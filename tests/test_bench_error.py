@@ -442,7 +442,7 @@ def test_fp8_training_side_of_an_moe_model_quantizes_experts_not_routers() -> No
     """`bench-error --model` on an MoE checkpoint: the aligned training side (transformers 5
     Qwen3-MoE) runs its fused experts through `Fp8EmulatedExperts` and its attention projections
     in FP8, keeps the router BF16, leaves the BF16 model untouched, and scores differently from
-    it. (The engine side of `bench-error` on this model was run by hand: docs/bench_error.md.)"""
+    it. (The engine side of `bench-error` on this model was run by hand: benchmarks/results_log.md.)"""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(

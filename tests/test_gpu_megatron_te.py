@@ -1,7 +1,7 @@
 """The real training side on the GPU box: megatron-core GPT with TransformerEngine layers.
 
-Needs TransformerEngine 2.20 with its torch extension and megatron-core (benchmarks/te_box_setup.sh)
-and the SmolLM2 checkpoint (benchmarks/gpu_model_setup.sh). Nothing is mocked.
+Needs TransformerEngine 2.20 with its torch extension and megatron-core (benchmarks/box/te_box_setup.sh)
+and the SmolLM2 checkpoint (benchmarks/box/gpu_model_setup.sh). Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_megatron_te_bf16_scores_like_hf(smollm2) -> None:
     """Same weights in megatron-core + TE layers (fused RMSNorm-linear, TE attention) and in HF, BF16.
 
     Two BF16 implementations of one model differ only by rounding order. Measured on this model
-    (H100, 850-900 generated tokens, benchmarks/RESULTS.md session 10): vLLM vs HF gives a mult.
+    (H100, 850-900 generated tokens, benchmarks/results_log.md, session 10): vLLM vs HF gives a mult.
     prob. error of 1.023 greedy / 1.037 sampled with max |dlogp| 0.21-0.31, vLLM vs Megatron-TE
     1.022 / 1.034 with max 0.36-0.38. A mis-mapped weight moves log-probs by whole nats.
     """

@@ -12,9 +12,8 @@ are powers of two; generation works and its sampled-token logprobs agree with th
 emulation as well as the single-GPU test requires. Also `refit_weights` into a TP=2 engine
 (eager): each rank's codes and scales equal the reference of its slice of the new weights.
 
-Run on the box with `--basetemp $OUT/pt` so the engine logs (next to each run's output) come
-back. Status: passed under both executors on nvidia-h200-x2 (2026-11-23, benchmarks/RESULTS.md
-session 5); the same layout passes on CPU (tests/test_vllm_plugin_tp.py).
+Run with `--basetemp DIR` to keep the engine logs (next to each run's output). The same layout
+on CPU: tests/test_vllm_plugin_tp.py. Runs so far: benchmarks/results_log.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """XQA FP8-KV decode (FlashInfer's `trtllm_batch_decode_with_kv_cache(backend="xqa")`, module
-prebuilt by scripts/build_flashinfer_aot.sh) on one FP8 paged KV cache, against FA3's FP8 decode
+prebuilt by benchmarks/box/build_flashinfer_aot.sh) on one FP8 paged KV cache, against FA3's FP8 decode
 (vLLM's `_vllm_fa3_C.fwd`, as its FLASH_ATTN backend calls it) and an FP32 reference.
 
 Shapes: the Qwen3-8B decode layer (32 query heads, 8 KV heads, head dim 128), pages of 16 tokens

@@ -3,7 +3,6 @@ per-variant specs and environment, and completing one report over several calls 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -11,10 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout_throughput.py"
-_spec = importlib.util.spec_from_file_location("rollout_throughput", _SCRIPT)
-rollout = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rollout)
+from benchmarks import rollout_throughput as cli
+from benchmarks.rollout import checkpoints, report, runner
 
 MOE = "qwen3-30b-a3b"
 H200 = {"device": "NVIDIA H200, 580.159.04", "torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0",
@@ -26,8 +23,8 @@ def test_moe_checkpoints_are_qwen3_30b_a3b_configs(tmp_path: Path) -> None:
     same plus vLLM's block-FP8 quantization_config with lm_head and every router left BF16."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    bf16_dir, fp8_dir = rollout.checkpoint_dirs(MOE, tmp_path)
-    assert rollout.prepare_checkpoints(MOE, bf16_dir, fp8_dir) == {}
+    bf16_dir, fp8_dir = checkpoints.checkpoint_dirs(MOE, tmp_path)
+    assert checkpoints.prepare_checkpoints(MOE, bf16_dir, fp8_dir) == {}
     assert sorted(p.name for p in bf16_dir.iterdir()) == sorted(p.name for p in fp8_dir.iterdir()) == ["config.json"]
     config = AutoConfig.from_pretrained(bf16_dir)
     assert config.architectures == ["Qwen3MoeForCausalLM"]
@@ -51,23 +48,23 @@ def test_moe_checkpoints_are_qwen3_30b_a3b_configs(tmp_path: Path) -> None:
 
 def test_default_model_keeps_its_names_and_fp8_config(tmp_path: Path) -> None:
     settings = {"attention_backend": None, "gpu_memory_utilization": 0.85, "max_num_seqs": None, "model_runner": None}
-    assert rollout.results_name("qwen3-8b", ["short", "long"], settings) == "rollout_throughput_short_long.json"
-    assert rollout.results_name(MOE, ["long"], settings) == "rollout_throughput_qwen3-30b-a3b_long.json"
-    assert rollout.results_name(MOE, ["long"], {**settings, "max_num_seqs": 320}) == (
+    assert report.results_name("qwen3-8b", ["short", "long"], settings) == "rollout_throughput_short_long.json"
+    assert report.results_name(MOE, ["long"], settings) == "rollout_throughput_qwen3-30b-a3b_long.json"
+    assert report.results_name(MOE, ["long"], {**settings, "max_num_seqs": 320}) == (
         "rollout_throughput_qwen3-30b-a3b_long_max_num_seqs_320.json"
     )
-    bf16_dir, fp8_dir = rollout.checkpoint_dirs("qwen3-8b", tmp_path)
+    bf16_dir, fp8_dir = checkpoints.checkpoint_dirs("qwen3-8b", tmp_path)
     assert (bf16_dir.name, fp8_dir.name) == ("qwen3_8b_random_bf16", "qwen3_8b_random_vllm_fp8")
-    assert rollout.vllm_fp8_quantization_config(rollout.QWEN3_8B) == rollout.VLLM_FP8_QUANTIZATION
+    assert checkpoints.vllm_fp8_quantization_config(checkpoints.QWEN3_8B) == checkpoints.VLLM_FP8_QUANTIZATION
 
 
-@pytest.mark.parametrize("variant", rollout.VARIANTS)
+@pytest.mark.parametrize("variant", runner.VARIANTS)
 def test_variant_specs(tmp_path: Path, variant: str) -> None:
     """MoE: every variant loads dummy weights; both FP8 paths get E8M0 rounding off. 8B: as before.
     _dg variants: DeepGEMM in the config and the process, with the prepared JIT cache when given."""
     bf16_dir, fp8_dir, cache = tmp_path / "bf16", tmp_path / "fp8", tmp_path / "dg"
-    moe = rollout.variant_spec(variant, MOE, bf16_dir, fp8_dir, [], {"model_runner": None})
-    dense = rollout.variant_spec(variant, "qwen3-8b", bf16_dir, fp8_dir, [], {"model_runner": None}, deepgemm_cache=cache)
+    moe = runner.variant_spec(variant, MOE, bf16_dir, fp8_dir, [], {"model_runner": None})
+    dense = runner.variant_spec(variant, "qwen3-8b", bf16_dir, fp8_dir, [], {"model_runner": None}, deepgemm_cache=cache)
     deep_gemm = variant.endswith("_dg")
     assert moe["load_format"] == "dummy" and dense["load_format"] == "auto"
     assert moe["model"] == dense["model"] == str(fp8_dir if variant.startswith("vllm_fp8") else bf16_dir)
@@ -100,14 +97,14 @@ def _fake_machine(monkeypatch: pytest.MonkeyPatch, uuid: str, rates: dict[str, f
         specs.append(spec)
         return _measured(rates[name], 100.0 + len(name))
 
-    monkeypatch.setattr(rollout, "_device_and_versions", lambda: {**H200, **versions})
-    monkeypatch.setattr(rollout, "_nvidia_smi", lambda fields: uuid)
-    monkeypatch.setattr(rollout, "run_variant", run_variant)
+    monkeypatch.setattr(report, "device_and_versions", lambda: {**H200, **versions})
+    monkeypatch.setattr(report, "nvidia_smi", lambda fields: uuid)
+    monkeypatch.setattr(runner, "run_variant", run_variant)
     return specs
 
 
 def _call(tmp_path: Path, machine: str, variants: str, *extra: str) -> int:
-    return rollout.main([
+    return cli.main([
         "--model", MOE, "--shapes", "long", "--variants", variants, "--models", str(tmp_path / machine / "models"),
         "--work", str(tmp_path / machine / "work"), "--results", str(tmp_path / machine / "out"), *extra,
     ])  # fmt: skip
@@ -124,25 +121,25 @@ def test_variants_of_one_run_over_calls_and_machines(tmp_path: Path, monkeypatch
     assert _call(tmp_path, "a", "bf16") == 0
     assert _call(tmp_path, "a", "bf16,fp8_align") == 0  # bf16 kept, not re-measured
     assert [spec["fp8_align"] for spec in specs] == [False, True]
-    report = json.loads((tmp_path / "a" / "out" / REPORT).read_text())
-    assert report["model"]["load_format"] == "dummy" and report["model"]["config"]["num_experts"] == 128
-    assert report["ratios"]["long"]["fp8_align_vs_bf16"] == pytest.approx(1.4)
-    assert report["variants_on_one_gpu"] is True
+    written = json.loads((tmp_path / "a" / "out" / REPORT).read_text())
+    assert written["model"]["load_format"] == "dummy" and written["model"]["config"]["num_experts"] == 128
+    assert written["ratios"]["long"]["fp8_align_vs_bf16"] == pytest.approx(1.4)
+    assert written["variants_on_one_gpu"] is True
 
     specs = _fake_machine(monkeypatch, "GPU-b", rates)
     assert _call(tmp_path, "b", "vllm_fp8", "--merge", str(tmp_path / "a" / "out" / REPORT)) == 0
     assert len(specs) == 1 and specs[0]["env"] == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
-    report = json.loads((tmp_path / "b" / "out" / REPORT).read_text())
-    assert list(report["variants"]) == ["bf16", "fp8_align", "vllm_fp8"]
-    assert {name: r["run"]["gpu_uuid"] for name, r in report["variants"].items()} == {
+    written = json.loads((tmp_path / "b" / "out" / REPORT).read_text())
+    assert list(written["variants"]) == ["bf16", "fp8_align", "vllm_fp8"]
+    assert {name: r["run"]["gpu_uuid"] for name, r in written["variants"].items()} == {
         "bf16": "GPU-a", "fp8_align": "GPU-a", "vllm_fp8": "GPU-b"
     }  # fmt: skip
-    assert all(r["run"]["device"] == H200["device"] for r in report["variants"].values())
-    assert report["ratios"]["long"] == pytest.approx(
+    assert all(r["run"]["device"] == H200["device"] for r in written["variants"].values())
+    assert written["ratios"]["long"] == pytest.approx(
         {"bf16_vs_bf16": 1.0, "fp8_align_vs_bf16": 1.4, "vllm_fp8_vs_bf16": 1.3, "fp8_align_vs_vllm_fp8": 14 / 13}
     )
-    assert report["fp8_align_extra_engine_start_vs_vllm_fp8_s"] == pytest.approx(1.0)
-    assert report["variants_on_one_gpu"] is False
+    assert written["fp8_align_extra_engine_start_vs_vllm_fp8_s"] == pytest.approx(1.0)
+    assert written["variants_on_one_gpu"] is False
 
 
 @pytest.mark.parametrize(
@@ -171,7 +168,7 @@ def test_vllm_reads_the_routers_as_bf16(tmp_path: Path) -> None:
     fp8 = pytest.importorskip("vllm.model_executor.layers.quantization.fp8")
     from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-    config = fp8.Fp8Config.from_config(rollout.vllm_fp8_quantization_config(rollout.QWEN3_30B_A3B))
+    config = fp8.Fp8Config.from_config(checkpoints.vllm_fp8_quantization_config(checkpoints.QWEN3_30B_A3B))
     assert config.weight_block_size == [128, 128] and config.is_checkpoint_fp8_serialized
     expected = {"model.layers.47.mlp.gate": True, "lm_head": True, "model.layers.0.self_attn.qkv_proj": False,
                 "model.layers.0.mlp.experts": False}  # fmt: skip
@@ -180,9 +177,9 @@ def test_vllm_reads_the_routers_as_bf16(tmp_path: Path) -> None:
 
 
 def test_merge_refuses_another_model(tmp_path: Path) -> None:
-    header = {field: None for field in rollout.SAME_RUN_FIELDS}
+    header = {field: None for field in report.SAME_RUN_FIELDS}
     earlier = tmp_path / "report.json"
     earlier.write_text(json.dumps({**header, "model": {"name": "qwen3-8b"}, "variants": {}}))
-    with pytest.raises(rollout.MergeError, match="model: "):
-        rollout.load_report(earlier, {**header, "model": {"name": MOE}})
-    assert rollout.load_report(earlier, {**header, "model": {"name": "qwen3-8b"}})["variants"] == {}
+    with pytest.raises(report.MergeError, match="model: "):
+        report.load_report(earlier, {**header, "model": {"name": MOE}})
+    assert report.load_report(earlier, {**header, "model": {"name": "qwen3-8b"}})["variants"] == {}

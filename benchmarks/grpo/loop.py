@@ -26,7 +26,7 @@ from fp8_align.bench.scoring import pad_logprobs
 from fp8_align.config import FP8Config
 from fp8_align.is_correction import truncated_importance_weights
 from fp8_align.metrics import mismatch_metrics
-from fp8_align.vllm_plugin.kv.scales import push_kv_scales
+from fp8_align.vllm_plugin import push_kv_scales
 
 from .arms import Arm, RunSettings
 from .engine import check_engine_weights, push_weights, sample, start_engine

@@ -4,17 +4,49 @@
 in every worker. It checks the installed vLLM version and registers the quantization method
 name; it patches nothing. Patches (see `patches.py`) are applied only when an engine is built
 with `quantization="fp8_align"`.
+
+The RL loop's calls are importable from here and load their modules on first use, so importing
+this package (what vLLM does in every process) imports neither them nor vLLM:
+
+    from fp8_align.vllm_plugin import refit_weights, push_kv_scales, calibrate_kv_scales
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, engine_kwargs
 
+if TYPE_CHECKING:
+    from fp8_align.vllm_plugin.kv.calibration import calibrate_kv_scales
+    from fp8_align.vllm_plugin.kv.scales import push_kv_scales
+    from fp8_align.vllm_plugin.refit import refit_weights
+
 logger = logging.getLogger("vllm.fp8_align")
 
-__all__ = ["QUANTIZATION_NAME", "engine_kwargs", "register"]
+#: Public name -> the module that defines it, imported when the name is first read.
+_LAZY = {
+    "refit_weights": "fp8_align.vllm_plugin.refit",
+    "push_kv_scales": "fp8_align.vllm_plugin.kv.scales",
+    "calibrate_kv_scales": "fp8_align.vllm_plugin.kv.calibration",
+}
+
+__all__ = ["QUANTIZATION_NAME", "calibrate_kv_scales", "engine_kwargs", "push_kv_scales", "refit_weights", "register"]
+
+
+def __getattr__(name: str) -> Any:
+    """`refit_weights`, `push_kv_scales`, `calibrate_kv_scales`: imported from their modules on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def register() -> None:

@@ -1,4 +1,4 @@
-# Source this on the GPU box from the repository root: `source benchmarks/gpu_box_setup.sh`.
+# Source this on the GPU box from the repository root: `source benchmarks/box/gpu_box_setup.sh`.
 #
 # 1. Unpacks the vLLM 0.22.0 bundle into /root/kit (once per bundle; needs every .gpukit part
 #    already copied to /root/stage and .gpukit/{ID,bin,unpack.sh} carried in this call, or an

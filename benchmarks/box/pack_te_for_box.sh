@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Pack TransformerEngine 2.20.2 (+ megatron-core 0.19.2) for the offline GPU box (Python 3.12,
 # torch 2.11.0+cu130): the binary core wheel, the Python metapackage, the torch-extension sdist
-# (built on the box by benchmarks/te_box_setup.sh: it has g++ 13, ninja and torch's CUDA headers,
+# (built on the box by benchmarks/box/te_box_setup.sh: it has g++ 13, ninja and torch's CUDA headers,
 # plus the crt and libcu++ headers of nvidia-cuda-crt / nvidia-cuda-cccl, which CUDA 13's
-# cuda_runtime.h and cuda_fp16.h include; 129 s with 16 jobs on the H100 box)
+# cuda_runtime.h and cuda_fp16.h include)
 # and TE's runtime Python dependencies, as one tar split into parts that fit the device tool's
 # 64 MiB carry limit, plus ID (sha256 of the tar, first 16 hex digits).
-#   bash scripts/pack_te_for_box.sh [.gpute]        (run from the repository root; ~300 MB download)
+#   bash benchmarks/box/pack_te_for_box.sh [.gpute]        (run from the repository root; ~300 MB download)
 # Versions are pinned here; the sdist is checked against its PyPI sha256.
 set -euo pipefail
 out="${1:-.gpute}"

@@ -1,12 +1,12 @@
 """Build FlashInfer's XQA decode modules (BF16 query, FP8 E4M3 KV cache, sm_90a) ahead of time.
 
-Run by scripts/build_flashinfer_aot.sh inside its build environment (CUDA_HOME = the CUDA 13.0
+Run by benchmarks/box/build_flashinfer_aot.sh inside its build environment (CUDA_HOME = the CUDA 13.0
 compiler wheels, FLASHINFER_CUDA_ARCH_LIST=9.0a). For each module spec it runs FlashInfer's own
 JIT build (`JitSpec.build`), copies the library to OUT/aot/<name>/<name>.so (the layout
 `flashinfer.jit.env.FLASHINFER_AOT_DIR` expects, where `JitSpec.build_and_load` loads it without
 compiling), checks that it loads, and writes OUT/manifest.json (versions, specs, sha256).
 
-    python scripts/build_flashinfer_aot.py OUT [--specs HEAD_DIM:GROUP_RATIO:PAGE_SIZE ...]
+    python benchmarks/box/build_flashinfer_aot.py OUT [--specs HEAD_DIM:GROUP_RATIO:PAGE_SIZE ...]
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The real-TransformerEngine session on the GPU box (issue #17), one stage per device call:
-#   bash benchmarks/te_box_run.sh STAGE...     STAGE: setup | tests | align | bench-pow2 | bench-fp32
-# Needs the vLLM kit, SmolLM2 and the TE bundle staged in /root/stage (see benchmarks/RESULTS.md);
+#   bash benchmarks/box/te_box_run.sh STAGE...     STAGE: setup | tests | align | bench-pow2 | bench-fp32
+# Needs the vLLM kit, SmolLM2 and the TE bundle staged in /root/stage (docs/dev/gpu_box.md);
 # every stage re-sources the setup scripts (cheap once installed). Output under $OUT/te/.
 set -uo pipefail
 out="${OUT:-/tmp/out}/te"; mkdir -p "$out"
-source benchmarks/gpu_box_setup.sh >/dev/null || exit 1
-source benchmarks/gpu_model_setup.sh >/dev/null || exit 1
-source benchmarks/te_box_setup.sh || exit 1
+source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
+source benchmarks/box/gpu_model_setup.sh >/dev/null || exit 1
+source benchmarks/box/te_box_setup.sh || exit 1
 export VLLM_LOGGING_LEVEL=WARNING
 bench=(python3 -m fp8_align.cli bench-error --device cuda --training-side megatron-te,engine-kernels --json-only --no-plots)
 for stage in "$@"; do

@@ -3,12 +3,12 @@
 # offline GPU box (no nvcc there, so FlashInfer cannot JIT). Pinned to what vLLM 0.22.0 pins
 # (flashinfer-python 0.6.11.post2, apache-tvm-ffi 0.1.9) and to the CUDA 13.0 compiler wheels
 # torch 2.11's cuda-toolkit 13.0.2 pins. Needs .venv (torch, for FlashInfer's imports) and g++.
-#   bash scripts/build_flashinfer_aot.sh [OUT=.flashinfer_aot] [HEAD_DIM:GROUP_RATIO:PAGE_SIZE ...]
+#   bash benchmarks/box/build_flashinfer_aot.sh [OUT=.flashinfer_aot] [HEAD_DIM:GROUP_RATIO:PAGE_SIZE ...]
 # Result: OUT/aot/<module>/<module>.so + OUT/manifest.json. On the box, copy OUT/aot/* into
 # FlashInfer's AOT directory (`python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)"`);
 # FLASHINFER_DISABLE_JIT=1 then names any module still missing instead of compiling.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="$(realpath -m "${1:-$root/.flashinfer_aot}")"; shift || true
 env_dir="$root/.cache/flashinfer_aot_env"
 DRIVER_SYMBOLS="cuGetErrorName cuTensorMapEncodeTiled"
@@ -34,7 +34,7 @@ fi
 export CUDA_HOME="$site/nvidia/cu13" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$env_dir/workspace"
 export PATH="$CUDA_HOME/bin:$site/bin:$PATH" PYTHONPATH="$site" LD_LIBRARY_PATH="$CUDA_HOME/lib:$CUDA_HOME/lib/stubs:${LD_LIBRARY_PATH:-}"
 rm -rf "$env_dir/workspace" "$out" && mkdir -p "$out"  # every module compiled and linked afresh
-"$root/.venv/bin/python" "$root/scripts/build_flashinfer_aot.py" "$out" ${1:+--specs "$@"}
+"$root/.venv/bin/python" "$root/benchmarks/box/build_flashinfer_aot.py" "$out" ${1:+--specs "$@"}
 for so in "$out"/aot/*/*.so; do
   readelf -d "$so" | grep -q 'NEEDED.*libcuda.so.1' || { echo "$so does not link libcuda.so.1"; exit 1; }
   for sym in $(nm -D --undefined-only "$so" | awk '{print $2}' | grep '^cu[A-Z]' || true); do

@@ -1,0 +1,202 @@
+"""One variant of the rollout benchmark: its engine process, its settings, and what it measures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.rollout.checkpoints import MODELS
+
+#: shape name -> (prompts, prompt tokens, generated tokens)
+SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
+VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa", "fp8_align_dg", "fp8_align_kv_xqa_dg")
+#: Prompts in the engine-side KV-scale calibration batch of `fp8_align_kv`.
+CALIBRATION_PROMPTS = 8
+#: The benchmark's command line; its hidden `--worker SPEC RESULT` runs `run_engine` in a fresh process.
+SCRIPT = Path(__file__).resolve().parents[1] / "rollout_throughput.py"
+_LOG_FIELDS = {  # vLLM 0.22 log lines -> seconds
+    "model_load_s": r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) seconds",
+    "weights_load_s": r"Loading weights took ([\d.]+) seconds",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)",
+    "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
+}
+
+
+class VariantError(RuntimeError):
+    """One variant's engine process failed; the message holds its log tail."""
+
+
+# --------------------------------------------------------------------------- one engine (worker)
+def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """Start one engine, warm up, time each shape's generates; returns the measurements (worker process)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fp8_align.config import FP8Config
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    shapes = spec["shapes"]
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"], load_format=spec["load_format"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+        gpu_memory_utilization=spec["gpu_memory_utilization"], max_model_len=max(s["prompt_len"] + s["new_tokens"] for s in shapes),
+        max_num_seqs=spec["max_num_seqs"] or max(s["batch"] for s in shapes), kv_cache_dtype=spec["kv_cache_dtype"],
+        disable_log_stats=False,  # for the preemption counter (llm.get_metrics)
+    )  # fmt: skip
+    kwargs.update(spec.get("llm_kwargs", {}))
+    if spec["attention_backend"]:
+        kwargs["attention_backend"] = spec["attention_backend"]
+    if spec["fp8_align"]:
+        kwargs.update(engine_kwargs(FP8Config(**spec["fp8_config"])))
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    engine_start_s = time.perf_counter() - start
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    warmup = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0)
+    llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in shapes[0]["prompts"][:16]], warmup, use_tqdm=False)
+    by_shape = {shape["name"]: _time_shape(llm, shape, spec["calibrate_kv"]) for shape in shapes}
+    return {
+        "engine_start_s": engine_start_s,
+        "engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"},
+        "kv_cache_tokens": cache_config.num_gpu_blocks * cache_config.block_size,
+        "by_shape": by_shape,
+    }
+
+
+def _preemptions(llm: Any) -> int:
+    """vLLM's cumulative preemption counter (a preempted request is recomputed later)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def _time_shape(llm: Any, shape: dict[str, Any], calibrate_kv: bool) -> dict[str, Any]:
+    """`shape["repeats"]` timed generates of the shape's prompts (after the K/V calibration when asked)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    batch, new_tokens = shape["batch"], shape["new_tokens"]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in shape["prompts"]]
+    calibration: dict[str, Any] = {}
+    if calibrate_kv:
+        from fp8_align.vllm_plugin import calibrate_kv_scales
+
+        # K/V only: with an FP8 KV cache vLLM's GPU attention quantizes the query itself, before
+        # any hook can see it, so q_scale keeps its value (see calibrate_kv_scales).
+        calibrate_kv_scales(llm, shape["prompts"][:CALIBRATION_PROMPTS], include_q=False)  # untimed: first call
+        start = time.perf_counter()
+        result = calibrate_kv_scales(llm, shape["prompts"][:CALIBRATION_PROMPTS], include_q=False)
+        calibration = {"kv_calibration_s": time.perf_counter() - start, "kv_calibration_tokens": result.tokens,
+                       "kv_scales_layer0": result.scales[0]}  # fmt: skip
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
+    generate_s, preemptions = [], []
+    for _ in range(shape["repeats"]):
+        before = _preemptions(llm)
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        generate_s.append(time.perf_counter() - start)
+        preemptions.append(_preemptions(llm) - before)
+        output_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+        if output_tokens != batch * new_tokens:
+            raise RuntimeError(f"expected {batch * new_tokens} output tokens, got {output_tokens}")
+    median_s = statistics.median(generate_s)
+    result = {
+        "generate_s": generate_s,
+        "generate_median_s": median_s,
+        "output_tokens": output_tokens,
+        "output_tok_per_s": output_tokens / median_s,
+        "output_tok_per_s_each": [output_tokens / s for s in generate_s],
+        "preemptions_each": preemptions,
+        "total_tok_per_s": (output_tokens + batch * shape["prompt_len"]) / median_s,
+        **calibration,
+    }
+    if calibration:
+        result["kv_calibration_share_of_step"] = calibration["kv_calibration_s"] / median_s
+    return result
+
+
+# --------------------------------------------------------------------------- driver side
+def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run one variant in a fresh process with cold caches; measurements + parsed log timings."""
+    work.mkdir(parents=True, exist_ok=True)
+    caches = work / "cache"
+    env = {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(caches / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+        "VLLM_USE_DEEP_GEMM": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # calibrate_kv_scales uses collective_rpc
+    }
+    env.update(spec["env"])
+    if spec["model_runner"]:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if spec["model_runner"] == "v2" else "0"
+    spec_path, result_path, log_path = work / f"{name}.spec.json", work / f"{name}.result.json", work / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--worker", str(spec_path), str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        raise VariantError(f"variant {name} failed ({proc.returncode}); log tail:\n{text[-4000:]}")
+    result = json.loads(result_path.read_text())
+    for field, pattern in _LOG_FIELDS.items():
+        match = re.search(pattern, text)
+        result[field] = float(match.group(1)) if match else None
+    result["attention_backend"] = sorted(set(re.findall(r"Using (\w+) attention backend", text)))
+    result["model_runner"] = "v2" if "Using V2 Model Runner" in text else "v1"
+    warmups = re.findall(r"fp8_align: DeepGEMM warm-up N=\d+ K=\d+: \d+ M values in ([\d.]+) s", text)
+    result["fp8_align_deepgemm_warmup_s"] = sum(map(float, warmups)) if warmups else None
+    result["fp8_align_kernels"] = sorted(set(re.findall(r"fp8_align: model\.layers\.\S+ \[[^\]]*\]\] -> (\w+)", text)))
+    result["moe_backend"] = sorted(set(re.findall(r"Using (.+?) (?:Unquantized|Fp8) MoE backend", text)))
+    result["moe_config_files"] = sorted({Path(f).name for f in re.findall(r"Using configuration from (\S+) for MoE layer", text)})
+    result["extra_env"] = spec["env"]
+    return result
+
+
+def variant_env(model: str, variant: str) -> dict[str, str]:
+    """Environment of one variant's engine process on top of run_variant's common one: FP32
+    activation-scale rounding for both FP8 paths of an MoE (VLLM_USE_DEEP_GEMM_E8M0=0)."""
+    if "num_experts" in MODELS[model].config and variant != "bf16":
+        return {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    return {}
+
+
+def variant_spec(
+    variant: str, model: str, bf16_path: Path, fp8_path: Path, shapes: list[dict[str, Any]], settings: dict[str, Any],
+    deepgemm_cache: Path | None = None,
+) -> dict[str, Any]:
+    """What one variant's engine process runs (its spec file, read by run_engine and run_variant).
+    `_dg` variants run DeepGEMM linears with DG_JIT_CACHE_DIR=`deepgemm_cache` (None: cold)."""
+    deep_gemm = variant.endswith("_dg")
+    env = variant_env(model, variant)
+    if deep_gemm:
+        env["VLLM_USE_DEEP_GEMM"] = "1"
+        if deepgemm_cache is not None:
+            env["DG_JIT_CACHE_DIR"] = str(deepgemm_cache)
+    return {
+        "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
+        "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
+        "fp8_config": {"use_deep_gemm": deep_gemm, **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if "_xqa" in variant else {})},
+        "calibrate_kv": variant.startswith("fp8_align_kv"), "env": env, "shapes": shapes,
+        "llm_kwargs": MODELS[model].llm_kwargs, **settings,
+    }  # fmt: skip
+
+
+def make_shapes(shape_names: list[str], repeats: dict[str, int], vocab_size: int) -> list[dict[str, Any]]:
+    """Each shape's sizes and random token-id prompts (seed 0), as the engine processes get them."""
+    import torch
+
+    shapes = []
+    for name in shape_names:
+        batch, prompt_len, new_tokens = SHAPES[name]
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, vocab_size, (batch, prompt_len), generator=g).tolist()
+        shapes.append({"name": name, "prompts": prompts, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                       "repeats": repeats[name]})  # fmt: skip
+    return shapes
