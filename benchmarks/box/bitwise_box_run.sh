@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The bitwise on-policy session on the GPU box (issue #24), stages per device call:
-#   bash benchmarks/bitwise_box_run.sh STAGE...
+#   bash benchmarks/box/bitwise_box_run.sh STAGE...
 #   STAGE: stage (copy the carried .gpukit/part_* and .gpumodel/smol.zst.part_* to /root/stage)
 #        | setup (kit + SmolLM2) | tests | proof[=MODELS] | cost[=PARTS]
 # Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise.json, on_policy_cost.json, logs.
@@ -11,8 +11,8 @@ for stage in "$@"; do
   case "$stage" in
     stage) cp .gpukit/part_* .gpumodel/smol.zst.part_* /root/stage/ 2>/dev/null; ls -l /root/stage ;;
     setup)
-      source benchmarks/gpu_box_setup.sh >/dev/null || exit 1
-      source benchmarks/gpu_model_setup.sh || exit 1 ;;
+      source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
+      source benchmarks/box/gpu_model_setup.sh || exit 1 ;;
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/test_gpu_bitwise.py > "$out/pytest_bitwise.txt" 2>&1
       tail -25 "$out/pytest_bitwise.txt" ;;
