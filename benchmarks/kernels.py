@@ -43,6 +43,7 @@ from fp8_align.config import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
 from fp8_align.vllm_plugin.kernels import gpu as gk
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 M_VALUES = {"prefill": 4096, "decode": 64}
@@ -59,7 +60,7 @@ def _layer(n: int, k: int) -> torch.nn.Module:
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align_shard_sizes = [n]
+    layer.fp8_align = Fp8AlignLayerState("linear", f"bench[{n}x{k}]", shard_sizes=[n])
     layer.bf16_weight = w
     return layer
 

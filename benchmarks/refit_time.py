@@ -54,7 +54,8 @@ def _load_bf16_in_worker(worker: Any, handles: bytes) -> dict[str, float]:
     phase, split like `RefitResult.phase_seconds` (receive, load, release)."""
     import torch
 
-    from fp8_align.vllm_plugin.refit import PhaseClock, open_cuda_tensors
+    from fp8_align.vllm_plugin.refit.push import PhaseClock
+    from fp8_align.vllm_plugin.refit.transport import open_cuda_tensors
 
     clock = PhaseClock()
     tensors = open_cuda_tensors(handles)

@@ -16,6 +16,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import E4M3_MAX, fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 pytestmark = pytest.mark.gpu
 
@@ -374,8 +375,7 @@ def _layer(shard_sizes: list[int], k: int, pow2: bool, seed: int) -> torch.nn.Mo
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align_shard_sizes = list(shard_sizes)
-    layer.fp8_align_prefix = f"test[{shard_sizes}x{k}]"
+    layer.fp8_align = Fp8AlignLayerState("linear", f"test[{shard_sizes}x{k}]", shard_sizes=list(shard_sizes))
     layer.params_dtype = torch.bfloat16
     return layer
 
@@ -397,7 +397,7 @@ def _per_shard(layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tenso
     """`fp8_block_gemm` shard by shard in FP32; with `absolute`, of |codes| (the bound's sum)."""
     outputs, row, scale_row = [], 0, 0
     x = x_fp8.float().abs() if absolute else x_fp8
-    for size in layer.fp8_align_shard_sizes:
+    for size in layer.fp8_align.shard_sizes:
         blocks = -(-size // 128)
         w = layer.weight[row : row + size]
         outputs.append(
@@ -536,7 +536,7 @@ def test_engine_kernel_training_linear_is_bit_identical_to_the_engine_layer(shar
     codes, scales = quantize_shards(torch.cat(weights), shard_sizes, cfg.use_weight_pow2_scale)
     stacked = torch.nn.Module()
     stacked.weight, stacked.weight_scale_inv = codes, scales
-    stacked.fp8_align_shard_sizes, stacked.fp8_align_prefix, stacked.params_dtype = list(shard_sizes), "stacked", torch.bfloat16
+    stacked.fp8_align, stacked.params_dtype = Fp8AlignLayerState("linear", "stacked", shard_sizes=list(shard_sizes)), torch.bfloat16
     kernel = select_kernel(cfg, codes.shape, list(shard_sizes), codes.device)
     engine_out = kernel.apply(stacked, x, None, cfg.use_activation_pow2_scale)
     row = 0

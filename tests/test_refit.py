@@ -28,6 +28,7 @@ from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from fp8_align.vllm_plugin.refit import refit_weights
 from tests.model_factory import make_tiny_llama
 
@@ -127,7 +128,7 @@ def _fp8_storage_pointers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {
         name: (module.weight.data_ptr(), module.weight_scale_inv.data_ptr())
         for name, module in model.named_modules()
-        if hasattr(module, "fp8_align_kernel")
+        if is_fp8_align_layer(module, "linear")
     }
 
 

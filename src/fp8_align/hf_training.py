@@ -88,11 +88,12 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
         from types import SimpleNamespace
 
         from fp8_align.quant.dispatch import quantize_weight_into
+        from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
         codes, scale_inv = quantize_weight_into(weight.detach(), module.weight_pow2_scale, scale_rule=module.scale_rule)
         layer = SimpleNamespace(
-            weight=codes, weight_scale_inv=scale_inv, fp8_align_shard_sizes=[codes.shape[0]],
-            fp8_align_prefix=module.name, params_dtype=x.dtype,
+            weight=codes, weight_scale_inv=scale_inv, params_dtype=x.dtype,
+            fp8_align=Fp8AlignLayerState("linear", module.name, shard_sizes=[codes.shape[0]]),
         )  # fmt: skip
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None

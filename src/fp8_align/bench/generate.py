@@ -45,6 +45,8 @@ from typing import IO, Any, ContextManager
 
 import torch
 
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+
 DEFAULT_LLM_KWARGS = {"gpu_memory_utilization": 0.1, "dtype": "bfloat16", "seed": 0}
 #: KV cache per CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE) when engines share a machine.
 CPU_KV_CACHE_GIB = 2
@@ -236,8 +238,8 @@ def linear_kernels(model: torch.nn.Module) -> dict[str, dict[str, str]]:
         method = getattr(module, "quant_method", None)
         if method is None or not hasattr(module, "input_size"):
             continue
-        kernel = getattr(module, "fp8_align_kernel", None)
-        kernels[name] = {"method": type(method).__name__, "kernel": kernel.name if kernel is not None else "bf16"}
+        kernel = module.fp8_align.kernel.name if is_fp8_align_layer(module, "linear") else "bf16"
+        kernels[name] = {"method": type(method).__name__, "kernel": kernel}
     return kernels
 
 

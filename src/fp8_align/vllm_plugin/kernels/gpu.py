@@ -281,8 +281,8 @@ class GpuBlockFp8Kernel(BlockFp8Kernel):
         """Log the choice for this layer (its name, shape, and why earlier backends were passed)."""
         logger.info(
             "fp8_align: %s [%s] -> %s (passed: %s)",
-            layer.fp8_align_prefix,
-            LayerShape(*layer.weight.shape, tuple(layer.fp8_align_shard_sizes)).describe(),
+            layer.fp8_align.prefix,
+            LayerShape(*layer.weight.shape, tuple(layer.fp8_align.shard_sizes)).describe(),
             self.name,
             "; ".join(self.passed) or "none",
         )
@@ -326,7 +326,7 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
         """Refuse a non-bf16 layer (selection assumed bf16 output), then log the choice."""
         if layer.params_dtype != torch.bfloat16:
             raise ValueError(
-                f"fp8_align: {layer.fp8_align_prefix} has dtype {layer.params_dtype} but DeepGEMM was selected for "
+                f"fp8_align: {layer.fp8_align.prefix} has dtype {layer.params_dtype} but DeepGEMM was selected for "
                 "bf16 output; pass the layer dtype as select_kernel(..., out_dtype=)"
             )
         super().prepare(layer)
@@ -455,7 +455,7 @@ class ShardedTritonBlockFp8Kernel(GpuBlockFp8Kernel):
             torch.ops.vllm.w8a8_triton_block_scaled_mm_func(
                 x_fp8, layer.weight[rows], x_scale, layer.weight_scale_inv[scale_rows], [BLOCK, BLOCK], out_dtype
             )
-            for rows, scale_rows in shard_slices(layer.fp8_align_shard_sizes)
+            for rows, scale_rows in shard_slices(layer.fp8_align.shard_sizes)
         ]
         return torch.cat(outputs, dim=-1)
 
