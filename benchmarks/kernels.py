@@ -42,6 +42,7 @@ from triton.testing import do_bench
 from fp8_align.config import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
+from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 from fp8_align.vllm_plugin.kernels import gpu as gk
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
@@ -83,7 +84,7 @@ def gemm_rows(target: Any) -> list[dict[str, Any]]:
                 if reason is not None:
                     rows.append({"shape": shape_name, "phase": phase, "M": m, "N": n, "K": k, "kernel": kernel.name, "skipped": reason})
                     continue
-                x_fp8, x_scale = gk.quantize_activation_triton(x, False, int(kernel.scale_layout))
+                x_fp8, x_scale = quantize_activation_triton(x, False, int(kernel.scale_layout))
                 gemm_ms = median_ms(lambda: kernel.gemm(layer, x_fp8, x_scale, torch.bfloat16))
                 linear_ms = median_ms(lambda: kernel.apply(layer, x, None, False))
                 for op, ms in (("gemm", gemm_ms), ("linear", linear_ms)):
@@ -126,7 +127,7 @@ def quantizer_rows() -> list[dict[str, Any]]:
             rows.append({"what": what, "shape": shape_name, "N": n, "K": k, "ms": ms, "GBps": moved / ms / 1e6,
                          "copy_same_shape_GBps": same_shape_gbps, "share_of_same_shape_copy": moved / ms / 1e6 / same_shape_gbps})  # fmt: skip
         x = torch.randn(M_VALUES["prefill"], k, device="cuda").to(torch.bfloat16)
-        ms = median_ms(lambda: gk.quantize_activation_triton(x, False, int(gk.ScaleLayout.ROW_MAJOR)))
+        ms = median_ms(lambda: quantize_activation_triton(x, False, int(ScaleLayout.ROW_MAJOR)))
         moved = 3 * x.numel() + 4 * x.shape[0] * math.ceil(k / 128)
         same_shape_gbps = copy_gbps(x)
         rows.append({"what": "quantize_activation_triton", "shape": f"x[{x.shape[0]}, {k}]", "M": x.shape[0], "K": k, "ms": ms,

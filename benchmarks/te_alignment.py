@@ -73,7 +73,7 @@ def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, po
 
 def activation_agreement(model: torch.nn.Module, prompts: list[list[int]], pow2: bool, rule: str) -> dict[str, Any]:
     """Inputs of every FP8 linear over `prompts`: TE 1x128 vs fp8_align's reference and Triton kernel."""
-    from fp8_align.vllm_plugin.kernels.gpu import ScaleLayout, quantize_activation_triton
+    from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 
     captured: dict[str, list[torch.Tensor]] = {}
     hooks = []

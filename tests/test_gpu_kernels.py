@@ -46,6 +46,14 @@ def gk() -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="module")
+def tq() -> ModuleType:
+    """The Triton activation quantizer (imports Triton, so only where the GPU tests run)."""
+    import fp8_align.quant.triton_groupwise as module
+
+    return module
+
+
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cuda").manual_seed(seed)
 
@@ -94,18 +102,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", ACTIVATION_CASES)
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
-def test_activation_quant_bit_identical_to_reference(gk: ModuleType, case: str, pow2: bool) -> None:
+def test_activation_quant_bit_identical_to_reference(tq: ModuleType, case: str, pow2: bool) -> None:
     x = _activation_cases()[case]
     ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2)
-    for layout in gk.ScaleLayout:
-        codes, scales = gk.quantize_activation_triton(x, pow2, int(layout))
+    for layout in tq.ScaleLayout:
+        codes, scales = tq.quantize_activation_triton(x, pow2, int(layout))
         assert torch.equal(_bits(codes), _bits(ref_codes)), f"{layout.name}: codes differ"
         assert torch.equal(_bits(scales), _bits(ref_scales)), f"{layout.name}: scales differ"
         m, groups = scales.shape
         expected_stride = {
-            gk.ScaleLayout.ROW_MAJOR: (groups, 1),
-            gk.ScaleLayout.COLUMN_MAJOR: (1, m),
-            gk.ScaleLayout.COLUMN_MAJOR_TMA: (1, -(-m // 4) * 4),
+            tq.ScaleLayout.ROW_MAJOR: (groups, 1),
+            tq.ScaleLayout.COLUMN_MAJOR: (1, m),
+            tq.ScaleLayout.COLUMN_MAJOR_TMA: (1, -(-m // 4) * 4),
         }[layout]
         assert scales.stride() == expected_stride or groups == 1
 
@@ -118,7 +126,7 @@ def _multiplier_overflow(shape: tuple[int, int], dtype: torch.dtype = torch.bflo
 
 @pytest.mark.parametrize("case", [*ACTIVATION_CASES, "multiplier_overflow"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
-def test_activation_quant_transformer_engine_rule_bit_identical(gk: ModuleType, case: str, pow2: bool) -> None:
+def test_activation_quant_transformer_engine_rule_bit_identical(tq: ModuleType, case: str, pow2: bool) -> None:
     """scale_rule="transformer_engine": the Triton kernel equals the torch reference and
     te_emulation (TE's Float8BlockQuantizer) bit for bit, in every scale layout."""
     from fp8_align.megatron_ext.te_emulation import te_quantize_activation_1d
@@ -127,8 +135,8 @@ def test_activation_quant_transformer_engine_rule_bit_identical(gk: ModuleType, 
     ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2, scale_rule="transformer_engine")
     te_codes, te_scales = te_quantize_activation_1d(x, pow2)
     assert torch.equal(_bits(ref_codes), _bits(te_codes)) and torch.equal(_bits(ref_scales), _bits(te_scales))
-    for layout in gk.ScaleLayout:
-        codes, scales = gk.quantize_activation_triton(x, pow2, int(layout), "transformer_engine")
+    for layout in tq.ScaleLayout:
+        codes, scales = tq.quantize_activation_triton(x, pow2, int(layout), "transformer_engine")
         assert torch.equal(_bits(codes), _bits(ref_codes)), f"{layout.name}: codes differ"
         assert torch.equal(_bits(scales), _bits(ref_scales)), f"{layout.name}: scales differ"
 

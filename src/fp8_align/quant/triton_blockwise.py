@@ -63,7 +63,7 @@ def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2
     """`fp8_align.quant.scale_from_amax` in Triton, for FP32 amax tensors of any shape: amax / 448
     correctly rounded (1.0 where amax is 0, at least TINY), rounded up to a power of two when POW2.
     Used through `quantization_factors_triton` by the weight kernel here and the activation kernel
-    of the vLLM plugin."""
+    (`triton_groupwise`)."""
     scale = tl.maximum(tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0), TINY)
     if POW2:
         # smallest power of two >= scale (a positive normal float): clear the mantissa and bump
