@@ -223,8 +223,8 @@ def test_weight_quant_triton_transformer_engine_rule_bit_identical(case: str, po
 def test_weight_quant_triton_writes_into_merged_storage() -> None:
     """Per-shard quantization into row views of one merged tensor (the in-place refit path)."""
     from fp8_align.quant.dispatch import quantize_weight_into
-    from fp8_align.vllm_plugin.linear.method import quantize_shards
-    from fp8_align.vllm_plugin.linear.shards import shard_slices
+    from fp8_align.quant.shards import quantize_shards
+    from fp8_align.quant.shards import shard_slices
 
     sizes = [2048, 512, 200]
     w = _activations(sum(sizes), 1000, 17)
@@ -278,7 +278,7 @@ def test_grouped_weight_quant_bit_identical_to_reference(
     from fp8_align.quant import triton_blockwise
     from fp8_align.quant.dispatch import quantize_weights_into
     from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
-    from fp8_align.vllm_plugin.linear.shards import shard_slices
+    from fp8_align.quant.shards import shard_slices
 
     monkeypatch.setitem(triton_blockwise.GROUPED_LAUNCH, "rows_per_pass", rows_per_pass)
     cases = [w for w in _weight_cases().values() if subset == "all" or (w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)]
@@ -372,7 +372,7 @@ def test_vllm_per_token_group_quant_agreement(pow2: bool) -> None:
 def _layer(shard_sizes: list[int], k: int, pow2: bool, seed: int) -> torch.nn.Module:
     """A stand-in for a vLLM linear layer after fp8_align quantized it (weights with block
     magnitudes spanning 2^-4..2^4, so block scales differ)."""
-    from fp8_align.vllm_plugin.linear.method import quantize_shards
+    from fp8_align.quant.shards import quantize_shards
 
     g = _generator(seed)
     n = sum(shard_sizes)
@@ -535,7 +535,7 @@ def test_engine_kernel_training_linear_is_bit_identical_to_the_engine_layer(shar
     full 128 blocks, Triton / per-shard Triton for SmolLM2's 576/192 shards)."""
     from fp8_align.hf_training import Fp8TrainingLinear
     from fp8_align.vllm_plugin.kernels.registry import select_kernel
-    from fp8_align.vllm_plugin.linear.method import quantize_shards
+    from fp8_align.quant.shards import quantize_shards
 
     cfg = FP8Config()
     g = _generator(7)

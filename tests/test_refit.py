@@ -344,7 +344,7 @@ def test_vllm_reload_weights_requantizes_fp8_layers_like_a_fresh_engine(llm, w1_
     scales back to 1.0, their value then; it also refreshes the CPU kernel's float32 copy of the
     codes, a non-persistent buffer, or the logprobs would differ).
     """
-    from fp8_align.vllm_plugin.linear.shards import shard_slices
+    from fp8_align.quant.shards import shard_slices
 
     w1 = load_file(str(checkpoints["w1"] / "model.safetensors"))
     pointers = llm.apply_model(_fp8_storage_pointers)[0]

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from fp8_align.quant import blockwise_fp8_linear
+from fp8_align.quant.shards import shard_slices
 from fp8_align.vllm_plugin.compat import routed_experts_class
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
-from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 _SELF_CHECK_TOKENS = 5
 

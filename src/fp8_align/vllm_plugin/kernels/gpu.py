@@ -50,14 +50,12 @@ from vllm.triton_utils import HAS_TRITON
 from vllm.utils.deep_gemm import is_deep_gemm_supported
 
 from fp8_align.config import FP8Config
-# Importing these registers the custom ops torch.ops.fp8_align.quantize_activation_groupwise
-# (every backend's activation quantizer) and .cublas_block_scaled_mm.
-from fp8_align.quant.triton_groupwise import ScaleLayout, empty_scales
+from fp8_align.quant.shards import shard_slices
+from fp8_align.quant.triton_groupwise import ScaleLayout, empty_scales  # registers fp8_align::quantize_activation_groupwise
 from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.vllm_plugin.kernels.base import BLOCK, BlockFp8Kernel, LayerShape
-from fp8_align.vllm_plugin.kernels.cublas import cublas_probe_error
+from fp8_align.vllm_plugin.kernels.cublas import cublas_probe_error  # registers fp8_align::cublas_block_scaled_mm
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
-from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
 

@@ -15,39 +15,20 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from fp8_align.config import FP8Config
-from fp8_align.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE
+from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
+from fp8_align.quant.shards import quantize_shards, shard_slices
 from fp8_align.vllm_plugin.checkpoint import SYNC_DTYPES, WeightSyncError
 from fp8_align.vllm_plugin.compat import dispatch_cpu_unquantized_gemm, initialize_online_processing
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
-from fp8_align.vllm_plugin.linear.shards import shard_slices
 from fp8_align.vllm_plugin.load_memory import note_quantizing, track_bf16_weights
 
 logger = logging.getLogger("vllm.fp8_align")
 
 #: Shard names vLLM's QKVParallelLinear loader takes, in shard order.
 _QKV_SHARDS = ("q", "k", "v")
-
-
-def quantize_shards(
-    weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bool, scale_rule: str = "amax_over_max"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a merged [sum(shard_sizes), K] weight shard by shard (q|k|v, gate|up) with
-    `pow2_scale` and `scale_rule`.
-
-    Each shard gets its own 128x128 block grid, exactly as if the checkpoint's separate
-    projections were quantized one by one. Returns (codes [N, K] e4m3, scales [sum_s ceil(n_s/128),
-    ceil(K/128)] float32, the shards' grids stacked in order), via `quantize_weight_into`
-    (the Triton kernel on CUDA, the torch reference elsewhere; same bits).
-    """
-    slices = shard_slices(shard_sizes)
-    codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
-    scales = torch.empty((slices[-1][1].stop, -(-weight.shape[1] // DEFAULT_BLOCK_SIZE[1])), dtype=torch.float32, device=weight.device)
-    for rows, scale_rows in slices:
-        quantize_weight_into(weight[rows], pow2_scale, codes[rows], scales[scale_rows], scale_rule=scale_rule)
-    return codes, scales
 
 
 class Fp8AlignLinearMethod(LinearMethodBase):

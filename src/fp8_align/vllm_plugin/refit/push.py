@@ -51,6 +51,7 @@ import torch
 
 from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
+from fp8_align.quant.shards import shard_slices
 from fp8_align.vllm_plugin.checkpoint import (
     RefitError,
     TensorSpec,
@@ -63,7 +64,6 @@ from fp8_align.vllm_plugin.checkpoint import (
 from fp8_align.vllm_plugin.kv.scales import read_layer_scales, write_layer_scales
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod
-from fp8_align.vllm_plugin.linear.shards import shard_slices
 from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
 from fp8_align.vllm_plugin.refit.experts import (
     expert_prefixes,
