@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 from benchmarks.rollout_throughput import QWEN3_8B, _device_and_versions, ensure_bf16_checkpoint  # noqa: E402
 

@@ -147,8 +147,8 @@ def main() -> None:
     import transformer_engine  # noqa: F401  (fixes the rounding from the environment)
     from transformers import AutoModelForCausalLM
 
-    from fp8_align.bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
-    from fp8_align.models import smollm2_checkpoint
+    from fp8_align.error_bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
+    from fp8_align.error_bench.default_model import smollm2_checkpoint
 
     pow2 = te_pow2_scales_from_env()
     path = smollm2_checkpoint()

@@ -32,8 +32,7 @@ LAYERS: dict[str, int] = {
     "fp8_align.hf_training": 2,
     "fp8_align.adapters": 2,
     "fp8_align.doctor": 3,
-    "fp8_align.bench": 3,
-    "fp8_align.models": 3,
+    "fp8_align.error_bench": 3,
     "fp8_align.cli": 4,
 }
 

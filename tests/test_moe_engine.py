@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp8_align import FP8Config
-from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.hf_emulation import apply_fp8_emulation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.moe import expert_shard_rows

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.inspection import read_linear_layers

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales

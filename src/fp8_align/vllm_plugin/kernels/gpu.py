@@ -326,7 +326,7 @@ class ReferenceBlockFp8Kernel(GpuBlockFp8Kernel):
         return emulated_block_fp8_linear(x, layer.weight, layer, bias, act_pow2, scale_rule)
 
 
-#: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/kernels.py).
+#: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/gemm_kernels.py).
 GPU_KERNEL_ORDER: tuple[type[GpuBlockFp8Kernel], ...] = (
     DeepGemmBlockFp8Kernel,
     CutlassBlockFp8Kernel,

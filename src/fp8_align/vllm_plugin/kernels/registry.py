@@ -26,6 +26,7 @@ def select_kernel(
     """
     if device.type == "cpu":
         return EmulatedBlockFp8Kernel()
+    # imported here: kernels.gpu loads vLLM's CUDA kernels and Triton, absent on CPU-only installs
     from fp8_align.vllm_plugin.kernels.gpu import select_gpu_kernel
 
     return select_gpu_kernel(cfg, weight_shape, shard_sizes, device, out_dtype)

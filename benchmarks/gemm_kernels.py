@@ -1,10 +1,10 @@
 """Block-FP8 GEMM throughput per backend vs BF16, and the weight quantizer's bandwidth (CUDA).
 
-    python benchmarks/kernels.py --results DIR [--skip-gemm]
+    python benchmarks/gemm_kernels.py --results DIR [--skip-gemm]
 
 GEMM shapes of an 8B model (Qwen3-8B / Llama-3-8B style), N x K:
 qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288, at M = 4096 (prefill) and
-M = 64 (decode). For each fp8_align backend (`gpu_kernels.GPU_KERNEL_ORDER` minus the torch
+M = 64 (decode). For each fp8_align backend (`vllm_plugin.kernels.gpu.GPU_KERNEL_ORDER` minus the torch
 reference and triton_per_shard; a backend not eligible on the device is recorded as skipped,
 with the reason) two timings: `gemm` (pre-quantized activations, the backend's scale layout) and
 `linear` (activation quantization + GEMM, what the plugin runs). BF16 is `F.linear`.
@@ -30,10 +30,6 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-
-# This folder holds `kernels.py`, which shadows the `kernels` package that transformers probes
-# for (a circular import when vLLM loads transformers): take the folder off sys.path first.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
 import torch.nn.functional as F
