@@ -88,11 +88,11 @@ def run(num_prompts: int, max_new_tokens: int, say: Callable[[str], None] = prin
     """Every (perturbation, precision, sampling) pair's mismatch metrics; see the module doc."""
     from transformers import AutoModelForCausalLM
 
-    from fp8_align.bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
-    from fp8_align.bench.scoring import completion_logprobs, fp8_model
+    from fp8_align.error_bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
+    from fp8_align.error_bench.scoring import completion_logprobs, fp8_model
     from fp8_align.config import FP8Config
     from fp8_align.metrics import mismatch_metrics
-    from fp8_align.models import smollm2_checkpoint
+    from fp8_align.error_bench.default_model import smollm2_checkpoint
 
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     model_dir = smollm2_checkpoint()

@@ -31,11 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-# The script's own folder must not be on the path (benchmarks/kernels.py would shadow the
-# `kernels` package transformers probes for); the repository root is, here and in vLLM's
-# worker processes, which import `benchmarks.grpo.engine` to run its worker-side functions.
+# The repository root is on the path, here and in vLLM's worker processes, which import
+# `benchmarks.grpo.engine` to run its worker-side functions.
 _REPO = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO / "benchmarks"]
 sys.path.insert(0, str(_REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
 
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel and len(arms) > 1:
         return run_in_parallel(argv, [a.name for a in arms], args.out)
     settings = settings_from(args)
-    from fp8_align.models import smollm2_checkpoint
+    from fp8_align.error_bench.default_model import smollm2_checkpoint
     from benchmarks.grpo.loop import run_arm
 
     checkpoint = args.model or smollm2_checkpoint()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fp8_align.bench.generate import run_generation
-    from fp8_align.models import smollm2_checkpoint
+    from fp8_align.error_bench.generate import run_generation
+    from fp8_align.error_bench.default_model import smollm2_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="BF16 checkpoint (default: SmolLM2-135M-Instruct)")

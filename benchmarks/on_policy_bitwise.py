@@ -54,8 +54,8 @@ def prepare_model(name: str, work: Path) -> tuple[Path, list[list[int]], list[li
     """(checkpoint dir, probe prompts, filler prompts) as token ids."""
     rng = random.Random(0)
     if name == "smollm2":
-        from fp8_align.bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
-        from fp8_align.models import smollm2_checkpoint
+        from fp8_align.error_bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
+        from fp8_align.error_bench.default_model import smollm2_checkpoint
 
         path = smollm2_checkpoint()
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]

@@ -41,8 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 from benchmarks.rollout.checkpoints import QWEN3_8B, ensure_bf16_checkpoint  # noqa: E402
 from benchmarks.rollout.report import device_and_versions  # noqa: E402
@@ -55,7 +54,8 @@ def _load_bf16_in_worker(worker: Any, handles: bytes) -> dict[str, float]:
     phase, split like `RefitResult.phase_seconds` (receive, load, release)."""
     import torch
 
-    from fp8_align.vllm_plugin.refit import PhaseClock, open_cuda_tensors
+    from fp8_align.vllm_plugin.refit.push import PhaseClock
+    from fp8_align.vllm_plugin.refit.transport import open_cuda_tensors
 
     clock = PhaseClock()
     tensors = open_cuda_tensors(handles)

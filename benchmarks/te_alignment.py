@@ -73,7 +73,7 @@ def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, po
 
 def activation_agreement(model: torch.nn.Module, prompts: list[list[int]], pow2: bool, rule: str) -> dict[str, Any]:
     """Inputs of every FP8 linear over `prompts`: TE 1x128 vs fp8_align's reference and Triton kernel."""
-    from fp8_align.vllm_plugin.kernels.gpu import ScaleLayout, quantize_activation_triton
+    from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 
     captured: dict[str, list[torch.Tensor]] = {}
     hooks = []
@@ -147,8 +147,8 @@ def main() -> None:
     import transformer_engine  # noqa: F401  (fixes the rounding from the environment)
     from transformers import AutoModelForCausalLM
 
-    from fp8_align.bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
-    from fp8_align.models import smollm2_checkpoint
+    from fp8_align.error_bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
+    from fp8_align.error_bench.default_model import smollm2_checkpoint
 
     pow2 = te_pow2_scales_from_env()
     path = smollm2_checkpoint()

@@ -6,7 +6,7 @@ Three kernels, each timed with `triton.testing.do_bench` (median, L2 flushed) fo
 configuration of its grid, after checking its output against the torch reference:
 
     single   `quant.triton_blockwise.LAUNCH`: one weight per launch, on each 8B weight shape of
-             benchmarks/kernels.py; GB/s = (2 N K read + N K codes + scales written) / time.
+             benchmarks/gemm_kernels.py; GB/s = (2 N K read + N K codes + scales written) / time.
     grouped  `quant.triton_blockwise.GROUPED_LAUNCH`: the 252 projection weights of a Qwen3-8B
              refit (q, k, v, o, gate, up, down of 36 layers, as the trainer sends them) in one
              launch, what `refit_weights` runs; bytes moved as above, summed. Also `wall_ms`:
@@ -34,12 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 import torch  # noqa: E402
 
-from benchmarks.kernels import SHAPES, copy_bandwidth_gbps, median_ms, weight_quant_bytes  # noqa: E402
+from benchmarks.gemm_kernels import SHAPES, copy_bandwidth_gbps, median_ms, weight_quant_bytes  # noqa: E402
 from fp8_align.checks import finite_triton as ft  # noqa: E402
 from fp8_align.quant import quantize_weight_blockwise  # noqa: E402
 from fp8_align.quant import triton_blockwise as tb  # noqa: E402

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+
 
 def openrlhf_update_weights(worker: Any, path: str, names: list[str]) -> dict[str, Any]:
     """For each name in order: OpenRLHF's own dtype assertion (vllm_worker_wrap.py:39) and its
@@ -49,7 +51,7 @@ def bf16_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: module.weight.detach().cpu().clone()
         for name, module in model.named_modules()
-        if not hasattr(module, "fp8_align_kernel") and isinstance(getattr(module, "weight", None), torch.Tensor)
+        if not is_fp8_align_layer(module) and isinstance(getattr(module, "weight", None), torch.Tensor)
         and module.weight.dim() == 2
     }
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fp8_align.bench.error import (
+from fp8_align.error_bench.error import (
     VARIANTS,
     BenchInputError,
     BenchInputs,
@@ -27,10 +27,10 @@ from fp8_align.bench.error import (
     resolve_model,
     result_document,
 )
-from fp8_align.bench.generate import plan_engines
-from fp8_align.bench.prompts import PromptFileError, default_prompts_path, read_prompt_records, tokenize_prompts
-from fp8_align.bench.report import JSON_NAME, MARKDOWN_NAME, POSITION_PLOT_NAME, LAYER_PLOT_NAME, results_table, write_outputs
-from fp8_align.bench.scoring import (
+from fp8_align.error_bench.generate import plan_engines
+from fp8_align.error_bench.prompts import PromptFileError, default_prompts_path, read_prompt_records, tokenize_prompts
+from fp8_align.error_bench.report import JSON_NAME, MARKDOWN_NAME, POSITION_PLOT_NAME, LAYER_PLOT_NAME, results_table, write_outputs
+from fp8_align.error_bench.scoring import (
     micro_batches,
     completion_logprobs,
     fp8_model,
@@ -382,7 +382,7 @@ def test_megatron_te_side_refuses_a_rounding_te_was_not_imported_with(monkeypatc
 
     from transformers import LlamaConfig
 
-    from fp8_align.bench.megatron_side import check_megatron_te_side
+    from fp8_align.error_bench.megatron_side import check_megatron_te_side
 
     pytest.importorskip("megatron.core")
     for name in ("transformer_engine", "transformer_engine.pytorch"):

@@ -21,7 +21,6 @@ def test_defaults_are_the_aligned_blockwise_recipe():
     [
         ({"num_first_layers_in_bf16": -1}, "num_first_layers_in_bf16 must be >= 0"),
         ({"num_last_layers_in_bf16": -2}, "num_last_layers_in_bf16 must be >= 0"),
-        ({"fp8_attention": True}, "needs kv_cache_dtype='fp8'"),
         ({"precision": "bf16", "kv_cache_dtype": "fp8"}, "precision='bf16' with an FP8 KV cache"),
         ({"fp8_recipe": "tensorwise"}, "cannot match the generation recipe"),
         ({"fp8": "hybrid"}, "allow_recipe_mismatch"),
@@ -37,6 +36,41 @@ def test_defaults_are_the_aligned_blockwise_recipe():
 def test_invalid_configs_raise_actionable_errors(kwargs, message):
     with pytest.raises(FP8ConfigError, match=message):
         FP8Config.from_kwargs(**kwargs)
+
+
+#: The two settings fp8_align cannot honour: each refused, whichever layout it arrives in, with
+#: what to do instead; its default (what fp8_align does) is accepted.
+REFUSED_SETTINGS = [
+    ("fp8_attention", True, "no FP8-attention switch. Set kv_cache_dtype='fp8' instead"),
+    ("recalibrate_scales_every_step", False, "no static scales to keep"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), REFUSED_SETTINGS, ids=[r[0] for r in REFUSED_SETTINGS])
+def test_settings_fp8_align_cannot_honour_are_refused_in_every_layout(tmp_path, name, value, message):
+    """Changing the field from its default raises FP8ConfigError naming it, from keyword
+    arguments, a NeMo RL dict (policy.generation.vllm_cfg), a NeMo RL or flat YAML file and the
+    workers' JSON; the default value loads everywhere."""
+    default = FP8Config.model_fields[name].default
+    assert value != default and getattr(FP8Config(), name) == default
+    assert "Only" in FP8Config.model_fields[name].description
+    nemo = _nemo_rl_dict()
+    nemo["policy"]["generation"]["vllm_cfg"][name] = value
+    (tmp_path / "nemo.yaml").write_text(f"policy:\n  generation:\n    vllm_cfg:\n      {name}: {str(value).lower()}\n")
+    (tmp_path / "flat.yaml").write_text(f"{name}: {str(value).lower()}\n")
+    loaders = {
+        "kwargs": lambda: FP8Config.from_kwargs(**{name: value}),
+        "nemo_rl": lambda: FP8Config.from_nemo_rl(nemo),
+        "nemo_yaml": lambda: FP8Config.from_yaml(tmp_path / "nemo.yaml"),
+        "flat_yaml": lambda: FP8Config.from_yaml(tmp_path / "flat.yaml"),
+        "json": lambda: FP8Config.from_json(FP8Config().to_json().replace(f'"{name}":{str(default).lower()}', f'"{name}":{str(value).lower()}')),
+    }
+    for load in loaders.values():
+        with pytest.raises(FP8ConfigError, match=f"{name}: {name}=.*{message}"):
+            load()
+    nemo["policy"]["generation"]["vllm_cfg"][name] = default
+    assert getattr(FP8Config.from_nemo_rl(nemo), name) == default
+    assert getattr(FP8Config.from_nemo_rl(FP8Config().to_nemo_rl()), name) == default
 
 
 def test_recipe_mismatch_accepted_only_when_explicit():

@@ -56,12 +56,13 @@ def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[in
     plus the FP8 accumulation bound of the FP32 reference per shard, and the same bits for every sub-batch."""
     from types import SimpleNamespace
 
+    from fp8_align.quant.shards import quantize_shards
     from fp8_align.vllm_plugin.kernels.fixed_tile import FixedTileBlockFp8Kernel
-    from fp8_align.vllm_plugin.linear.method import quantize_shards
+    from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
     weight = _randn(sum(shards), k, seed=5) * 0.05
     codes, scales = quantize_shards(weight, shards, False)
-    layer = SimpleNamespace(weight=codes, weight_scale_inv=scales, fp8_align_shard_sizes=shards, fp8_align_prefix="test")
+    layer = SimpleNamespace(weight=codes, weight_scale_inv=scales, fp8_align=Fp8AlignLayerState("linear", "test", shard_sizes=shards))
     x, bias = _randn(512, k, seed=6), _randn(sum(shards), seed=7)
     out = FixedTileBlockFp8Kernel().apply(layer, x, bias, False)
     x_fp8, x_scale = quantize_activation_groupwise(x)

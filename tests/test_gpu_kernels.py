@@ -16,6 +16,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import E4M3_MAX, fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 pytestmark = pytest.mark.gpu
 
@@ -41,6 +42,14 @@ EXPECTED_ON_H100 = {  # default FP8Config (use_deep_gemm=True), bf16
 def gk() -> ModuleType:
     """The GPU backend module (imports vLLM and Triton, so only where the GPU tests run)."""
     import fp8_align.vllm_plugin.kernels.gpu as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def tq() -> ModuleType:
+    """The Triton activation quantizer (imports Triton, so only where the GPU tests run)."""
+    import fp8_align.quant.triton_groupwise as module
 
     return module
 
@@ -93,18 +102,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", ACTIVATION_CASES)
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
-def test_activation_quant_bit_identical_to_reference(gk: ModuleType, case: str, pow2: bool) -> None:
+def test_activation_quant_bit_identical_to_reference(tq: ModuleType, case: str, pow2: bool) -> None:
     x = _activation_cases()[case]
     ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2)
-    for layout in gk.ScaleLayout:
-        codes, scales = gk.quantize_activation_triton(x, pow2, int(layout))
+    for layout in tq.ScaleLayout:
+        codes, scales = tq.quantize_activation_triton(x, pow2, int(layout))
         assert torch.equal(_bits(codes), _bits(ref_codes)), f"{layout.name}: codes differ"
         assert torch.equal(_bits(scales), _bits(ref_scales)), f"{layout.name}: scales differ"
         m, groups = scales.shape
         expected_stride = {
-            gk.ScaleLayout.ROW_MAJOR: (groups, 1),
-            gk.ScaleLayout.COLUMN_MAJOR: (1, m),
-            gk.ScaleLayout.COLUMN_MAJOR_TMA: (1, -(-m // 4) * 4),
+            tq.ScaleLayout.ROW_MAJOR: (groups, 1),
+            tq.ScaleLayout.COLUMN_MAJOR: (1, m),
+            tq.ScaleLayout.COLUMN_MAJOR_TMA: (1, -(-m // 4) * 4),
         }[layout]
         assert scales.stride() == expected_stride or groups == 1
 
@@ -117,7 +126,7 @@ def _multiplier_overflow(shape: tuple[int, int], dtype: torch.dtype = torch.bflo
 
 @pytest.mark.parametrize("case", [*ACTIVATION_CASES, "multiplier_overflow"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scale", "pow2_scale"])
-def test_activation_quant_transformer_engine_rule_bit_identical(gk: ModuleType, case: str, pow2: bool) -> None:
+def test_activation_quant_transformer_engine_rule_bit_identical(tq: ModuleType, case: str, pow2: bool) -> None:
     """scale_rule="transformer_engine": the Triton kernel equals the torch reference and
     te_emulation (TE's Float8BlockQuantizer) bit for bit, in every scale layout."""
     from fp8_align.megatron_ext.te_emulation import te_quantize_activation_1d
@@ -126,8 +135,8 @@ def test_activation_quant_transformer_engine_rule_bit_identical(gk: ModuleType, 
     ref_codes, ref_scales = quantize_activation_groupwise(x, pow2_scale=pow2, scale_rule="transformer_engine")
     te_codes, te_scales = te_quantize_activation_1d(x, pow2)
     assert torch.equal(_bits(ref_codes), _bits(te_codes)) and torch.equal(_bits(ref_scales), _bits(te_scales))
-    for layout in gk.ScaleLayout:
-        codes, scales = gk.quantize_activation_triton(x, pow2, int(layout), "transformer_engine")
+    for layout in tq.ScaleLayout:
+        codes, scales = tq.quantize_activation_triton(x, pow2, int(layout), "transformer_engine")
         assert torch.equal(_bits(codes), _bits(ref_codes)), f"{layout.name}: codes differ"
         assert torch.equal(_bits(scales), _bits(ref_scales)), f"{layout.name}: scales differ"
 
@@ -214,8 +223,8 @@ def test_weight_quant_triton_transformer_engine_rule_bit_identical(case: str, po
 def test_weight_quant_triton_writes_into_merged_storage() -> None:
     """Per-shard quantization into row views of one merged tensor (the in-place refit path)."""
     from fp8_align.quant.dispatch import quantize_weight_into
-    from fp8_align.vllm_plugin.linear.method import quantize_shards
-    from fp8_align.vllm_plugin.linear.shards import shard_slices
+    from fp8_align.quant.shards import quantize_shards
+    from fp8_align.quant.shards import shard_slices
 
     sizes = [2048, 512, 200]
     w = _activations(sum(sizes), 1000, 17)
@@ -269,7 +278,7 @@ def test_grouped_weight_quant_bit_identical_to_reference(
     from fp8_align.quant import triton_blockwise
     from fp8_align.quant.dispatch import quantize_weights_into
     from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
-    from fp8_align.vllm_plugin.linear.shards import shard_slices
+    from fp8_align.quant.shards import shard_slices
 
     monkeypatch.setitem(triton_blockwise.GROUPED_LAUNCH, "rows_per_pass", rows_per_pass)
     cases = [w for w in _weight_cases().values() if subset == "all" or (w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)]
@@ -363,7 +372,7 @@ def test_vllm_per_token_group_quant_agreement(pow2: bool) -> None:
 def _layer(shard_sizes: list[int], k: int, pow2: bool, seed: int) -> torch.nn.Module:
     """A stand-in for a vLLM linear layer after fp8_align quantized it (weights with block
     magnitudes spanning 2^-4..2^4, so block scales differ)."""
-    from fp8_align.vllm_plugin.linear.method import quantize_shards
+    from fp8_align.quant.shards import quantize_shards
 
     g = _generator(seed)
     n = sum(shard_sizes)
@@ -374,8 +383,7 @@ def _layer(shard_sizes: list[int], k: int, pow2: bool, seed: int) -> torch.nn.Mo
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align_shard_sizes = list(shard_sizes)
-    layer.fp8_align_prefix = f"test[{shard_sizes}x{k}]"
+    layer.fp8_align = Fp8AlignLayerState("linear", f"test[{shard_sizes}x{k}]", shard_sizes=list(shard_sizes))
     layer.params_dtype = torch.bfloat16
     return layer
 
@@ -397,7 +405,7 @@ def _per_shard(layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tenso
     """`fp8_block_gemm` shard by shard in FP32; with `absolute`, of |codes| (the bound's sum)."""
     outputs, row, scale_row = [], 0, 0
     x = x_fp8.float().abs() if absolute else x_fp8
-    for size in layer.fp8_align_shard_sizes:
+    for size in layer.fp8_align.shard_sizes:
         blocks = -(-size // 128)
         w = layer.weight[row : row + size]
         outputs.append(
@@ -527,7 +535,7 @@ def test_engine_kernel_training_linear_is_bit_identical_to_the_engine_layer(shar
     full 128 blocks, Triton / per-shard Triton for SmolLM2's 576/192 shards)."""
     from fp8_align.hf_training import Fp8TrainingLinear
     from fp8_align.vllm_plugin.kernels.registry import select_kernel
-    from fp8_align.vllm_plugin.linear.method import quantize_shards
+    from fp8_align.quant.shards import quantize_shards
 
     cfg = FP8Config()
     g = _generator(7)
@@ -536,7 +544,7 @@ def test_engine_kernel_training_linear_is_bit_identical_to_the_engine_layer(shar
     codes, scales = quantize_shards(torch.cat(weights), shard_sizes, cfg.use_weight_pow2_scale)
     stacked = torch.nn.Module()
     stacked.weight, stacked.weight_scale_inv = codes, scales
-    stacked.fp8_align_shard_sizes, stacked.fp8_align_prefix, stacked.params_dtype = list(shard_sizes), "stacked", torch.bfloat16
+    stacked.fp8_align, stacked.params_dtype = Fp8AlignLayerState("linear", "stacked", shard_sizes=list(shard_sizes)), torch.bfloat16
     kernel = select_kernel(cfg, codes.shape, list(shard_sizes), codes.device)
     engine_out = kernel.apply(stacked, x, None, cfg.use_activation_pow2_scale)
     row = 0

@@ -26,7 +26,7 @@ def smollm2():
     pytest.importorskip("megatron.core")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fp8_align.models import smollm2_checkpoint
+    from fp8_align.error_bench.default_model import smollm2_checkpoint
 
     path = smollm2_checkpoint()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()

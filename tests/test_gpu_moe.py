@@ -26,6 +26,7 @@ import torch
 
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.moe import expert_shard_rows
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -73,7 +74,7 @@ def _expert_state(model: torch.nn.Module) -> dict[str, Any]:
     and the worker's VLLM_USE_DEEP_GEMM_E8M0."""
     layers = {}
     for name, m in model.named_modules():
-        if getattr(getattr(m, "quant_method", None), "fp8_align_experts", False):
+        if is_fp8_align_layer(m, "experts"):
             layers[name] = {
                 "method": type(m.quant_method).__name__, "kernel": m.quant_method.kernel_name,
                 "w13": m.w13_weight.detach().cpu().view(torch.uint8), "w2": m.w2_weight.detach().cpu().view(torch.uint8),
@@ -103,7 +104,7 @@ def _layer_vs_reference(model: torch.nn.Module) -> dict[str, float]:
     largest |difference| and the largest |reference| value."""
     from fp8_align.quant.moe import block_fp8_moe_reference
 
-    layer = next(m for m in model.modules() if getattr(getattr(m, "quant_method", None), "fp8_align_experts", False))
+    layer = next(m for m in model.modules() if is_fp8_align_layer(m, "experts"))
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(NUM_EXPERTS, device="cuda", generator=g)[:2] for _ in range(64)]).to(torch.int32)

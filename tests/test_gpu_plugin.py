@@ -1,7 +1,7 @@
 """End to end on CUDA with vLLM 0.22: `LLM(bf16 checkpoint, quantization="fp8_align")`.
 
 A small random Qwen3-shaped model (hidden 1024, 4 layers, head_dim 128) is saved once; engines
-run in subprocesses (`fp8_align.bench.generate`). Checked: the FP8 codes and scales read back
+run in subprocesses (`fp8_align.error_bench.generate`). Checked: the FP8 codes and scales read back
 from the worker equal `fp8_align.quant` bit for bit (FP32 scales and power-of-two scales),
 configured layers stay BF16, generation works, and sampled-token logprobs agree with an HF
 forward that runs the same FP8 (`apply_fp8_emulation`) about as well as BF16 vLLM agrees with
@@ -79,7 +79,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def engine(models: dict[str, Path], prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """`engine(name)`: the output of one vLLM engine run (cached per module)."""
-    from fp8_align.bench.generate import run_generation
+    from fp8_align.error_bench.generate import run_generation
 
     out_dir = tmp_path_factory.mktemp("engines")
 

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from tests.test_gpu_plugin import PROJECTIONS, SMALL, _expected_codes, save_random_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -81,7 +82,7 @@ def _fp8_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             "pointers": [m.weight.data_ptr(), m.weight_scale_inv.data_ptr()],
         }  # fmt: skip
         for name, m in model.named_modules()
-        if hasattr(m, "fp8_align_kernel")
+        if is_fp8_align_layer(m, "linear")
     }
 
 

@@ -56,7 +56,7 @@ def prompts() -> list[list[int]]:
 def tp_engine(model_dir: Path, prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """`tp_engine(backend)`: output of one TP=2 fp8_align engine run, once per backend per module:
     a failed run is remembered and re-raised too, so a broken engine costs one start, not one per test."""
-    from fp8_align.bench.generate import GenerationError, run_generation
+    from fp8_align.error_bench.generate import GenerationError, run_generation
 
     out_dir = tmp_path_factory.mktemp("tp_engines")
     outcomes: dict[str, dict[str, Any] | GenerationError] = {}

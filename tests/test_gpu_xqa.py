@@ -174,7 +174,7 @@ def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_p
     from vllm.inputs import TokensPrompt
 
     from fp8_align import FP8Config
-    from fp8_align.bench.generate import run_generation
+    from fp8_align.error_bench.generate import run_generation
     from fp8_align.vllm_plugin import engine_kwargs
     from fp8_align.vllm_plugin.kv import xqa_decode
     from fp8_align.vllm_plugin.kv.scales import push_kv_scales

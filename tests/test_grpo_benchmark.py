@@ -21,7 +21,7 @@ from benchmarks.grpo.arms import ARMS, RunSettings, parse_arms
 from fp8_align import FP8Config
 from benchmarks.grpo.policy import GRPOPolicy, clipped_policy_loss, group_advantages, pack_sequences
 from benchmarks.grpo.task import Problem, exact_match_reward, final_integer, split_problems, step_batch
-from fp8_align.bench.scoring import completion_logprobs
+from fp8_align.error_bench.scoring import completion_logprobs
 from tests.model_factory import make_tiny_llama
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_alignment.py"
@@ -83,7 +83,7 @@ def test_clipped_policy_loss_takes_the_pessimistic_term() -> None:
 
 
 def test_trainer_logprobs_equal_the_benchmark_scorer(tmp_path: Path) -> None:
-    """The GRPO trainer's packed log-probs vs fp8_align.bench.scoring (independent packing)."""
+    """The GRPO trainer's packed log-probs vs fp8_align.error_bench.scoring (independent packing)."""
     checkpoint = make_tiny_llama(tmp_path / "tiny")
     policy = GRPOPolicy(checkpoint, "cpu", None, lr=1e-3, max_tokens_per_forward=40)
     prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]

@@ -28,6 +28,7 @@ from fp8_align.quant import E4M3_MAX
 from fp8_align.versions import ALLOW_UNTESTED_ENV_VAR, UnsupportedVLLMVersionError
 from fp8_align.vllm_plugin import patches
 from fp8_align.vllm_plugin.kv import calibration as kv_calibration
+from fp8_align.vllm_plugin.kv import probe
 from fp8_align.vllm_plugin.kv.calibration import KVCalibrationError, calibrate_kv_scales
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
@@ -83,34 +84,34 @@ def _call(impl: _FakeImpl) -> tuple[Any, Any]:
 
 def test_probe_is_idempotent_and_undone_completely() -> None:
     impl, first, second = _FakeImpl(), _RecordingProbe(), _RecordingProbe()
-    patches.probe_attention(impl, first)
-    patches.probe_attention(impl, second)  # swaps the probe, does not wrap twice
+    probe.probe_attention(impl, first)
+    probe.probe_attention(impl, second)  # swaps the probe, does not wrap twice
     assert _call(impl) == ("updated", "attended")
     assert (first.calls, second.calls) == ([], ["kv", "q"])
-    assert patches.attention_probe(impl) is second
-    patches.unprobe_attention(impl)
-    patches.unprobe_attention(impl)  # no-op
-    assert not {"forward", "do_kv_cache_update"} & set(vars(impl)) and patches.attention_probe(impl) is None
+    assert probe.attention_probe(impl) is second
+    probe.unprobe_attention(impl)
+    probe.unprobe_attention(impl)  # no-op
+    assert not {"forward", "do_kv_cache_update"} & set(vars(impl)) and probe.attention_probe(impl) is None
     _call(impl)
     assert second.calls == ["kv", "q"]
 
     own_forward = impl.forward  # an instance attribute someone else set is put back
     impl.forward = own_forward
-    patches.probe_attention(impl, first)
+    probe.probe_attention(impl, first)
     patches.undo_patches()
-    assert vars(impl) == {"forward": own_forward} and patches.attention_probe(impl) is None
+    assert vars(impl) == {"forward": own_forward} and probe.attention_probe(impl) is None
 
 
 def test_probe_refuses_an_untested_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.40.0")
+    monkeypatch.setattr(probe, "installed_vllm_version", lambda: "0.40.0")
     monkeypatch.delenv(ALLOW_UNTESTED_ENV_VAR, raising=False)
     impl = _FakeImpl()
     with pytest.raises(UnsupportedVLLMVersionError, match=r"AttentionImpl.do_kv_cache_update/forward .*0\.20, 0\.22, 0\.25, 0\.27, 0\.29, 0\.32"):
-        patches.probe_attention(impl, _RecordingProbe())
-    assert patches.attention_probe(impl) is None
+        probe.probe_attention(impl, _RecordingProbe())
+    assert probe.attention_probe(impl) is None
     monkeypatch.setenv(ALLOW_UNTESTED_ENV_VAR, "1")
-    patches.probe_attention(impl, _RecordingProbe())
-    patches.unprobe_attention(impl)
+    probe.probe_attention(impl, _RecordingProbe())
+    probe.unprobe_attention(impl)
 
 
 def test_probe_refuses_a_backend_that_writes_the_cache_inside_forward() -> None:
@@ -123,8 +124,8 @@ def test_probe_refuses_a_backend_that_writes_the_cache_inside_forward() -> None:
 
     impl = ForwardOnlyImpl()
     with pytest.raises(UnsupportedVLLMVersionError, match=r"ForwardOnlyImpl has no do_kv_cache_update"):
-        patches.probe_attention(impl, _RecordingProbe())
-    assert patches.attention_probe(impl) is None and vars(impl) == {}
+        probe.probe_attention(impl, _RecordingProbe())
+    assert probe.attention_probe(impl) is None and vars(impl) == {}
 
 
 class _Metadata:
@@ -181,13 +182,13 @@ def test_a_query_quantized_before_attention_needs_include_q_false(monkeypatch: p
     monkeypatch.setattr(kv_calibration, "attention_layers", lambda model: layers)
     with pytest.raises(KVCalibrationError, match=re.escape("layers [1] quantize the query") + ".*include_q=False"):
         kv_calibration._start_in_worker(_FakeWorker(), True)
-    assert all(patches.attention_probe(layer.impl) is None for layer in layers.values())
+    assert all(probe.attention_probe(layer.impl) is None for layer in layers.values())
     kv_calibration._start_in_worker(_FakeWorker(), False)
     _call(layers[1].impl)
     observed = kv_calibration._stop_in_worker(_FakeWorker())
     assert observed == {0: {"kv_tokens": 0, "q_tokens": 0, "problems": []},
                         1: {"k": 0.0, "v": 0.0, "kv_tokens": 1, "q_tokens": 0, "problems": []}}
-    assert all(patches.attention_probe(layer.impl) is None for layer in layers.values())
+    assert all(probe.attention_probe(layer.impl) is None for layer in layers.values())
 
 
 class _UntouchableLLM:
@@ -325,7 +326,7 @@ def _engine_state(worker: Any) -> dict[str, Any]:
     """Worker side: the compilation mode and which attention impls carry instance-level methods."""
     from fp8_align.vllm_plugin.kv.scales import attention_layers
 
-    shadowed = {index: sorted(set(patches.PROBED_METHODS) & set(vars(attn.impl))) for index, attn in attention_layers(worker.get_model()).items()}
+    shadowed = {index: sorted(set(probe.PROBED_METHODS) & set(vars(attn.impl))) for index, attn in attention_layers(worker.get_model()).items()}
     return {"compilation_mode": worker.vllm_config.compilation_config.mode.name, "shadowed": {i: s for i, s in shadowed.items() if s}}
 
 

@@ -105,7 +105,7 @@ def test_smollm2_in_megatron_scores_like_hf(megatron_on_cpu) -> None:
     """The real trained model: Megatron (local layers) and HF agree on next-token log-probs of text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fp8_align.models import smollm2_checkpoint
+    from fp8_align.error_bench.default_model import smollm2_checkpoint
 
     path = smollm2_checkpoint()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

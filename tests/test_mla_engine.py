@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8_align import FP8Config
-from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
 from tests.model_factory import make_tiny_moonlight

@@ -18,11 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp8_align import FP8Config
-from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.hf_emulation import apply_fp8_emulation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.moe import expert_shard_rows
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from tests import stack_sync_calls as calls
 from tests.model_factory import make_tiny_qwen3_moe
 from tests.test_refit import ENGINE, MAX_TOKENS, PROMPTS, _generate
@@ -173,8 +174,8 @@ def _moe_layer_outputs(model: torch.nn.Module) -> dict[str, dict[str, torch.Tens
     weights = torch.softmax(torch.randn(9, 2, generator=g), dim=-1)
     out = {}
     for name, m in model.named_modules():
-        if getattr(getattr(m, "quant_method", None), "fp8_align_experts", False):
-            out[m.fp8_align_prefix] = {"x": x, "ids": ids, "weights": weights, "y": m.quant_method.apply(m, x, weights, ids)}
+        if is_fp8_align_layer(m, "experts"):
+            out[m.fp8_align.prefix] = {"x": x, "ids": ids, "weights": weights, "y": m.quant_method.apply(m, x, weights, ids)}
     return out
 
 

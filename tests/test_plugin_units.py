@@ -11,6 +11,7 @@ import pytest
 
 from fp8_align import FP8Config, FP8ConfigError
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine, engine_kwargs, quantization_config_dict
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 
 def test_engine_kwargs_carry_the_config():
@@ -121,7 +122,7 @@ def _fp8_layer(codes, scales):
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align_shard_sizes = [codes.shape[0]]
+    layer.fp8_align = Fp8AlignLayerState("linear", "test", shard_sizes=[codes.shape[0]])
     return layer
 
 
@@ -132,7 +133,7 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     import torch
 
     from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
-    from fp8_align.vllm_plugin.kernels.emulated import CODES_F32, EmulatedBlockFp8Kernel
+    from fp8_align.vllm_plugin.kernels.emulated import EmulatedBlockFp8Kernel
 
     g = torch.Generator().manual_seed(0)
     w1, w2 = (torch.randn(320, 256, generator=g) * 0.02 for _ in range(2))
@@ -141,13 +142,13 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     layer = _fp8_layer(codes, scales)
     kernel = EmulatedBlockFp8Kernel()
     kernel.prepare(layer)
-    widened = getattr(layer, CODES_F32)
+    widened = layer.fp8_align.widened["weight"]
     assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes, scales))
     codes2, scales2 = quantize_weight_blockwise(w2)
     layer.weight.data.copy_(codes2)
     layer.weight_scale_inv.data.copy_(scales2)
     kernel.weights_written(layer)
-    assert getattr(layer, CODES_F32) is widened and torch.equal(widened, codes2.to(torch.float32))
+    assert layer.fp8_align.widened["weight"] is widened and torch.equal(widened, codes2.to(torch.float32))
     assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes2, scales2))
 
 
@@ -184,10 +185,9 @@ def test_refit_writes_each_layer_with_its_configured_scale_rule():
         layer = torch.nn.Module()
         layer.weight = torch.nn.Parameter(torch.zeros(320, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
         layer.weight_scale_inv = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
-        layer.fp8_align_shard_sizes = [192, 128]
         layer.quant_method = type("Method", (), {"cfg": cfg})()
-        layer.fp8_align_kernel = EmulatedBlockFp8Kernel()
-        layer.fp8_align_kernel.prepare(layer)
+        layer.fp8_align = Fp8AlignLayerState("linear", "test", shard_sizes=[192, 128], kernel=EmulatedBlockFp8Kernel())
+        layer.fp8_align.kernel.prepare(layer)
         return layer
 
     g = torch.Generator().manual_seed(2)
@@ -216,13 +216,13 @@ def test_gpu_moe_refuses_the_transformer_engine_scale_rule():
 def test_weight_sync_shard_indices_follow_vllm_loader_shard_ids():
     """vLLM's loaders name a shard 'q'/'k'/'v' (QKVParallelLinear), an int or a tuple of ints
     (MergedColumnParallelLinear), or None for a weight fused on disk (all shards)."""
-    from fp8_align.vllm_plugin.refit.weight_sync import _shard_indices
+    from fp8_align.vllm_plugin.linear.method import shard_indices
 
-    assert _shard_indices(None, 3) == [0, 1, 2]
-    assert [_shard_indices(name, 3) for name in ("q", "k", "v")] == [[0], [1], [2]]
-    assert _shard_indices(1, 2) == [1] and _shard_indices((0, 1), 2) == [0, 1]
+    assert shard_indices(None, 3) == [0, 1, 2]
+    assert [shard_indices(name, 3) for name in ("q", "k", "v")] == [[0], [1], [2]]
+    assert shard_indices(1, 2) == [1] and shard_indices((0, 1), 2) == [0, 1]
     with pytest.raises(ValueError):
-        _shard_indices("z", 3)
+        shard_indices("z", 3)
 
 
 def test_weight_sync_hook_leaves_models_without_fp8_align_layers_alone():

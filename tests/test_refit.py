@@ -23,11 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from fp8_align.vllm_plugin.refit import refit_weights
 from tests.model_factory import make_tiny_llama
 
@@ -127,7 +128,7 @@ def _fp8_storage_pointers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {
         name: (module.weight.data_ptr(), module.weight_scale_inv.data_ptr())
         for name, module in model.named_modules()
-        if hasattr(module, "fp8_align_kernel")
+        if is_fp8_align_layer(module, "linear")
     }
 
 
@@ -343,7 +344,7 @@ def test_vllm_reload_weights_requantizes_fp8_layers_like_a_fresh_engine(llm, w1_
     scales back to 1.0, their value then; it also refreshes the CPU kernel's float32 copy of the
     codes, a non-persistent buffer, or the logprobs would differ).
     """
-    from fp8_align.vllm_plugin.linear.shards import shard_slices
+    from fp8_align.quant.shards import shard_slices
 
     w1 = load_file(str(checkpoints["w1"] / "model.safetensors"))
     pointers = llm.apply_model(_fp8_storage_pointers)[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8_align.vllm_plugin.refit.experts import unfuse_expert_tensors
-from fp8_align.vllm_plugin.refit.push import RefitError, TensorSpec
+from fp8_align.vllm_plugin.checkpoint import RefitError, TensorSpec
 
 PREFIX = "model.layers.1.mlp.experts"
 #: 3 experts, intermediate 4, hidden 8, as a checkpoint stores them (per expert).

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fp8_align import FP8Config
-from fp8_align.bench.generate import run_generation
+from fp8_align.error_bench.generate import run_generation
 from fp8_align.hf_emulation import apply_fp8_emulation
 from fp8_align.metrics import token_mult_prob_error
-from fp8_align.models import smollm2_checkpoint
+from fp8_align.error_bench.default_model import smollm2_checkpoint
 
 pytestmark = pytest.mark.slow
 

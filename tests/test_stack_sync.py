@@ -24,11 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8_align.bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
-from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.quant.shards import shard_slices
 from tests import stack_sync_calls as calls
 from tests.model_factory import make_tiny_llama
 from tests.test_refit import (

@@ -106,7 +106,7 @@ interpreter._convert_float = torch_cast
 
 from fp8_align.quant import quantize_activation_groupwise, quantize_weight_blockwise
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton, quantize_weights_blockwise_triton
-from fp8_align.vllm_plugin.kernels.gpu import ScaleLayout, quantize_activation_triton
+from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 
 RULE = "transformer_engine"
 g = torch.Generator().manual_seed(1)

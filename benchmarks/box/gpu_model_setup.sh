@@ -4,7 +4,7 @@
 # smol.zst.part_NN copied to /root/stage by earlier calls on this machine (or carried in this one
 # under .gpumodel/), .gpumodel/{meta.tar,model.sha256} and the bundle's zstd (.gpukit/bin)
 # carried in this call. Checks the sha256 and exports FP8_ALIGN_CACHE so that
-# `fp8_align.models.smollm2_checkpoint()` finds the checkpoint.
+# `fp8_align.error_bench.default_model.smollm2_checkpoint()` finds the checkpoint.
 export FP8_ALIGN_CACHE=/root/fp8_align_cache
 _kit="${FP8_ALIGN_GPUKIT:-.gpukit}"
 _target="$FP8_ALIGN_CACHE/smollm2-135m-instruct-bf16"

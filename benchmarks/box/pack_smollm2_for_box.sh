@@ -6,7 +6,7 @@
 # On the box, `source benchmarks/box/gpu_model_setup.sh` reassembles it (docs/dev/gpu_box.md).
 set -euo pipefail
 out="${1:-.gpumodel}"
-ckpt=$(.venv/bin/python -c "from fp8_align.models import smollm2_checkpoint; print(smollm2_checkpoint())")
+ckpt=$(.venv/bin/python -c "from fp8_align.error_bench.default_model import smollm2_checkpoint; print(smollm2_checkpoint())")
 rm -rf "$out" && mkdir -p "$out"
 zstd -19 -T0 -q "$ckpt/model.safetensors" -o "$out/model.safetensors.zst"
 split -b 57M -d -a 2 "$out/model.safetensors.zst" "$out/smol.zst.part_" && rm "$out/model.safetensors.zst"

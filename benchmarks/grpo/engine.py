@@ -25,7 +25,8 @@ from fp8_align.config import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin import engine_kwargs
 from fp8_align.vllm_plugin.inspection import portable_fp8_codes
-from fp8_align.vllm_plugin.refit.push import open_cuda_tensors, share_cuda_tensors
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+from fp8_align.vllm_plugin.refit.transport import open_cuda_tensors, share_cuda_tensors
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def engine_module_weight(worker: Any, module_name: str) -> dict[str, Any]:
     """Worker side: what the engine holds for one (unmerged) linear: FP8 codes (portable) and
     scales, or the BF16 weight."""
     module = worker.model_runner.model.get_submodule(module_name)
-    if hasattr(module, "fp8_align_kernel"):
+    if is_fp8_align_layer(module, "linear"):
         return {**portable_fp8_codes(module.weight), "weight_scale_inv": module.weight_scale_inv.detach().cpu()}
     return {"weight": module.weight.detach().cpu()}
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fp8_align.bench.scoring import pad_logprobs
+from fp8_align.error_bench.scoring import pad_logprobs
 from fp8_align.config import FP8Config
 from fp8_align.is_correction import truncated_importance_weights
 from fp8_align.metrics import mismatch_metrics

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fp8_align.bench.scoring import micro_batches
+from fp8_align.error_bench.scoring import micro_batches
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import apply_fp8_training
 from fp8_align.is_correction import importance_weighted_loss

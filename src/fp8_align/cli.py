@@ -7,7 +7,24 @@ import json
 import sys
 from pathlib import Path
 
+from fp8_align.config import FP8ConfigError
 from fp8_align.doctor import build_report, format_report
+from fp8_align.error_bench.error import (
+    TRAINING_SIDES,
+    VARIANTS,
+    BenchInputError,
+    BenchSettings,
+    parse_variants,
+    run_bench_error,
+)
+from fp8_align.error_bench.generate import GenerationError
+from fp8_align.error_bench.prompts import PromptFileError
+from fp8_align.vllm_plugin.kernels.deepgemm_cache import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    dense_linear_shapes,
+    parse_shapes,
+    prepare_deepgemm_cache,
+)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -17,14 +34,11 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench_error(args: argparse.Namespace) -> int:
+    # rich (the `bench` extra) is needed by this command only: `fp8-align doctor` runs without it
     from rich.console import Console
     from rich.progress import track
 
-    from fp8_align.bench.error import BenchInputError, BenchSettings, parse_variants, run_bench_error
-    from fp8_align.bench.generate import GenerationError
-    from fp8_align.bench.prompts import PromptFileError
-    from fp8_align.bench.report import results_table, write_outputs
-    from fp8_align.config import FP8ConfigError
+    from fp8_align.error_bench.report import results_table, write_outputs
 
     console = Console(stderr=True, log_path=False)
     try:
@@ -63,8 +77,6 @@ def _bench_error(args: argparse.Namespace) -> int:
 
 
 def _prepare_deepgemm(args: argparse.Namespace) -> int:
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import dense_linear_shapes, parse_shapes, prepare_deepgemm_cache
-
     try:
         if (args.model is None) == (args.shapes is None):
             raise ValueError("give one of --model and --shapes")
@@ -86,8 +98,6 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
 
 
 def _add_prepare_deepgemm(sub: argparse._SubParsersAction) -> None:
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import DEFAULT_MAX_BATCHED_TOKENS
-
     prep = sub.add_parser(
         "prepare-deepgemm",
         help="fill DeepGEMM's JIT cache for a model's FP8 linears ahead of engine start (CUDA, SM90, vLLM)",
@@ -110,8 +120,6 @@ def _add_prepare_deepgemm(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_error(sub: argparse._SubParsersAction) -> None:
-    from fp8_align.bench.error import TRAINING_SIDES, VARIANTS, BenchSettings
-
     defaults = BenchSettings(out_dir=Path("fp8_align_out/bench_error"))
 
     bench = sub.add_parser(

@@ -19,9 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 #: Environment variable that carries a serialized `FP8Config` into worker processes.
 CONFIG_ENV_VAR = "FP8_ALIGN_CONFIG"
 
-#: The FP8 format of weights and activations: max finite value of float8_e4m3fn.
-E4M3_MAX = 448.0
-
 _PRECISION_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8"}
 _KV_CACHE_ALIASES = {"auto": "auto", "bf16": "auto", "bfloat16": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
@@ -64,7 +61,13 @@ class FP8Config(BaseModel):
         "vLLM 0.22 FLASH_ATTN engines on Hopper send pure-decode batches to FlashInfer's XQA kernel "
         "(prefill stays on FA3); needs kv_cache_dtype='fp8' and the XQA module (docs/xqa_decode.md).",
     )
-    fp8_attention: bool = False
+    fp8_attention: bool = Field(
+        default=False,
+        description="Only False is accepted: FP8 attention is not a switch fp8_align has. With "
+        "kv_cache_dtype='fp8', vLLM itself quantizes the query to FP8 wherever its attention backend "
+        "takes FP8 queries (FlashAttention on CUDA, with the q_scale pushed by push_kv_scales); other "
+        "backends (vLLM's CPU attention) attend in BF16 over the FP8 cache.",
+    )
     quantize_during_load: bool = Field(
         default=True,
         description="Quantize each FP8 layer as soon as its checkpoint tensors are loaded: its BF16 weights "
@@ -72,7 +75,12 @@ class FP8Config(BaseModel):
         "one layer at a time, so besides the FP8 model at most the layers being loaded hold BF16 weights. "
         "False: every BF16 weight is created, the whole checkpoint loaded, then quantized (peak: the BF16 model).",
     )
-    recalibrate_scales_every_step: bool = True
+    recalibrate_scales_every_step: bool = Field(
+        default=True,
+        description="Only True is accepted, and it is what always happens: a refit re-quantizes every "
+        "weight block from the new weights and activation scales are computed per 1x128 group in every "
+        "forward. FP8 KV-cache scales change when push_kv_scales or calibrate_kv_scales is called.",
+    )
     weight_block_size: tuple[int, int] = (128, 128)
     activation_group_size: int = 128
     on_policy: Literal["off", "bitwise"] = Field(
@@ -126,6 +134,30 @@ class FP8Config(BaseModel):
             raise ValueError(f"{info.field_name} must be >= 0 (number of decoder layers kept in BF16), got {value}")
         return value
 
+    @field_validator("fp8_attention")
+    @classmethod
+    def _no_fp8_attention_switch(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "fp8_attention=True (also NeMo RL's policy.generation.vllm_cfg.fp8_attention) is not supported: "
+                "fp8_align has no FP8-attention switch. Set kv_cache_dtype='fp8' instead: vLLM then quantizes the "
+                "query to FP8 itself where its attention backend takes FP8 queries (FlashAttention on CUDA; push "
+                "q_scale with push_kv_scales), and leave fp8_attention unset (False)."
+            )
+        return value
+
+    @field_validator("recalibrate_scales_every_step")
+    @classmethod
+    def _scales_always_follow_the_weights(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "recalibrate_scales_every_step=False (also NeMo RL's policy.generation.vllm_cfg key) is not supported: "
+                "fp8_align has no static scales to keep. Every refit re-quantizes each weight block from the new "
+                "weights and activation scales are computed in every forward; FP8 KV-cache scales change only when "
+                "you call push_kv_scales or calibrate_kv_scales. Leave recalibrate_scales_every_step unset (True)."
+            )
+        return value
+
     @field_validator("weight_block_size")
     @classmethod
     def _block_is_128(cls, value: tuple[int, int]) -> tuple[int, int]:
@@ -148,18 +180,13 @@ class FP8Config(BaseModel):
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> FP8Config:
-        if self.fp8_attention and self.kv_cache_dtype != "fp8":
-            raise ValueError(
-                "fp8_attention=True needs kv_cache_dtype='fp8': FP8 attention reads the FP8 KV cache. "
-                "Set kv_cache_dtype='fp8' or fp8_attention=False."
-            )
         if self.kv_decode_kernel == "xqa" and self.kv_cache_dtype != "fp8":
             raise ValueError(
                 "kv_decode_kernel='xqa' decodes an FP8 KV cache: set kv_cache_dtype='fp8' or kv_decode_kernel='auto'."
             )
-        if self.precision == "bf16" and (self.kv_cache_dtype == "fp8" or self.fp8_attention):
+        if self.precision == "bf16" and self.kv_cache_dtype == "fp8":
             raise ValueError(
-                "precision='bf16' with an FP8 KV cache or FP8 attention is not a recipe fp8_align "
+                "precision='bf16' with an FP8 KV cache is not a recipe fp8_align "
                 "aligns; set precision='fp8' or kv_cache_dtype='auto'."
             )
         if self.on_policy == "bitwise" and self.kv_cache_dtype != "auto":

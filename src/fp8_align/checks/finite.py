@@ -44,6 +44,7 @@ def start_nonfinite_check(tensors: Sequence[torch.Tensor]) -> Callable[[], list[
             rest.append(i)
     pending: list[tuple[list[int], torch.Tensor]] = []
     if by_device:
+        # imported here: Triton is needed for CUDA tensors only (CPU-only installs have none)
         from fp8_align.checks.finite_triton import flag_nonfinite_triton
 
         pending = [(indices, flag_nonfinite_triton([tensors[i] for i in indices])) for indices in by_device.values()]

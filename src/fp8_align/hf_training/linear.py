@@ -27,6 +27,9 @@ from torch import nn
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import is_fused_experts, recipe_fp8_modules, replace_submodule
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
+from fp8_align.quant.dispatch import quantize_weight_into
+from fp8_align.vllm_plugin.kernels.registry import select_kernel
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 #: vLLM's stacked projections of Llama-family models (its `packed_modules_mapping`): HF sibling
 #: names in shard order.
@@ -87,12 +90,10 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         from types import SimpleNamespace
 
-        from fp8_align.quant.dispatch import quantize_weight_into
-
         codes, scale_inv = quantize_weight_into(weight.detach(), module.weight_pow2_scale, scale_rule=module.scale_rule)
         layer = SimpleNamespace(
-            weight=codes, weight_scale_inv=scale_inv, fp8_align_shard_sizes=[codes.shape[0]],
-            fp8_align_prefix=module.name, params_dtype=x.dtype,
+            weight=codes, weight_scale_inv=scale_inv, params_dtype=x.dtype,
+            fp8_align=Fp8AlignLayerState("linear", module.name, shard_sizes=[codes.shape[0]]),
         )  # fmt: skip
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
@@ -147,8 +148,6 @@ class Fp8TrainingLinear(nn.Module):
         if key not in self._kernels:
             if device.type != "cuda":
                 raise RuntimeError(f"{self.name}: forward_kernel='engine' runs the plugin's CUDA kernels; input is on {device}")
-            from fp8_align.vllm_plugin.kernels.registry import select_kernel
-
             stacked = torch.Size((sum(self.shard_sizes), self.in_features))
             self._kernels[key] = select_kernel(self._cfg, stacked, list(self.shard_sizes), device, dtype)
         return self._kernels[key]

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fp8_align.config import FP8Config
+from fp8_align.megatron_ext.shim import transformer_config_kwargs
 
 #: HF model types whose weights map onto megatron-core's GPT layers as described above.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -93,8 +94,6 @@ def megatron_config_kwargs(hf_config: Any, fp8_cfg: FP8Config | None) -> dict[st
     The FP8 fields come from `transformer_config_kwargs(fp8_cfg)`: the same fields any Megatron
     job using fp8_align sets.
     """
-    from fp8_align.megatron_ext.shim import transformer_config_kwargs
-
     check_llama_family(hf_config)
     layers = int(hf_config.num_hidden_layers)
     kwargs: dict[str, Any] = {

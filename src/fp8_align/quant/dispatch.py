@@ -28,6 +28,7 @@ def quantize_weight_into(
     Returns (codes, scales): the out tensors when given.
     """
     if w.is_cuda:
+        # imported here: Triton is needed on CUDA only (CPU-only installs have none)
         from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
 
         return quantize_weight_blockwise_triton(w, pow2_scale, out_codes, out_scales, check_finite, scale_rule)
@@ -54,6 +55,7 @@ def quantize_weights_into(
     if not (len(weights) == len(out_codes) == len(out_scales)):
         raise ValueError(f"got {len(weights)} weights, {len(out_codes)} code and {len(out_scales)} scale outputs")
     if weights and weights[0].is_cuda:
+        # imported here: Triton is needed on CUDA only
         from fp8_align.quant.triton_blockwise import quantize_weights_blockwise_triton
 
         quantize_weights_blockwise_triton(weights, out_codes, out_scales, pow2_scale, scale_rule)

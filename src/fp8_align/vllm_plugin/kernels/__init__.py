@@ -1,1 +1,2 @@
-"""Block-FP8 GEMM backends (`base`, `emulated`, `gpu`) and their selection (`registry`)."""
+"""Block-FP8 GEMM backends (`base`, `emulated`, `gpu` with the cuBLASLt op in `cublas`) and their
+selection (`registry`)."""

@@ -120,6 +120,7 @@ def prepare_deepgemm_cache(
     from tqdm.auto import tqdm
     from vllm import envs
 
+    # imported here: kernels.gpu loads vLLM's CUDA kernels (shape parsing runs anywhere)
     from fp8_align.vllm_plugin.kernels.gpu import deepgemm_warmup_m_values
 
     eligible = [s for s in shapes if s.runs_on_deepgemm]
@@ -182,6 +183,7 @@ def _worker(part: dict[str, list[int]], device_index: int) -> None:
 
     import torch
 
+    # imported here: kernels.gpu loads vLLM's CUDA kernels (this runs in a GPU compile process)
     from fp8_align.vllm_plugin.kernels.gpu import DeepGemmBlockFp8Kernel
 
     device = torch.device("cuda", device_index)

@@ -9,9 +9,6 @@ import torch
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
 from fp8_align.vllm_plugin.kernels.emulated_op import emulated_block_fp8_mm
 
-#: Attribute of an emulated layer holding its FP8 codes widened to float32 (exact).
-CODES_F32 = "fp8_align_codes_f32"
-
 
 @dataclass(frozen=True)
 class EmulatedBlockFp8Kernel(BlockFp8Kernel):
@@ -20,23 +17,21 @@ class EmulatedBlockFp8Kernel(BlockFp8Kernel):
     The GEMM multiplies FP8 codes as float32 values. Widening them costs more than the GEMM on
     CPU (torch converts float8 element by element: about 9 ms for a 3072 x 576 weight on one
     core, against 1 ms for the matmul), so `prepare` keeps a float32 copy of the codes
-    ([N, K], 4 bytes per weight on top of the 1-byte codes) and `weights_written` refreshes it
-    in place after a refit. Same values, same bits as widening per call.
-
-    The copy is a plain attribute, not a registered buffer: vLLM's own layerwise reload
-    (`reload_weights`, weight transfer) re-runs `process_weights_after_loading`, hence `prepare`,
-    on the reloaded layer and then puts the layer's old parameters and buffers back (copying the
-    new values into them), except non-persistent buffers, which it restores without copying; an
-    attribute the processing set stays the fresh one.
+    ([N, K], 4 bytes per weight on top of the 1-byte codes) in the layer's state
+    (`layer.fp8_align.widened["weight"]`, a plain attribute: see `layer_state` on vLLM's reload)
+    and `weights_written` refreshes it in place after a refit. Same values, same bits as widening
+    per call.
     """
 
     name: str = "emulated"
 
     def prepare(self, layer: torch.nn.Module) -> None:
-        setattr(layer, CODES_F32, layer.weight.detach().to(torch.float32))
+        """Keep the codes widened to float32 in `layer.fp8_align.widened["weight"]`."""
+        layer.fp8_align.widened["weight"] = layer.weight.detach().to(torch.float32)
 
     def weights_written(self, layer: torch.nn.Module) -> None:
-        getattr(layer, CODES_F32).copy_(layer.weight.detach())
+        """Copy the rewritten codes into the float32 copy, in its storage."""
+        layer.fp8_align.widened["weight"].copy_(layer.weight.detach())
 
     def apply(
         self,
@@ -46,7 +41,7 @@ class EmulatedBlockFp8Kernel(BlockFp8Kernel):
         act_pow2: bool,
         scale_rule: str = "amax_over_max",
     ) -> torch.Tensor:
-        return emulated_block_fp8_linear(x, getattr(layer, CODES_F32), layer, bias, act_pow2, scale_rule)
+        return emulated_block_fp8_linear(x, layer.fp8_align.widened["weight"], layer, bias, act_pow2, scale_rule)
 
 
 def emulated_block_fp8_linear(
@@ -61,7 +56,7 @@ def emulated_block_fp8_linear(
     layer's FP8 codes (float8_e4m3fn, or float32 holding exactly those values), with the layer's
     `weight_scale_inv` and shard sizes; activations quantized per `act_pow2` and `scale_rule`."""
     x2 = x.reshape(-1, x.shape[-1])
-    out = emulated_block_fp8_mm(x2, weight_codes, layer.weight_scale_inv, layer.fp8_align_shard_sizes, act_pow2, scale_rule)
+    out = emulated_block_fp8_mm(x2, weight_codes, layer.weight_scale_inv, layer.fp8_align.shard_sizes, act_pow2, scale_rule)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise
-from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.quant.shards import shard_slices
 
 
 @torch.library.custom_op("fp8_align::emulated_block_fp8_mm", mutates_args=())

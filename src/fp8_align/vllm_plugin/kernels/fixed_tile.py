@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
+from fp8_align.quant.shards import shard_slices
+from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
-from fp8_align.vllm_plugin.kernels.gpu import ScaleLayout, quantize_activation_triton
-from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -30,7 +30,7 @@ class FixedTileBlockFp8Kernel(BlockFp8Kernel):
     name: str = "fixed_tile"
 
     def prepare(self, layer: torch.nn.Module) -> None:
-        logger.info("fp8_align: %s [%s] -> fixed_tile (on_policy='bitwise')", layer.fp8_align_prefix, tuple(layer.weight.shape))
+        logger.info("fp8_align: %s [%s] -> fixed_tile (on_policy='bitwise')", layer.fp8_align.prefix, tuple(layer.weight.shape))
 
     def apply(
         self,
@@ -47,7 +47,7 @@ class FixedTileBlockFp8Kernel(BlockFp8Kernel):
             torch.ops.fp8_align.bitwise_block_fp8_mm(
                 x_fp8, x_scale, layer.weight[rows], layer.weight_scale_inv[scale_rows], None if bias is None else bias[rows], x.dtype
             )
-            for rows, scale_rows in shard_slices(layer.fp8_align_shard_sizes)
+            for rows, scale_rows in shard_slices(layer.fp8_align.shard_sizes)
         ]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out.reshape(*x.shape[:-1], out.shape[-1])

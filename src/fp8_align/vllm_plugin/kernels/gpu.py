@@ -1,7 +1,7 @@
 """Block-FP8 GEMM backends on CUDA (vLLM 0.22, Hopper) and their per-layer selection.
 
 Every backend computes `fp8_align.quant.blockwise_fp8_linear`: activations quantized to E4M3 in
-1x128 groups by `quantize_activation_triton` (bit-identical to
+1x128 groups by `fp8_align.quant.triton_groupwise.quantize_activation_triton` (bit-identical to
 `fp8_align.quant.quantize_activation_groupwise` on CUDA, tested), then a block-scaled GEMM of
 those codes with the layer's E4M3 weight codes and the FP32 (or power-of-two) scales exactly as
 `fp8_align.quant.quantize_weight_blockwise` computed them. No backend re-rounds a scale:
@@ -14,7 +14,7 @@ Backends, in the order `select_gpu_kernel` tries them:
     deepgemm          vLLM-bundled DeepGEMM `fp8_gemm_nt` (SM90, bf16 out, uniform 128 grid)
     cutlass           vLLM `cutlass_scaled_mm` with 1x128 / 128x128 block scales (uniform grid)
     cublas            `torch._scaled_mm` blockwise (cuBLASLt, SM90; uniform 128 grid; only
-                      where a start-up probe against the reference passes)
+                      where a start-up probe against the reference passes; `kernels.cublas`)
     triton            vLLM `w8a8_triton_block_scaled_mm` on the merged weight (any K, partial
                       last shard)
     triton_per_shard  the same Triton GEMM once per shard of a merged weight (any shapes)
@@ -30,18 +30,13 @@ compiles them while the engine loads, as vLLM does for its own FP8 layers.
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
-from functools import cache
 from typing import ClassVar
 
 import torch
-import triton
-import triton.language as tl
 
 # Importing these vLLM modules registers the custom ops the backends call:
 # torch.ops.vllm.fp8_gemm_nt_op, .w8a8_triton_block_scaled_mm_func (and .padded_cutlass up to 0.22).
@@ -55,137 +50,14 @@ from vllm.triton_utils import HAS_TRITON
 from vllm.utils.deep_gemm import is_deep_gemm_supported
 
 from fp8_align.config import FP8Config
+from fp8_align.quant.shards import shard_slices
+from fp8_align.quant.triton_groupwise import ScaleLayout, empty_scales  # registers fp8_align::quantize_activation_groupwise
 from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
-from fp8_align.quant import E4M3_MAX
-from fp8_align.quant.scales import FP32_TINY, check_scale_rule
-from fp8_align.quant.triton_blockwise import BLOCK, quantization_factors_triton, quantize_with_factor_triton
-from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel, LayerShape
+from fp8_align.vllm_plugin.kernels.base import BLOCK, BlockFp8Kernel, LayerShape
+from fp8_align.vllm_plugin.kernels.cublas import cublas_probe_error  # registers fp8_align::cublas_block_scaled_mm
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
-from fp8_align.vllm_plugin.linear.shards import shard_slices
 
 logger = logging.getLogger("vllm.fp8_align")
-
-#: M padding for cuBLASLt's block-scaled FP8 GEMM (it needs a multiple of 4). On the H100 box
-#: (torch 2.11.0+cu130) the product was wrong for small M whether padded to 4, 8 or 16 (right
-#: for M >= 33), so `_cublas_probe_error` keeps this backend out of the selection there.
-_CUBLAS_M_MULTIPLE = 4
-#: Groups of 128 channels one program of the activation-quantization kernel handles.
-_GROUPS_PER_PROGRAM = 8
-
-
-class ScaleLayout(enum.IntEnum):
-    """Memory layout of the [M, G] activation scales a GEMM backend reads."""
-
-    ROW_MAJOR = 0  # stride (G, 1): Triton
-    COLUMN_MAJOR = 1  # stride (1, M): CUTLASS, cuBLASLt
-    COLUMN_MAJOR_TMA = 2  # stride (1, M rounded up to 4): DeepGEMM (16-byte TMA alignment)
-
-
-# --------------------------------------------------------------------------- activation quantization
-@triton.jit
-def _quantize_activation_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    K,
-    num_groups,
-    stride_xm,
-    stride_qm,
-    stride_sm,
-    stride_sg,
-    TINY: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUPS_PER_PROGRAM: tl.constexpr,
-    POW2: tl.constexpr,
-    TE_RULE: tl.constexpr,
-    VALUE_FOR_INF: tl.constexpr,
-):
-    """Row `program_id(0)`, groups GROUPS_PER_PROGRAM * program_id(1) + [0, GROUPS_PER_PROGRAM) of
-    x: codes into q, scales into s. TE_RULE / VALUE_FOR_INF: the scale rule (`quantization_factors_triton`)."""
-    row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    valid = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    factor, scale = quantization_factors_triton(amax, TINY, FP8_MAX, POW2, TE_RULE, VALUE_FOR_INF)
-    q = quantize_with_factor_triton(x, factor[:, None], FP8_MAX, TE_RULE)
-    tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=valid)
-    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
-
-
-def _empty_scales(m: int, groups: int, layout: ScaleLayout, device: torch.device) -> torch.Tensor:
-    """Uninitialized float32 [m, groups] scales in `layout`."""
-    if layout == ScaleLayout.ROW_MAJOR:
-        return torch.empty((m, groups), dtype=torch.float32, device=device)
-    lead = m if layout == ScaleLayout.COLUMN_MAJOR else -(-m // 4) * 4
-    return torch.empty_strided((m, groups), (1, max(lead, 1)), dtype=torch.float32, device=device)
-
-
-@torch.library.custom_op("fp8_align::quantize_activation_groupwise", mutates_args=())
-def quantize_activation_triton(
-    x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = "amax_over_max"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 group quantization of a [M, K] bf16/fp16/fp32 CUDA tensor (last dim contiguous).
-
-    Returns (codes [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32 in `ScaleLayout(layout)`),
-    bit-identical to `fp8_align.quant.quantize_activation_groupwise(x, pow2_scale=pow2,
-    scale_rule=scale_rule)`. "amax_over_max": `scale = amax / 448` (1.0 for an all-zero group, at
-    least FLT_MIN), rounded up to a power of two when `pow2`; `code = RNE(clamp(x / scale, +-448))`;
-    both divisions correctly rounded. "transformer_engine": TE's multiplier `m = 448 / amax`
-    (rounded down to a power of two when `pow2`), `code = RNE(clamp(x * m, +-448))`, `scale = 1 / m`.
-    """
-    te_rule = check_scale_rule(scale_rule) == "transformer_engine"
-    m, k = x.shape
-    groups = math.ceil(k / BLOCK)
-    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = _empty_scales(m, groups, ScaleLayout(layout), x.device)
-    if m == 0:
-        return codes, scales
-    grid = (m, triton.cdiv(groups, _GROUPS_PER_PROGRAM))
-    _quantize_activation_kernel[grid](
-        x, codes, scales, k, groups,
-        x.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
-        TINY=FP32_TINY, FP8_MAX=E4M3_MAX,
-        GROUP=BLOCK, GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM, POW2=pow2,
-        TE_RULE=te_rule, VALUE_FOR_INF=torch.finfo(x.dtype).max, num_warps=4,
-    )  # fmt: skip
-    return codes, scales
-
-
-@quantize_activation_triton.register_fake
-def _(x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = "amax_over_max") -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    return codes, _empty_scales(m, math.ceil(k / BLOCK), ScaleLayout(layout), x.device)
-
-
-# --------------------------------------------------------------------------- cuBLASLt block GEMM
-@torch.library.custom_op("fp8_align::cublas_block_scaled_mm", mutates_args=())
-def cublas_block_scaled_mm(
-    x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """`torch._scaled_mm` with 1x128 activation / 128x128 weight scales (cuBLASLt, SM90).
-
-    x_fp8 [M, K] e4m3, x_scale [M, K/128] float32 column-major, w_fp8 [N, K] e4m3,
-    w_scale [N/128, K/128] float32. Returns [M, N] in `out_dtype`. M is padded to a multiple
-    of `_CUBLAS_M_MULTIPLE` (zero codes, unit scales) and the padding rows are cut off again.
-    """
-    m = x_fp8.shape[0]
-    pad = (-m) % _CUBLAS_M_MULTIPLE
-    if pad:
-        x_fp8 = torch.cat([x_fp8, x_fp8.new_zeros((pad, x_fp8.shape[1]))])
-        padded_scale = torch.ones((x_scale.shape[1], m + pad), dtype=x_scale.dtype, device=x_scale.device).t()
-        padded_scale[:m] = x_scale
-        x_scale = padded_scale
-    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
-    return out[:m] if pad else out
-
-
-@cublas_block_scaled_mm.register_fake
-def _(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty((x_fp8.shape[0], w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
 
 
 # --------------------------------------------------------------------------- eligibility
@@ -203,34 +75,6 @@ def _full_blocks_reason(shape: LayerShape) -> str | None:
     if shape.full_blocks:
         return None
     return f"needs every shard and K to be multiples of 128 ({shape.describe()})"
-
-
-@cache
-def _cublas_probe_error(device_index: int) -> str | None:
-    """None when `cublas_block_scaled_mm` reproduces the torch reference here, else why not.
-
-    Probes the cases that went wrong before (small M, padded M) with random operands: the
-    result must be within 1% (relative Frobenius) of `fp8_align.quant.fp8_block_gemm`, where a
-    correct kernel lands near 2e-3 (bf16 output rounding).
-    """
-    from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
-
-    device = torch.device("cuda", device_index)
-    g = torch.Generator(device=device).manual_seed(0)
-    w_fp8, w_scale = quantize_weight_blockwise(torch.randn(384, 640, generator=g, device=device))
-    for m in (1, 7, 20):
-        x = torch.randn(m, 640, generator=g, device=device)
-        x_fp8, x_scale = quantize_activation_groupwise(x)
-        col_major_scale = x_scale.t().contiguous().t()
-        try:
-            out = cublas_block_scaled_mm(x_fp8, col_major_scale, w_fp8, w_scale, torch.bfloat16)
-        except RuntimeError as exc:  # the answer to "does this torch/cuBLAS have it"; logged by the caller
-            return f"torch._scaled_mm rejects block scales: {str(exc).splitlines()[0]}"
-        ref = fp8_block_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.float32)
-        error = ((out.float() - ref).norm() / ref.norm()).item()
-        if not error < 1e-2:
-            return f"torch._scaled_mm block-scaled product is wrong at M={m} (relative error {error:.2g})"
-    return None
 
 
 #: A DeepGEMM warm-up slower than this (seconds per [N, K]) compiled rather than loaded its kernels.
@@ -281,8 +125,8 @@ class GpuBlockFp8Kernel(BlockFp8Kernel):
         """Log the choice for this layer (its name, shape, and why earlier backends were passed)."""
         logger.info(
             "fp8_align: %s [%s] -> %s (passed: %s)",
-            layer.fp8_align_prefix,
-            LayerShape(*layer.weight.shape, tuple(layer.fp8_align_shard_sizes)).describe(),
+            layer.fp8_align.prefix,
+            LayerShape(*layer.weight.shape, tuple(layer.fp8_align.shard_sizes)).describe(),
             self.name,
             "; ".join(self.passed) or "none",
         )
@@ -326,7 +170,7 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
         """Refuse a non-bf16 layer (selection assumed bf16 output), then log the choice."""
         if layer.params_dtype != torch.bfloat16:
             raise ValueError(
-                f"fp8_align: {layer.fp8_align_prefix} has dtype {layer.params_dtype} but DeepGEMM was selected for "
+                f"fp8_align: {layer.fp8_align.prefix} has dtype {layer.params_dtype} but DeepGEMM was selected for "
                 "bf16 output; pass the layer dtype as select_kernel(..., out_dtype=)"
             )
         super().prepare(layer)
@@ -370,7 +214,7 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
         device = layer.weight.device
         x_fp8 = torch.zeros((max(m_values), k), dtype=torch.float8_e4m3fn, device=device)
         for m in m_values:
-            x_scale = _empty_scales(m, k // BLOCK, self.scale_layout, device).fill_(1.0)
+            x_scale = empty_scales(m, k // BLOCK, self.scale_layout, device).fill_(1.0)
             self.gemm(layer, x_fp8[:m], x_scale, torch.bfloat16)
         torch.cuda.synchronize(device)
 
@@ -401,7 +245,8 @@ class CutlassBlockFp8Kernel(GpuBlockFp8Kernel):
 
 @dataclass(frozen=True)
 class CublasBlockFp8Kernel(GpuBlockFp8Kernel):
-    """`torch._scaled_mm` with DeepSeek-style block scales (cuBLASLt, SM90 only)."""
+    """`torch._scaled_mm` with DeepSeek-style block scales (cuBLASLt, SM90 only): the custom op
+    `fp8_align::cublas_block_scaled_mm` of `kernels.cublas`."""
 
     name: str = "cublas"
     scale_layout: ClassVar[ScaleLayout] = ScaleLayout.COLUMN_MAJOR
@@ -414,7 +259,7 @@ class CublasBlockFp8Kernel(GpuBlockFp8Kernel):
         reason = _full_blocks_reason(shape)
         if reason is not None:
             return reason
-        return _cublas_probe_error(target.device.index if target.device.index is not None else torch.cuda.current_device())
+        return cublas_probe_error(target.device.index if target.device.index is not None else torch.cuda.current_device())
 
     def gemm(self, layer: torch.nn.Module, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return torch.ops.fp8_align.cublas_block_scaled_mm(x_fp8, x_scale, layer.weight, layer.weight_scale_inv, out_dtype)
@@ -455,7 +300,7 @@ class ShardedTritonBlockFp8Kernel(GpuBlockFp8Kernel):
             torch.ops.vllm.w8a8_triton_block_scaled_mm_func(
                 x_fp8, layer.weight[rows], x_scale, layer.weight_scale_inv[scale_rows], [BLOCK, BLOCK], out_dtype
             )
-            for rows, scale_rows in shard_slices(layer.fp8_align_shard_sizes)
+            for rows, scale_rows in shard_slices(layer.fp8_align.shard_sizes)
         ]
         return torch.cat(outputs, dim=-1)
 
@@ -481,7 +326,7 @@ class ReferenceBlockFp8Kernel(GpuBlockFp8Kernel):
         return emulated_block_fp8_linear(x, layer.weight, layer, bias, act_pow2, scale_rule)
 
 
-#: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/kernels.py).
+#: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/gemm_kernels.py).
 GPU_KERNEL_ORDER: tuple[type[GpuBlockFp8Kernel], ...] = (
     DeepGemmBlockFp8Kernel,
     CutlassBlockFp8Kernel,

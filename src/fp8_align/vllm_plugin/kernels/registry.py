@@ -27,6 +27,7 @@ def select_kernel(
     """
     if device.type == "cpu":
         return EmulatedBlockFp8Kernel()
+    # imported here: the CUDA backends load vLLM's CUDA kernels and Triton, absent on CPU-only installs
     if cfg.on_policy == "bitwise":
         from fp8_align.vllm_plugin.kernels.fixed_tile import FixedTileBlockFp8Kernel
 

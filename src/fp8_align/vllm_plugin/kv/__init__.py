@@ -1,1 +1,2 @@
-"""FP8 KV cache scales: read and push them (`scales`), calibrate them on a batch (`calibration`)."""
+"""FP8 KV cache scales: read and push them (`scales`), calibrate them on a batch (`calibration`,
+observing attention through `probe`); XQA decode over the FP8 cache (`xqa_decode`)."""

@@ -2,7 +2,7 @@
 
 `calibrate_kv_scales(llm, prompts)` runs `prompts` (token ids) through the engine as prefill-only
 requests (`max_tokens=1`, prefix cache not read, so every prompt token is computed) while every
-attention layer of every worker is probed (`patches.probe_attention`):
+attention layer of every worker is probed (`kv.probe.probe_attention`):
 
 - K and V: max |x| over the rows the backend writes into the KV cache, i.e. the `key`/`value`
   rows of `do_kv_cache_update` whose slot is >= 0: post-RoPE keys and values of the real tokens,
@@ -32,12 +32,8 @@ from typing import Any
 import torch
 
 from fp8_align.quant.scales import scale_from_amax
+from fp8_align.vllm_plugin.kv.probe import attention_probe, probe_attention, unprobe_attention
 from fp8_align.vllm_plugin.kv.scales import KVScales, attention_layers, push_kv_scales
-from fp8_align.vllm_plugin.patches import (
-    attention_probe,
-    probe_attention,
-    unprobe_attention,
-)
 
 #: Per-layer amaxes: {layer: {"k_amax", "v_amax"[, "q_amax"]}}, in the activations' units.
 KVAmaxes = dict[int, dict[str, float]]

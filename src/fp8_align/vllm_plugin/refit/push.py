@@ -1,9 +1,8 @@
 """Push new weights into a running vLLM engine every RL step, re-quantized with the engine's recipe.
 
-Trainer side: `refit_weights(llm, weights)` with an in-process `vllm.LLM`. Raw tensors do not
-survive vLLM's multiprocess RPC, so CUDA tensors travel as CUDA IPC handles (the worker maps the
-trainer's memory, no copy through the host) and CPU tensors as one safetensors file; each worker
-runs `_refit_in_worker`:
+Trainer side: `refit_weights(llm, weights)` with an in-process `vllm.LLM`. The update reaches
+the workers through `refit.transport` (CUDA tensors as CUDA IPC handles, CPU tensors as one
+safetensors file); each worker runs `_refit_in_worker`:
 
 1. Validate everything first (`plan_refit`): every name must be a tensor of the engine's own
    BF16 checkpoint (`model_config.model`), with that tensor's shape and dtype, and all values
@@ -43,22 +42,28 @@ absorbed weights (`mla.refresh_mla_absorbed_weights`).
 from __future__ import annotations
 
 import os
-import pickle
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
+from fp8_align.quant.shards import shard_slices
+from fp8_align.vllm_plugin.checkpoint import (
+    RefitError,
+    TensorSpec,
+    check_tensor,
+    checkpoint_layout,
+    modules_named,
+    original_load_weights,
+    vllm_target,
+)
 from fp8_align.vllm_plugin.kv.scales import read_layer_scales, write_layer_scales
-from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod
 from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
 from fp8_align.vllm_plugin.refit.experts import (
     expert_prefixes,
@@ -66,14 +71,7 @@ from fp8_align.vllm_plugin.refit.experts import (
     refuse_prepacked_experts,
     unfuse_expert_tensors,
 )
-from fp8_align.vllm_plugin.refit.weight_sync import original_load_weights
-
-#: Where trainer-side tensors are staged for the workers (RAM-backed when available).
-STAGING_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
-class RefitError(ValueError):
-    """A weight update was refused; nothing in the engine was changed."""
+from fp8_align.vllm_plugin.refit.transport import received_update, staged_update
 
 
 @dataclass(frozen=True)
@@ -94,21 +92,13 @@ class RefitResult:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of one checkpoint tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
 class Fp8ShardWrite:
     """One checkpoint tensor bound for rows of an FP8 layer's `weight` (or `bias`)."""
 
     name: str  # checkpoint name, e.g. model.layers.1.self_attn.k_proj.weight
     layer: torch.nn.Module  # the vLLM linear module (Fp8AlignLinearMethod)
     param: str  # "weight" or "bias"
-    shard: int  # index into layer.fp8_align_shard_sizes
+    shard: int  # index into layer.fp8_align.shard_sizes
     tensor: torch.Tensor  # the checkpoint tensor, [n_shard, K] (weight) or [n_shard] (bias)
 
 
@@ -124,10 +114,11 @@ class RefitPlan:
     direct: bool
 
 
-#: Quant methods whose layers hold their weights exactly as loaded on CUDA (their
+#: vLLM quant methods whose layers hold their weights exactly as loaded on CUDA (their
 #: process_weights_after_loading acts only on CPU in vLLM 0.22 and 0.32), so a plain
-#: `load_weights` refits them. Modules without a quant method (norms) qualify too.
-DIRECT_LOAD_METHODS = ("UnquantizedLinearMethod", "Fp8AlignBf16LinearMethod", "UnquantizedEmbeddingMethod")
+#: `load_weights` refits them; so do fp8_align's `Fp8AlignBf16LinearMethod` (vLLM's unquantized
+#: linear there) and modules without a quant method (norms).
+DIRECT_LOAD_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
 def refit_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str]) -> list[RefitResult]:
@@ -145,51 +136,10 @@ def refit_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.PathL
     whose KV entries were computed with the old weights. Returns after the workers' GPU work
     finished. Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the worker function is pickled).
     """
-    if not isinstance(weights, Mapping):
-        return _refit(llm, _safetensors_files(Path(weights)), b"")
-    for name, tensor in weights.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise RefitError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    on_gpu = {name: tensor for name, tensor in weights.items() if tensor.is_cuda}
-    on_host = {name: tensor for name, tensor in weights.items() if not tensor.is_cuda}
-    handles = share_cuda_tensors(on_gpu) if on_gpu else b""
-    if not on_host:
-        return _refit(llm, [], handles)
-    with tempfile.TemporaryDirectory(prefix="fp8_align_refit_", dir=STAGING_ROOT) as staging:
-        return _refit(llm, [_stage(on_host, Path(staging))], handles)
-
-
-def _refit(llm: Any, files: list[str], cuda_handles: bytes) -> list[RefitResult]:
-    results = llm.collective_rpc(_refit_in_worker, args=(files, cuda_handles))
+    with staged_update(weights) as (files, cuda_handles):
+        results = llm.collective_rpc(_refit_in_worker, args=(files, cuda_handles))
     llm.reset_prefix_cache()
     return results
-
-
-def share_cuda_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """Pickled CUDA IPC handles of `tensors` (name -> CUDA tensor), for `open_cuda_tensors` in
-    another process on the same machine. The caller keeps the tensors alive until the receiver
-    is done with them (`refit_weights` does: `collective_rpc` returns after the workers)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return pickle.dumps({name: reduce_tensor(tensor.detach()) for name, tensor in tensors.items()})
-
-
-def open_cuda_tensors(handles: bytes) -> dict[str, torch.Tensor]:
-    """The tensors `share_cuda_tensors` shared, mapped into this process (no copy)."""
-    return {name: rebuild(*args) for name, (rebuild, args) in pickle.loads(handles).items()}
-
-
-def _stage(weights: Mapping[str, torch.Tensor], directory: Path) -> str:
-    path = directory / "weights.safetensors"
-    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in weights.items()}, str(path))
-    return str(path)
-
-
-def _safetensors_files(path: Path) -> list[str]:
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or any(f.suffix != ".safetensors" or not f.is_file() for f in files):
-        raise RefitError(f"{path}: expected a .safetensors file or a directory holding some")
-    return [str(f) for f in files]
 
 
 def _refit_in_worker(worker: Any, files: list[str], cuda_handles: bytes) -> RefitResult:
@@ -204,11 +154,7 @@ def _refit_in_worker(worker: Any, files: list[str], cuda_handles: bytes) -> Refi
 def _apply_update(worker: Any, files: list[str], cuda_handles: bytes, clock: PhaseClock) -> tuple[int, int]:
     """Receive, validate and write one update; (FP8 tensors, reloaded tensors)."""
     model = worker.get_model()
-    updates = _load_updates(files)
-    for name, tensor in open_cuda_tensors(cuda_handles).items() if cuda_handles else ():
-        if name in updates:
-            raise RefitError(f"{name}: sent twice (as a CPU and as a CUDA tensor)")
-        updates[name] = tensor
+    updates = received_update(files, cuda_handles)
     clock.lap("receive")
     model_config = worker.vllm_config.model_config
     layout = checkpoint_layout(model_config.model)
@@ -251,13 +197,6 @@ def _written_modules(model: torch.nn.Module, plan: RefitPlan) -> list[torch.nn.M
     return [write.layer for write in plan.fp8] + modules_named(model, list(plan.reload))
 
 
-def modules_named(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
-    """The vLLM modules of `model` that checkpoint tensors `names` load into (each once)."""
-    packed = dict(getattr(model, "packed_modules_mapping", {}))
-    modules = dict(model.named_modules())
-    return [modules[target] for target in dict.fromkeys(_vllm_target(name, packed)[0] for name in names) if target in modules]
-
-
 class PhaseClock:
     """Wall time per phase (`phases`: name -> seconds); each `lap` first waits for the device's queued work."""
 
@@ -266,55 +205,12 @@ class PhaseClock:
         self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
+        """Record the time since the last lap (or the start) as `phase`, after a device sync."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         now = time.perf_counter()
         self.phases[phase] = now - self._last
         self._last = now
-
-
-def _load_updates(files: list[str]) -> dict[str, torch.Tensor]:
-    updates: dict[str, torch.Tensor] = {}
-    for path in files:
-        for name, tensor in load_file(path).items():
-            if name in updates:
-                raise RefitError(f"{name}: sent twice ({path} and an earlier file)")
-            updates[name] = tensor
-    return updates
-
-
-_LAYOUT_CACHE: dict[str, dict[str, TensorSpec]] = {}
-
-
-def checkpoint_layout(model_path: str) -> dict[str, TensorSpec]:
-    """Names, shapes and dtypes of the checkpoint at `model_path` (safetensors headers only).
-
-    `model_path` is a local directory or a Hugging Face repo id already in the local cache.
-    Cached per path: the layout of a running engine does not change.
-    """
-    if model_path not in _LAYOUT_CACHE:
-        directory = Path(model_path)
-        if not directory.is_dir():
-            from huggingface_hub import snapshot_download
-
-            directory = Path(snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors"]))
-        layout: dict[str, TensorSpec] = {}
-        for path in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
-                    tensor_slice = handle.get_slice(name)
-                    layout[name] = TensorSpec(tuple(tensor_slice.get_shape()), _safetensors_dtype(tensor_slice.get_dtype()))
-        if not layout:
-            raise RefitError(f"{directory}: no .safetensors tensors; refit validates names against the checkpoint")
-        _LAYOUT_CACHE[model_path] = layout
-    return _LAYOUT_CACHE[model_path]
-
-
-def _safetensors_dtype(code: str) -> torch.dtype:
-    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    if code not in dtypes:
-        raise RefitError(f"checkpoint tensor dtype {code} is not a floating weight dtype fp8_align refits")
-    return dtypes[code]
 
 
 def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout: dict[str, TensorSpec]) -> RefitPlan:
@@ -341,9 +237,9 @@ def plan_refit(model: torch.nn.Module, updates: dict[str, torch.Tensor], layout:
             # The experts' own loader re-quantizes in place (any TP/EP layout: vLLM's loader cuts it).
             experts[name] = tensor
             continue
-        module_name, param, shard = _vllm_target(name, packed)
+        module_name, param, shard = vllm_target(name, packed)
         layer = modules.get(module_name)
-        if layer is not None and hasattr(layer, "fp8_align_kernel") and param in ("weight", "bias") and layer.tp_size == 1:
+        if layer is not None and is_fp8_align_layer(layer, "linear") and param in ("weight", "bias") and layer.tp_size == 1:
             write = Fp8ShardWrite(name, layer, param, shard, tensor)
             _check_fp8_target(write)
             fp8.append(write)
@@ -367,61 +263,36 @@ def _loads_directly(
     if not any(p.is_cuda for p in model.parameters()):
         return False
     for name in reload:
-        module = modules.get(_vllm_target(name, packed)[0])
-        method = getattr(module, "quant_method", None)
-        if module is None or (method is not None and type(method).__name__ not in DIRECT_LOAD_METHODS):
+        module = modules.get(vllm_target(name, packed)[0])
+        if module is None or not _keeps_weights_as_loaded(getattr(module, "quant_method", None)):
             return False
     return True
 
 
-def check_tensor(
-    name: str, tensor: torch.Tensor, layout: dict[str, TensorSpec], dtypes: tuple[torch.dtype, ...] | None = None
-) -> None:
-    """RefitError unless `name` is in `layout` with `tensor`'s shape, and `tensor`'s dtype is the
-    checkpoint's (or, when given, one of `dtypes`)."""
-    spec = layout.get(name)
-    if spec is None:
-        raise RefitError(f"{name}: not a tensor of the engine's checkpoint")
-    if tuple(tensor.shape) != spec.shape:
-        raise RefitError(f"{name}: shape {tuple(tensor.shape)}, the checkpoint has {spec.shape}")
-    if dtypes is None and tensor.dtype != spec.dtype:
-        raise RefitError(f"{name}: dtype {tensor.dtype}, the checkpoint has {spec.dtype}")
-    if dtypes is not None and tensor.dtype not in dtypes:
-        raise RefitError(f"{name}: dtype {tensor.dtype}; fp8_align takes {', '.join(str(d) for d in dtypes)}")
-
-
-def _vllm_target(name: str, packed: Mapping[str, list[str]]) -> tuple[str, str, int]:
-    """(vLLM module name, parameter, shard index) for a checkpoint name.
-
-    model.layers.1.self_attn.k_proj.weight -> (model.layers.1.self_attn.qkv_proj, weight, 1).
-    """
-    module_name, _, param = name.rpartition(".")
-    parent, _, leaf = module_name.rpartition(".")
-    for merged, parts in packed.items():
-        if leaf in parts:
-            return f"{parent}.{merged}" if parent else merged, param, parts.index(leaf)
-    return module_name, param, 0
+def _keeps_weights_as_loaded(method: Any) -> bool:
+    """True for no quant method and the methods of `DIRECT_LOAD_METHODS` (see there)."""
+    return method is None or isinstance(method, Fp8AlignBf16LinearMethod) or type(method).__name__ in DIRECT_LOAD_METHODS
 
 
 def _check_fp8_target(write: Fp8ShardWrite) -> None:
-    layer = write.layer
-    sizes = layer.fp8_align_shard_sizes
+    layer, state = write.layer, write.layer.fp8_align
+    sizes = state.shard_sizes
     if write.shard >= len(sizes):
-        raise RefitError(f"{write.name}: shard {write.shard} but {layer.fp8_align_prefix} has shards {sizes}")
+        raise RefitError(f"{write.name}: shard {write.shard} but {state.prefix} has shards {sizes}")
     expected = (sizes[write.shard], layer.weight.shape[1]) if write.param == "weight" else (sizes[write.shard],)
     if tuple(write.tensor.shape) != expected:
-        raise RefitError(f"{write.name}: shape {tuple(write.tensor.shape)}, {layer.fp8_align_prefix} shard needs {expected}")
+        raise RefitError(f"{write.name}: shape {tuple(write.tensor.shape)}, {state.prefix} shard needs {expected}")
     if write.param == "bias" and getattr(layer, "bias", None) is None:
-        raise RefitError(f"{write.name}: {layer.fp8_align_prefix} has no bias")
+        raise RefitError(f"{write.name}: {state.prefix} has no bias")
 
 
 def _check_whole_modules(reload: dict[str, torch.Tensor], layout: dict[str, TensorSpec], packed: Mapping[str, list[str]]) -> None:
     """vLLM's layerwise reload rebuilds whole modules: each touched one must get all its tensors."""
     needed: dict[str, set[str]] = {}
     for name in layout:
-        needed.setdefault(_vllm_target(name, packed)[0], set()).add(name)
+        needed.setdefault(vllm_target(name, packed)[0], set()).add(name)
     for name in reload:
-        missing = needed[_vllm_target(name, packed)[0]] - reload.keys()
+        missing = needed[vllm_target(name, packed)[0]] - reload.keys()
         if missing:
             raise RefitError(
                 f"{name}: its module is refit through vLLM's reload, which rebuilds the whole module; "
@@ -442,7 +313,7 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
     rewritten: dict[int, torch.nn.Module] = {}
     for write in writes:
         layer = write.layer
-        rows, scale_rows = shard_slices(layer.fp8_align_shard_sizes)[write.shard]
+        rows, scale_rows = shard_slices(layer.fp8_align.shard_sizes)[write.shard]
         if write.param == "bias":
             layer.bias.data[rows].copy_(write.tensor)
             continue
@@ -460,4 +331,4 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
     for (pow2, scale_rule), (weights, all_codes, all_scales) in grouped.items():
         quantize_weights_into(weights, all_codes, all_scales, pow2, scale_rule)
     for layer in rewritten.values():
-        layer.fp8_align_kernel.weights_written(layer)
+        layer.fp8_align.kernel.weights_written(layer)

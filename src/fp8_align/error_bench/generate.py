@@ -1,6 +1,6 @@
 """Run one vLLM engine in a fresh process and save what it generated.
 
-`run_generation(spec, out_path)` starts `python -m fp8_align.bench.generate SPEC OUT` so each
+`run_generation(spec, out_path)` starts `python -m fp8_align.error_bench.generate SPEC OUT` so each
 engine gets a clean process (vLLM spawns its workers from there); `start_generation` does the
 same without waiting, so several engines can run side by side. Each engine process leads its
 own process group, so `GenerationJob.kill()` also stops the workers it spawned.
@@ -44,6 +44,12 @@ from pathlib import Path
 from typing import IO, Any, ContextManager
 
 import torch
+
+from fp8_align.config import FP8Config
+from fp8_align.vllm_plugin import engine_kwargs
+from fp8_align.vllm_plugin.kv.scales import push_kv_scales
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+from fp8_align.vllm_plugin.load_memory import load_memory_state
 
 DEFAULT_LLM_KWARGS = {"gpu_memory_utilization": 0.1, "dtype": "bfloat16", "seed": 0}
 #: KV cache per CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE) when engines share a machine.
@@ -115,7 +121,7 @@ def start_generation(spec: dict[str, Any], out_path: str | os.PathLike[str], tim
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **spec.get("env", {})}
     log_file = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "fp8_align.bench.generate", str(spec_path), str(out_path)],
+        [sys.executable, "-m", "fp8_align.error_bench.generate", str(spec_path), str(out_path)],
         stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     return GenerationJob(process, out_path, log_path, log_file, time.monotonic() + timeout_s)
@@ -236,8 +242,8 @@ def linear_kernels(model: torch.nn.Module) -> dict[str, dict[str, str]]:
         method = getattr(module, "quant_method", None)
         if method is None or not hasattr(module, "input_size"):
             continue
-        kernel = getattr(module, "fp8_align_kernel", None)
-        kernels[name] = {"method": type(method).__name__, "kernel": kernel.name if kernel is not None else "bf16"}
+        kernel = module.fp8_align.kernel.name if is_fp8_align_layer(module, "linear") else "bf16"
+        kernels[name] = {"method": type(method).__name__, "kernel": kernel}
     return kernels
 
 
@@ -255,8 +261,8 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from fp8_align.config import FP8Config
-    from fp8_align.vllm_plugin import engine_kwargs
+    # imports vLLM (through vllm_plugin.compat): only in this engine process, never in the parent
+    from fp8_align.vllm_plugin.inspection import read_linear_layers
 
     kwargs: dict[str, Any] = {**DEFAULT_LLM_KWARGS, "skip_tokenizer_init": True, **spec.get("llm_kwargs", {})}
     if spec.get("fp8_config") is not None:
@@ -265,8 +271,6 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], **kwargs)
     engine_start_s = time.perf_counter() - start
     if spec.get("kv_scales"):
-        from fp8_align.vllm_plugin.kv.scales import push_kv_scales
-
         push_kv_scales(llm, {int(layer): scales for layer, scales in spec["kv_scales"].items()})
     settings = _sampling_settings(spec)
     prompts, params = [], []
@@ -303,24 +307,20 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     if "sampling" not in spec:
         out["outputs"] = outputs_by_sampling[DEFAULT_SAMPLING_NAME]
     if spec.get("inspect"):
-        from fp8_align.vllm_plugin.inspection import read_linear_layers
-
-        from fp8_align.vllm_plugin.load_memory import load_memory_state
-
         out["layers_by_worker"] = read_linear_layers(llm)
         out["layers"] = out["layers_by_worker"][0]
         out["load_memory_by_worker"] = llm.apply_model(load_memory_state)
     if spec.get("report_kernels"):
         # This file runs as __main__; vLLM pickles functions by module name, so pass the copy
-        # importable as fp8_align.bench.generate.
-        from fp8_align.bench.generate import linear_kernels as importable_linear_kernels
+        # importable as fp8_align.error_bench.generate.
+        from fp8_align.error_bench.generate import linear_kernels as importable_linear_kernels
 
         out["linear_kernels"] = llm.apply_model(importable_linear_kernels)[0]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fp8_align.bench.generate SPEC.json OUT.pt`."""
+    """`python -m fp8_align.error_bench.generate SPEC.json OUT.pt`."""
     spec_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
     result = _generate(json.loads(Path(spec_path).read_text()))
     partial = Path(out_path).with_suffix(".partial")

@@ -1,10 +1,10 @@
 """Block-FP8 GEMM throughput per backend vs BF16, and the weight quantizer's bandwidth (CUDA).
 
-    python benchmarks/kernels.py --results DIR [--skip-gemm]
+    python benchmarks/gemm_kernels.py --results DIR [--skip-gemm]
 
 GEMM shapes of an 8B model (Qwen3-8B / Llama-3-8B style), N x K:
 qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288, at M = 4096 (prefill) and
-M = 64 (decode). For each fp8_align backend (`gpu_kernels.GPU_KERNEL_ORDER` minus the torch
+M = 64 (decode). For each fp8_align backend (`vllm_plugin.kernels.gpu.GPU_KERNEL_ORDER` minus the torch
 reference and triton_per_shard; a backend not eligible on the device is recorded as skipped,
 with the reason) two timings: `gemm` (pre-quantized activations, the backend's scale layout) and
 `linear` (activation quantization + GEMM, what the plugin runs). BF16 is `F.linear`.
@@ -31,10 +31,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# This folder holds `kernels.py`, which shadows the `kernels` package that transformers probes
-# for (a circular import when vLLM loads transformers): take the folder off sys.path first.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
@@ -42,7 +38,9 @@ from triton.testing import do_bench
 from fp8_align.config import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
+from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 from fp8_align.vllm_plugin.kernels import gpu as gk
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 M_VALUES = {"prefill": 4096, "decode": 64}
@@ -59,7 +57,7 @@ def _layer(n: int, k: int) -> torch.nn.Module:
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align_shard_sizes = [n]
+    layer.fp8_align = Fp8AlignLayerState("linear", f"bench[{n}x{k}]", shard_sizes=[n])
     layer.bf16_weight = w
     return layer
 
@@ -82,7 +80,7 @@ def gemm_rows(target: Any) -> list[dict[str, Any]]:
                 if reason is not None:
                     rows.append({"shape": shape_name, "phase": phase, "M": m, "N": n, "K": k, "kernel": kernel.name, "skipped": reason})
                     continue
-                x_fp8, x_scale = gk.quantize_activation_triton(x, False, int(kernel.scale_layout))
+                x_fp8, x_scale = quantize_activation_triton(x, False, int(kernel.scale_layout))
                 gemm_ms = median_ms(lambda: kernel.gemm(layer, x_fp8, x_scale, torch.bfloat16))
                 linear_ms = median_ms(lambda: kernel.apply(layer, x, None, False))
                 for op, ms in (("gemm", gemm_ms), ("linear", linear_ms)):
@@ -125,7 +123,7 @@ def quantizer_rows() -> list[dict[str, Any]]:
             rows.append({"what": what, "shape": shape_name, "N": n, "K": k, "ms": ms, "GBps": moved / ms / 1e6,
                          "copy_same_shape_GBps": same_shape_gbps, "share_of_same_shape_copy": moved / ms / 1e6 / same_shape_gbps})  # fmt: skip
         x = torch.randn(M_VALUES["prefill"], k, device="cuda").to(torch.bfloat16)
-        ms = median_ms(lambda: gk.quantize_activation_triton(x, False, int(gk.ScaleLayout.ROW_MAJOR)))
+        ms = median_ms(lambda: quantize_activation_triton(x, False, int(ScaleLayout.ROW_MAJOR)))
         moved = 3 * x.numel() + 4 * x.shape[0] * math.ceil(k / 128)
         same_shape_gbps = copy_gbps(x)
         rows.append({"what": "quantize_activation_triton", "shape": f"x[{x.shape[0]}, {k}]", "M": x.shape[0], "K": k, "ms": ms,

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import apply_fp8_emulation
+from fp8_align.hf_training import apply_fp8_training
 from fp8_align.metrics import mismatch_metrics, per_position_mult_prob_error, token_mult_prob_error
 
 #: Upper bound on (sequences x padded length) per forward; bounds the FP32 logits memory.
@@ -131,7 +132,7 @@ def score_generation(
     """Score one engine's completions with each training-side model (one batched pass per model).
 
     Args: outputs_by_sampling: setting -> per prompt {"prompt_ids", "token_ids", "logprobs"} (as
-    `fp8_align.bench.generate` returns); models: training side name -> HF causal LM.
+    `fp8_align.error_bench.generate` returns); models: training side name -> HF causal LM.
     Every setting's sequences go through a model together; rows are split back by setting.
     Raises RuntimeError if the scored tokens do not line up with the generated ones.
     """
@@ -217,8 +218,6 @@ def fp8_model(bf16_model: nn.Module, cfg: FP8Config, forward_kernel: str | None 
     if forward_kernel is None:
         apply_fp8_emulation(model, cfg)
     else:
-        from fp8_align.hf_training import apply_fp8_training
-
         apply_fp8_training(model, cfg, forward_kernel=forward_kernel)
     return model
 

@@ -18,6 +18,8 @@ from typing import Any
 from torch import nn
 
 from fp8_align.config import FP8Config
+from fp8_align.megatron_ext.hf_bridge import MegatronBridgeError, MegatronCausalLM, build_megatron_gpt, check_llama_family
+from fp8_align.megatron_ext.te_emulation import TE_FP32_SCALES_ENV_VAR, te_pow2_scales_from_env
 
 #: Name of the BF16 megatron-core + TE training side in the result pairs.
 MEGATRON_BF16_SIDE = "megatron_te_bf16"
@@ -25,16 +27,13 @@ MEGATRON_BF16_SIDE = "megatron_te_bf16"
 
 def check_megatron_te_side(hf_config: Any, fp8_configs: list[FP8Config]) -> str | None:
     """None when megatron-core, TE and the model allow this side; else what is wrong and how to fix it."""
-    from fp8_align.megatron_ext.hf_bridge import MegatronBridgeError, check_llama_family
-    from fp8_align.megatron_ext.te_emulation import TE_FP32_SCALES_ENV_VAR, te_pow2_scales_from_env
-
     try:
         import megatron.core  # noqa: F401
         import transformer_engine.pytorch  # noqa: F401
     except ImportError as exc:
         return (
             f"--training-side megatron-te needs megatron-core and TransformerEngine (torch extension included): {exc}. "
-            "On the GPU box: benchmarks/te_box_setup.sh"
+            "On the GPU box: benchmarks/box/te_box_setup.sh"
         )
     try:
         check_llama_family(hf_config)
@@ -54,16 +53,12 @@ def check_megatron_te_side(hf_config: Any, fp8_configs: list[FP8Config]) -> str 
 
 def megatron_te_model(hf_model: nn.Module, fp8_cfg: FP8Config | None) -> nn.Module:
     """An HF-style causal LM (`.logits`) backed by a megatron-core GPT with TE layers and `hf_model`'s weights."""
-    from fp8_align.megatron_ext.hf_bridge import MegatronCausalLM, build_megatron_gpt
-
     return MegatronCausalLM(build_megatron_gpt(hf_model, fp8_cfg, spec="transformer_engine"), hf_model.config)
 
 
 def describe_megatron_te_side() -> dict[str, str]:
     """Result-document descriptions of the megatron-core + TE training sides, with versions."""
     import importlib.metadata as md
-
-    from fp8_align.megatron_ext.te_emulation import te_pow2_scales_from_env
 
     versions = f"megatron-core {md.version('megatron-core')}, TransformerEngine {md.version('transformer_engine')}"
     rounding = "power-of-two" if te_pow2_scales_from_env() else "FP32"

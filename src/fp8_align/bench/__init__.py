@@ -1,1 +1,0 @@
-"""Benchmarks and the vLLM generation runner they (and the tests) use."""
