@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "fp8_align.quant": 0,
     "fp8_align.checks": 0,
     "fp8_align.layer_selection": 0,
+    "fp8_align.bitwise": 0,
     "fp8_align.is_correction": 1,
     "fp8_align.hf_emulation": 1,
     "fp8_align.megatron_ext": 1,
