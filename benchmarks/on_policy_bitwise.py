@@ -116,11 +116,12 @@ def run_one(model_name: str, variant: str, batch_sizes: list[int], max_tokens: i
         for size in batch_sizes:
             groups = [[p] for p in probes] if size == 1 else [probes + fillers[: size - len(probes)]]
             sequences, prompt_lens, engine_logprobs, probe_outputs = [], [], [], []
-            for group in groups:
+            for g, group in enumerate(groups):
+                first = g if size == 1 else 0  # index of the group's first request: probe j keeps seed 1000 + j
                 params = [
                     SamplingParams(
                         temperature=0.0 if sampling == "greedy" else 1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
-                        seed=None if sampling == "greedy" else 1000 + i, detokenize=False,
+                        seed=None if sampling == "greedy" else 1000 + first + i, detokenize=False,
                     )  # fmt: skip
                     for i in range(len(group))
                 ]
