@@ -12,9 +12,9 @@ import torch
 
 from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
 
-#: M padding for cuBLASLt's block-scaled FP8 GEMM (it needs a multiple of 4). On the H100 box
-#: (torch 2.11.0+cu130) the product was wrong for small M whether padded to 4, 8 or 16 (right
-#: for M >= 33), so `cublas_probe_error` keeps this backend out of the selection there.
+#: M padding for cuBLASLt's block-scaled FP8 GEMM (it needs a multiple of 4). Where the product is
+#: wrong anyway (small M on some torch/cuBLAS builds, benchmarks/RESULTS.md), `cublas_probe_error`
+#: keeps this backend out of the selection.
 _CUBLAS_M_MULTIPLE = 4
 
 
