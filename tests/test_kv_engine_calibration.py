@@ -212,8 +212,8 @@ def test_token_ids_outside_the_vocabulary_raise_before_the_engine_runs() -> None
 class _EngineSlot:
     """At most one in-process engine: `get(kv_cache_dtype)` shuts the other one down first."""
 
-    def __init__(self, runner: type[EngineRunner], model: Path, llm_kwargs: dict[str, Any]) -> None:
-        self.runner_type, self.model, self.llm_kwargs = runner, model, llm_kwargs
+    def __init__(self, runner_type: type[EngineRunner], model: Path, llm_kwargs: dict[str, Any]) -> None:
+        self.runner_type, self.model, self.llm_kwargs = runner_type, model, llm_kwargs
         self.runner: EngineRunner | None = None
         self.kind: str | None = None
 
