@@ -6,6 +6,10 @@ from pathlib import Path
 
 import torch
 
+#: `make_tiny_llama`'s number of decoder layers and attention head size.
+TINY_LLAMA_LAYERS = 3
+TINY_LLAMA_HEAD_DIM = 64
+
 
 def make_tiny_llama(path: Path, seed: int = 0, **overrides: int) -> Path:
     """A 3-layer BF16 Llama whose shapes exercise partial 128-blocks.
@@ -16,8 +20,8 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=192, intermediate_size=384, num_hidden_layers=3, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=512,
+        hidden_size=192, intermediate_size=384, num_hidden_layers=TINY_LLAMA_LAYERS, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=TINY_LLAMA_HEAD_DIM, vocab_size=512, max_position_embeddings=512,
         initializer_range=0.2, **{"tie_word_embeddings": False, **overrides},
     )
     torch.manual_seed(seed)

@@ -16,7 +16,6 @@ Real parts: an in-process `vllm.LLM` (CUDA graphs on) from a small random Qwen3-
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,14 @@ import torch
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.moe import expert_shard_rows
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+from tests.engines import FIRST_LAYER_BF16
+from tests.gpu_models import IN_PROCESS_LLM_KWARGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-FP8_FIELDS = {"num_first_layers_in_bf16": 1}
 #: moe_backend "triton": vLLM 0.22 would pick FlashInfer CUTLASS for the BF16 experts of layer 0,
 #: which JIT-compiles and hung the engine's profile run on the box (no nvcc).
-LLM_KWARGS = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.3,
-              "moe_backend": "triton"}
+LLM_KWARGS = {**IN_PROCESS_LLM_KWARGS, "moe_backend": "triton"}
 NUM_EXPERTS, INTER, HIDDEN, NUM_LAYERS = 8, 128, 256, 3
 
 
@@ -46,21 +45,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path]) -> Any:
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    from fp8_align.config import FP8Config
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(
-        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **LLM_KWARGS,
-        **engine_kwargs(FP8Config.from_kwargs(**FP8_FIELDS)),
-    )  # fmt: skip
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+def llm(checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, **LLM_KWARGS) as runner:
+        yield runner.llm
 
 
 def _weights(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:

@@ -19,19 +19,14 @@ import pytest
 import torch
 
 from fp8_align.config import FP8Config
+from tests.engines import MERGED_SHARDS
+from tests.gpu_models import LLM_KWARGS, SMALL, expected_codes, hf_logprobs, is_pow2, save_random_qwen3, vllm_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-SMALL = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, vocab_size=32768, max_position_embeddings=1024, tie_word_embeddings=False,
-)  # fmt: skip
 #: gate|up shards of 1000 rows (not a multiple of 128) and down_proj K=1000 (partial K block).
 ODD = {**SMALL, "intermediate_size": 1000}
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 24, 24
-#: max_num_batched_tokens also bounds the DeepGEMM warm-up (M values up to it; each new
-#: M tiling is a JIT compile, ~0.8 s cold on the H100 box).
-LLM_KWARGS = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 #: name -> (model, FP8Config fields or None for BF16)
 ENGINES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "bf16": ("small", None),
@@ -39,26 +34,11 @@ ENGINES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "fp8_pow2_scales": ("small", {"num_last_layers_in_bf16": 1, "use_weight_pow2_scale": True, "use_activation_pow2_scale": True}),
     "fp8_odd_shapes": ("odd", {}),
 }
-PROJECTIONS = {  # vLLM module (suffix) -> the HF weights stacked into it, in shard order
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
 #: Expected backend per projection on an H100 (the odd model's MLP leaves the uniform grid).
 EXPECTED_KERNELS = {
-    "small": dict.fromkeys(PROJECTIONS, "deepgemm"),
-    "odd": {**dict.fromkeys(PROJECTIONS, "deepgemm"), "mlp.gate_up_proj": "triton_per_shard", "mlp.down_proj": "triton"},
+    "small": dict.fromkeys(MERGED_SHARDS, "deepgemm"),
+    "odd": {**dict.fromkeys(MERGED_SHARDS, "deepgemm"), "mlp.gate_up_proj": "triton_per_shard", "mlp.down_proj": "triton"},
 }
-
-
-def save_random_qwen3(path: Path, fields: dict[str, Any], seed: int) -> Path:
-    """A random-init BF16 Qwen3 checkpoint with config `fields`, saved with `save_pretrained`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    Qwen3ForCausalLM(Qwen3Config(**fields)).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -95,33 +75,6 @@ def engine(models: dict[str, Path], prompts: list[list[int]], tmp_path_factory: 
     return run
 
 
-@functools.cache
-def _hf_logprobs(model_dir: str, fp8_fields_json: str | None, completions_key: tuple) -> torch.Tensor:
-    """Teacher-forced logprobs of the given completions under HF (BF16, or FP8-emulated)."""
-    import json
-
-    from transformers import Qwen3ForCausalLM
-
-    from fp8_align.hf_emulation import apply_fp8_emulation
-
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    if fp8_fields_json is not None:
-        apply_fp8_emulation(model, FP8Config.from_kwargs(**json.loads(fp8_fields_json)))
-    values = []
-    with torch.no_grad():
-        for prompt, completion in completions_key:
-            ids = torch.tensor([list(prompt) + list(completion)], device="cuda")
-            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-            values.append(torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion, device="cuda")[:, None])[:, 0])
-    del model
-    torch.cuda.empty_cache()
-    return torch.cat(values).cpu()
-
-
-def _vllm_logprobs(result: dict[str, Any]) -> torch.Tensor:
-    return torch.tensor([lp for out in result["outputs"] for lp in out["logprobs"]])
-
-
 def _completions(result: dict[str, Any]) -> tuple:
     return tuple((tuple(o["prompt_ids"]), tuple(o["token_ids"])) for o in result["outputs"])
 
@@ -130,25 +83,7 @@ def _hf(models: dict[str, Path], model: str, fp8_fields: dict[str, Any] | None, 
     import json
 
     fields = None if fp8_fields is None else json.dumps(fp8_fields, sort_keys=True)
-    return _hf_logprobs(str(models[model]), fields, _completions(result))
-
-
-def _expected_codes(model_dir: Path, layer: int, projection: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference `quantize_weight_blockwise` of each HF projection, stacked in shard order."""
-    from safetensors.torch import load_file
-
-    from fp8_align.quant import quantize_weight_blockwise
-
-    weights = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        weights.update(load_file(file))
-    parts = [quantize_weight_blockwise(weights[f"model.layers.{layer}.{hf}.weight"], pow2_scale=pow2) for hf in PROJECTIONS[projection]]
-    return torch.cat([codes for codes, _ in parts]), torch.cat([scales for _, scales in parts])
-
-
-def _is_pow2(t: torch.Tensor) -> torch.Tensor:
-    mantissa, _ = torch.frexp(t)
-    return mantissa == 0.5
+    return hf_logprobs(str(models[model]), fields, _completions(result))
 
 
 @pytest.mark.parametrize("name", ["fp8_fp32_scales", "fp8_pow2_scales", "fp8_odd_shapes"])
@@ -159,20 +94,20 @@ def test_worker_weights_are_fp8_align_codes(engine: Any, models: dict[str, Path]
     bf16_layers = cfg.bf16_layer_indices(SMALL["num_hidden_layers"])
     seen_scales = []
     for index in range(SMALL["num_hidden_layers"]):
-        for projection in PROJECTIONS:
+        for projection in MERGED_SHARDS:
             state = layers[f"model.layers.{index}.{projection}"]
             if index in bf16_layers:
                 assert state["method"] == "Fp8AlignBf16LinearMethod", (index, projection)
                 continue
             assert state["method"] == "Fp8AlignLinearMethod", (index, projection)
             assert state["kernel"] == EXPECTED_KERNELS[model][projection], (index, projection)
-            codes, scales = _expected_codes(models[model], index, projection, cfg.use_weight_pow2_scale)
+            codes, scales = expected_codes(models[model], index, projection, cfg.use_weight_pow2_scale)
             assert state["weight"].dtype == torch.float8_e4m3fn and state["weight_scale_inv"].dtype == torch.float32
             assert torch.equal(state["weight"].view(torch.uint8), codes.view(torch.uint8)), (index, projection)
             assert torch.equal(state["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (index, projection)
             seen_scales.append(state["weight_scale_inv"].flatten())
     all_scales = torch.cat(seen_scales)
-    pow2_fraction = _is_pow2(all_scales).float().mean().item()
+    pow2_fraction = is_pow2(all_scales).float().mean().item()
     if cfg.use_weight_pow2_scale:
         assert pow2_fraction == 1.0
     else:
@@ -209,10 +144,10 @@ def test_logprobs_match_hf_fp8_emulation(engine: Any, models: dict[str, Path], n
     itself is small (near-uniform logits), so the second margin is modest; both are printed.
     """
     baseline_result = engine("bf16")
-    baseline = _report("bf16 vLLM vs bf16 HF", _vllm_logprobs(baseline_result), _hf(models, "small", None, baseline_result))
+    baseline = _report("bf16 vLLM vs bf16 HF", vllm_logprobs(baseline_result), _hf(models, "small", None, baseline_result))
     result = engine(name)
     fields = ENGINES[name][1]
-    vllm_lp = _vllm_logprobs(result)
+    vllm_lp = vllm_logprobs(result)
     aligned = _report(f"{name}: vLLM vs HF fp8 emulation", vllm_lp, _hf(models, "small", fields, result))
     unaligned = _report(f"{name}: vLLM vs HF bf16", vllm_lp, _hf(models, "small", None, result))
     assert aligned <= 8 * baseline
@@ -221,7 +156,7 @@ def test_logprobs_match_hf_fp8_emulation(engine: Any, models: dict[str, Path], n
 
 def test_odd_shapes_logprobs_match_hf_fp8_emulation(engine: Any, models: dict[str, Path]) -> None:
     result = engine("fp8_odd_shapes")
-    vllm_lp = _vllm_logprobs(result)
+    vllm_lp = vllm_logprobs(result)
     aligned = _report("odd shapes: vLLM vs HF fp8 emulation", vllm_lp, _hf(models, "odd", {}, result))
     unaligned = _report("odd shapes: vLLM vs HF bf16", vllm_lp, _hf(models, "odd", None, result))
     assert aligned < unaligned
@@ -232,6 +167,6 @@ def test_engine_log_names_kernel_per_layer(engine: Any, tmp_path_factory: pytest
     engine("fp8_odd_shapes")
     log = next(Path(tmp_path_factory.getbasetemp()).glob("engines*/fp8_odd_shapes.log")).read_text()
     lines = re.findall(r"fp8_align: model\.layers\.\d+\.\S+ \[N=\d+ K=\d+ shards=\[[\d, ]+\]\] -> (\w+) \(passed: (.*)\)", log)
-    assert len(lines) == SMALL["num_hidden_layers"] * len(PROJECTIONS)
+    assert len(lines) == SMALL["num_hidden_layers"] * len(MERGED_SHARDS)
     assert {kernel for kernel, _ in lines} == {"deepgemm", "triton", "triton_per_shard"}
     assert all("deepgemm:" in passed for kernel, passed in lines if kernel != "deepgemm")

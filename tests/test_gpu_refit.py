@@ -18,118 +18,50 @@ reproducible, tests/test_refit.py asserts bit-equal logprobs against a fresh eng
 
 from __future__ import annotations
 
-import gc
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
-from tests.test_gpu_plugin import PROJECTIONS, SMALL, _expected_codes, save_random_qwen3
+from tests.engines import FIRST_LAYER_BF16, generate_greedy
+from tests.gpu_models import (
+    IN_PROCESS_LLM_KWARGS, NEW_TOKENS, SMALL, assert_codes_equal, assert_same_storage, cuda_weights, fp8_state,
+    refit_checkpoints, refit_prompts,
+)  # fmt: skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-
-FP8_FIELDS = {"num_first_layers_in_bf16": 1}
-LLM_KWARGS = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.3}
-NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {name: save_random_qwen3(tmp_path_factory.mktemp(f"refit_{name}"), SMALL, seed) for name, seed in (("w1", 0), ("w2", 1))}
+    return refit_checkpoints(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(2)
-    return torch.randint(0, SMALL["vocab_size"], (4, 20), generator=g).tolist()
+    return refit_prompts()
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path]) -> Any:
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    from fp8_align.config import FP8Config
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(
-        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **LLM_KWARGS,
-        **engine_kwargs(FP8Config.from_kwargs(**FP8_FIELDS)),
-    )  # fmt: skip
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
-
-
-def _cuda_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(file, device="cuda"))
-    return weights
-
-
-def _fp8_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Worker side: codes, scales (CPU copies) and their data pointers per FP8 layer."""
-    return {
-        name: {
-            "weight": m.weight.detach().cpu(), "weight_scale_inv": m.weight_scale_inv.detach().cpu(),
-            "pointers": [m.weight.data_ptr(), m.weight_scale_inv.data_ptr()],
-        }  # fmt: skip
-        for name, m in model.named_modules()
-        if is_fp8_align_layer(m, "linear")
-    }
-
-
-def _greedy(llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [
-        {"token_ids": list(r.outputs[0].token_ids), "logprobs": [s[t].logprob for t, s in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]}
-        for r in results
-    ]
-
-
-def _assert_codes_equal(state: dict[str, Any], model_dir: Path) -> None:
-    checked = 0
-    for layer in range(1, SMALL["num_hidden_layers"]):
-        for projection in PROJECTIONS:
-            entry = state[f"model.layers.{layer}.{projection}"]
-            codes, scales = entry["weight"], entry["weight_scale_inv"]
-            ref_codes, ref_scales = _expected_codes(model_dir, layer, projection, False)
-            assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), (layer, projection)
-            assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)), (layer, projection)
-            checked += 1
-    assert checked == (SMALL["num_hidden_layers"] - 1) * len(PROJECTIONS)
-
-
-def _assert_same_storage(before: dict[str, Any], after: dict[str, Any]) -> None:
-    """Every FP8 layer's codes and scales still live where they did (captured graphs stay valid)."""
-    for name, entry in before.items():
-        assert after[name]["pointers"] == entry["pointers"], f"{name}: storage moved"
+def llm(checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, **IN_PROCESS_LLM_KWARGS) as runner:
+        yield runner.llm
 
 
 def test_refit_cuda_tensors_in_place_equals_fresh_quantization(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
     from fp8_align.vllm_plugin.refit import refit_weights
 
-    before = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(before, checkpoints["w1"])
-    w1_outputs = _greedy(llm, prompts)  # the engine serves (graphs captured and replayed) before the refit
-    results = refit_weights(llm, _cuda_weights(checkpoints["w2"]))
+    before = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(before, checkpoints["w1"])
+    w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)  # the engine serves (graphs captured and replayed) before the refit
+    results = refit_weights(llm, cuda_weights(checkpoints["w2"]))
     assert results[0].fp8_tensors == (SMALL["num_hidden_layers"] - 1) * 7
     assert results[0].reloaded_tensors > 0  # layer 0 (BF16), embeddings, norms, lm_head
-    after = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(after, checkpoints["w2"])
-    _assert_same_storage(before, after)
-    outputs = _greedy(llm, prompts)
+    after = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(after, checkpoints["w2"])
+    assert_same_storage(before, after)
+    outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w1_outputs, "generation after the refit is the same as with W1"
 
@@ -137,12 +69,12 @@ def test_refit_cuda_tensors_in_place_equals_fresh_quantization(llm: Any, checkpo
 def test_refit_rejects_nan_and_keeps_weights(llm: Any, checkpoints: dict[str, Path]) -> None:
     from fp8_align.vllm_plugin.refit import refit_weights
 
-    before = llm.apply_model(_fp8_state)[0]
-    weights = _cuda_weights(checkpoints["w1"])
+    before = llm.apply_model(fp8_state)[0]
+    weights = cuda_weights(checkpoints["w1"])
     weights["model.layers.2.mlp.down_proj.weight"][5, 7] = float("nan")
     with pytest.raises(Exception, match=r"model\.layers\.2\.mlp\.down_proj\.weight: holds NaN or Inf"):
         refit_weights(llm, weights)
-    after = llm.apply_model(_fp8_state)[0]
+    after = llm.apply_model(fp8_state)[0]
     for name in before:
         assert torch.equal(before[name]["weight"].view(torch.uint8), after[name]["weight"].view(torch.uint8)), name
 
@@ -156,7 +88,7 @@ def test_refit_cpu_tensors_on_gpu_engine(llm: Any, checkpoints: dict[str, Path])
     for file in sorted(checkpoints["w1"].glob("*.safetensors")):
         weights.update(load_file(file))
     refit_weights(llm, weights)
-    _assert_codes_equal(llm.apply_model(_fp8_state)[0], checkpoints["w1"])
+    assert_codes_equal(llm.apply_model(fp8_state)[0], checkpoints["w1"])
 
 
 def test_vllm_reload_weights_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
@@ -171,19 +103,19 @@ def test_vllm_reload_weights_requantizes_in_place(llm: Any, checkpoints: dict[st
     two identical batches on one engine already differed in a late greedy token on this
     random-init model (near-uniform logits), so no token comparison between runs holds.
     """
-    w1_outputs = _greedy(llm, prompts)  # the previous test left W1
-    before = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(before, checkpoints["w1"])
+    w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)  # the previous test left W1
+    before = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(before, checkpoints["w1"])
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["w2"]), "is_checkpoint_format": True})
-    after = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(after, checkpoints["w2"])
-    _assert_same_storage(before, after)
-    outputs = _greedy(llm, prompts)
+    after = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(after, checkpoints["w2"])
+    assert_same_storage(before, after)
+    outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w1_outputs, "generation after vLLM's reload is the same as with W1"
 
 
-def test_vllm_weight_transfer_ipc_requantizes_in_place(checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
+def test_vllm_weight_transfer_ipc_requantizes_in_place(checkpoints: dict[str, Path], prompts: list[list[int]], vllm_runner: Any) -> None:
     """vLLM 0.22's weight-transfer API with its CUDA-IPC backend, into an fp8_align engine:
     `start_weight_update` (checkpoint format), `IPCWeightTransferEngine.trainer_send_weights` of
     W2 as CUDA tensors of this (trainer) process, `finish_weight_update`. vLLM's layerwise reload
@@ -195,19 +127,13 @@ def test_vllm_weight_transfer_ipc_requantizes_in_place(checkpoints: dict[str, Pa
     import inspect
     import pickle
 
-    from vllm import LLM
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-    from fp8_align.config import FP8Config
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(
-        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **LLM_KWARGS,
-        weight_transfer_config={"backend": "ipc"}, **engine_kwargs(FP8Config.from_kwargs(**FP8_FIELDS)),
-    )  # fmt: skip
-    try:
-        before = engine.apply_model(_fp8_state)[0]
-        _assert_codes_equal(before, checkpoints["w1"])
+    transfer = {"weight_transfer_config": {"backend": "ipc"}}
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, **transfer, **IN_PROCESS_LLM_KWARGS) as runner:
+        engine = runner.llm
+        before = engine.apply_model(fp8_state)[0]
+        assert_codes_equal(before, checkpoints["w1"])
 
         def send(info: Any) -> None:  # the handles travel pickled, as vLLM's own HTTP mode sends them
             update = {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes, "packed": info.packed,
@@ -218,14 +144,10 @@ def test_vllm_weight_transfer_ipc_requantizes_in_place(checkpoints: dict[str, Pa
         # vLLM 0.22 takes the weights' format here; 0.25 dropped the argument (checkpoint format only).
         takes_format = "is_checkpoint_format" in inspect.signature(engine.start_weight_update).parameters
         engine.start_weight_update(**({"is_checkpoint_format": True} if takes_format else {}))
-        weights = _cuda_weights(checkpoints["w2"])
+        weights = cuda_weights(checkpoints["w2"])
         IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": send})
         engine.finish_weight_update()
-        after = engine.apply_model(_fp8_state)[0]
-        _assert_codes_equal(after, checkpoints["w2"])
-        _assert_same_storage(before, after)
-        assert all(len(out["token_ids"]) == NEW_TOKENS for out in _greedy(engine, prompts))
-    finally:
-        engine.llm_engine.engine_core.shutdown()
-        del engine
-        gc.collect()
+        after = engine.apply_model(fp8_state)[0]
+        assert_codes_equal(after, checkpoints["w2"])
+        assert_same_storage(before, after)
+        assert all(len(out["token_ids"]) == NEW_TOKENS for out in generate_greedy(engine, prompts, NEW_TOKENS))

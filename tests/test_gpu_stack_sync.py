@@ -23,7 +23,6 @@ reproduce each other's greedy tokens on this random model on the GPU box).
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import threading
 from pathlib import Path
@@ -32,9 +31,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_gpu_refit import (  # noqa: F401  (checkpoints, prompts: the refit tests' fixtures, W1/W2)
-    FP8_FIELDS, LLM_KWARGS, NEW_TOKENS, _assert_codes_equal, _assert_same_storage, _cuda_weights, _fp8_state, _greedy,
-    checkpoints, prompts,
+from tests.engines import FIRST_LAYER_BF16, generate_greedy
+from tests.gpu_models import (
+    IN_PROCESS_LLM_KWARGS, NEW_TOKENS, assert_codes_equal, assert_same_storage, cuda_weights, fp8_state,
+    refit_checkpoints, refit_prompts,
 )  # fmt: skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -43,23 +43,24 @@ VERL_JOB_ID = f"fp8align{os.getpid()}"
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path]) -> Any:
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    os.environ["VERL_RAY_JOB_ID"] = VERL_JOB_ID  # names verl's ZMQ socket; the workers inherit it
-    from vllm import LLM
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """W1 and W2 as in tests/test_gpu_refit.py."""
+    return refit_checkpoints(tmp_path_factory)
 
-    from fp8_align.config import FP8Config
-    from fp8_align.vllm_plugin import engine_kwargs
 
-    engine = LLM(
-        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **LLM_KWARGS,
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return refit_prompts()
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
+    with vllm_runner(
+        checkpoints["w1"], FIRST_LAYER_BF16, **IN_PROCESS_LLM_KWARGS,
         worker_extension_cls="tests.gpu_stack_workers.OpenRLHFAndVerlWorkerExtension",
-        **engine_kwargs(FP8Config.from_kwargs(**FP8_FIELDS)),
-    )  # fmt: skip
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+        env={"VERL_RAY_JOB_ID": VERL_JOB_ID},  # names verl's ZMQ socket; the workers inherit it
+    ) as runner:  # fmt: skip
+        yield runner.llm
 
 
 def _openrlhf_push(llm: Any, name: str, param: torch.Tensor, last: bool) -> None:
@@ -73,16 +74,16 @@ def _openrlhf_push(llm: Any, name: str, param: torch.Tensor, last: bool) -> None
 
 
 def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
-    before = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(before, checkpoints["w1"])
-    w1_outputs = _greedy(llm, prompts)  # graphs captured and replayed before the sync
-    weights = _cuda_weights(checkpoints["w2"])
+    before = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(before, checkpoints["w1"])
+    w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)  # graphs captured and replayed before the sync
+    weights = cuda_weights(checkpoints["w2"])
     for count, (name, param) in enumerate(weights.items(), start=1):
         _openrlhf_push(llm, name, param, count == len(weights))
-    after = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(after, checkpoints["w2"])
-    _assert_same_storage(before, after)
-    outputs = _greedy(llm, prompts)
+    after = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(after, checkpoints["w2"])
+    assert_same_storage(before, after)
+    outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w1_outputs, "generation after OpenRLHF's sync is the same as with W1"
 
@@ -90,10 +91,10 @@ def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict
 def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    before = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(before, checkpoints["w2"])  # the previous test left W2
-    w2_outputs = _greedy(llm, prompts)
-    weights = _cuda_weights(checkpoints["w1"])
+    before = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(before, checkpoints["w2"])  # the previous test left W2
+    w2_outputs = generate_greedy(llm, prompts, NEW_TOKENS)
+    weights = cuda_weights(checkpoints["w1"])
     # Two buckets at least: the embeddings alone are 64 MiB here.
     sender = BucketedWeightSender(f"ipc:///tmp/rl-colocate-zmq-{VERL_JOB_ID}-replica-0-rank-0.sock", bucket_size_mb=96)
     errors: list[BaseException] = []
@@ -109,21 +110,21 @@ def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict
     llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": False})
     thread.join(timeout=120)
     assert not thread.is_alive() and not errors, errors
-    after = llm.apply_model(_fp8_state)[0]
-    _assert_codes_equal(after, checkpoints["w1"])
-    _assert_same_storage(before, after)
-    outputs = _greedy(llm, prompts)
+    after = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(after, checkpoints["w1"])
+    assert_same_storage(before, after)
+    outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w2_outputs, "generation after verl's sync is the same as with W2"
 
 
 def test_bad_tensor_through_openrlhf_is_refused_and_nothing_written(llm: Any, checkpoints: dict[str, Path]) -> None:
-    before = llm.apply_model(_fp8_state)[0]
+    before = llm.apply_model(fp8_state)[0]
     name = "model.layers.2.mlp.down_proj.weight"
-    weight = _cuda_weights(checkpoints["w2"])[name].clone()
+    weight = cuda_weights(checkpoints["w2"])[name].clone()
     weight[5, 7] = float("inf")
     with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
         _openrlhf_push(llm, name, weight, True)
-    after = llm.apply_model(_fp8_state)[0]
+    after = llm.apply_model(fp8_state)[0]
     for layer in before:
         assert torch.equal(before[layer]["weight"].view(torch.uint8), after[layer]["weight"].view(torch.uint8)), layer

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from fp8_align.config import FP8Config
-from tests.test_gpu_plugin import LLM_KWARGS, SMALL, _hf_logprobs, _is_pow2, _vllm_logprobs, save_random_qwen3
+from tests.gpu_models import LLM_KWARGS, SMALL, hf_logprobs, is_pow2, save_random_qwen3, vllm_logprobs
 from tests.tp_slices import PROJECTIONS, expected_rank_fp8
 
 pytestmark = [
@@ -104,7 +104,7 @@ def test_every_rank_holds_its_fp8_slice(tp_engine: Any, model_dir: Path, backend
                 assert torch.equal(state["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, index, projection)
                 assert torch.equal(state["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, index, projection)
                 scales_seen.append(state["weight_scale_inv"].flatten())
-        assert bool(_is_pow2(torch.cat(scales_seen)).all()), f"rank {rank}: weight scales not all powers of two"
+        assert bool(is_pow2(torch.cat(scales_seen)).all()), f"rank {rank}: weight scales not all powers of two"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -117,15 +117,15 @@ def test_tp_logprobs_match_hf_fp8_emulation(tp_engine: Any, model_dir: Path, bac
     result = tp_engine(backend)
     assert all(len(out["token_ids"]) == 24 for out in result["outputs"])
     completions = tuple((tuple(o["prompt_ids"]), tuple(o["token_ids"])) for o in result["outputs"])
-    vllm_lp = _vllm_logprobs(result)
-    aligned = (vllm_lp - _hf_logprobs(str(model_dir), json.dumps(FIELDS, sort_keys=True), completions)).abs().mean().item()
-    unaligned = (vllm_lp - _hf_logprobs(str(model_dir), None, completions)).abs().mean().item()
+    vllm_lp = vllm_logprobs(result)
+    aligned = (vllm_lp - hf_logprobs(str(model_dir), json.dumps(FIELDS, sort_keys=True), completions)).abs().mean().item()
+    unaligned = (vllm_lp - hf_logprobs(str(model_dir), None, completions)).abs().mean().item()
     print(f"\nTP={TP} {backend}: mean |dlogprob| vs HF fp8 emulation {aligned:.3e}, vs HF bf16 {unaligned:.3e}")
     assert aligned < unaligned
 
 
 def test_refit_under_tensor_parallel_requantizes_each_rank_slice(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_runner: Any
 ) -> None:
     """`refit_weights(llm, W2 checkpoint)` into a TP=2 engine (multiprocessing executor, eager): the
     FP8 layers go through vLLM's layerwise reload, whose loaders cut each rank's slice, then
@@ -133,10 +133,9 @@ def test_refit_under_tensor_parallel_requantizes_each_rank_slice(
     and the engine generates. (Token equality with a fresh engine is checked on CPU,
     tests/test_vllm_plugin_tp.py: on this random GPU model engines do not repeat each other.)"""
     from safetensors.torch import load_file
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from fp8_align.vllm_plugin import engine_kwargs
     from fp8_align.vllm_plugin.inspection import read_linear_layers
     from fp8_align.vllm_plugin.refit import refit_weights
 
@@ -144,13 +143,10 @@ def test_refit_under_tensor_parallel_requantizes_each_rank_slice(
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(w2_dir.glob("*.safetensors")):
         weights.update(load_file(file))
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    llm = LLM(
-        model=str(model_dir), dtype="bfloat16", seed=0, skip_tokenizer_init=True, enforce_eager=True,
-        **{**LLM_KWARGS, "tensor_parallel_size": TP, "distributed_executor_backend": "mp"},
-        **engine_kwargs(FP8Config.from_kwargs(**FIELDS)),
-    )  # fmt: skip
-    try:
+    with vllm_runner(
+        model_dir, FIELDS, enforce_eager=True, **{**LLM_KWARGS, "tensor_parallel_size": TP, "distributed_executor_backend": "mp"},
+    ) as runner:  # fmt: skip
+        llm = runner.llm
         results = refit_weights(llm, w2_dir)
         assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
         ranks = read_linear_layers(llm)
@@ -165,6 +161,3 @@ def test_refit_under_tensor_parallel_requantizes_each_rank_slice(
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         out = llm.generate([TokensPrompt(prompt_token_ids=list(range(100, 124)))], params, use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) == 8
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm

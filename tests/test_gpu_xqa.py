@@ -1,5 +1,5 @@
 """XQA FP8-KV decode (FlashInfer's `trtllm_batch_decode_with_kv_cache(backend="xqa")`, module
-prebuilt by benchmarks/box/build_flashinfer_aot.sh) on one FP8 paged KV cache, against FA3's FP8 decode
+prebuilt by scripts/build_flashinfer_aot.sh) on one FP8 paged KV cache, against FA3's FP8 decode
 (vLLM's `_vllm_fa3_C.fwd`, as its FLASH_ATTN backend calls it) and an FP32 reference.
 
 Shapes: the Qwen3-8B decode layer (32 query heads, 8 KV heads, head dim 128), pages of 16 tokens
@@ -158,7 +158,7 @@ def _decode_diffs(tokens: list[list[int]], logprobs: list[list[float]], referenc
 
 
 @pytest.mark.slow
-def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_path, monkeypatch) -> None:
+def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_path, vllm_runner) -> None:
     """vLLM 0.22 engine with FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa") (CUDA graphs on),
     against FA3 engines (kv_decode_kernel="auto") on the same model and prompts, greedy:
     - decode runs XQA (the route counts its Python calls: CUDA-graph captures included), prefill
@@ -170,15 +170,14 @@ def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_p
     - K/V scales pushed after capture (v_scale 4: V is cached as V/4) are the ones the captured XQA
       calls read: decode again agrees with an FA3 engine given the same scales, within the same
       bound. A scale frozen at capture (1.0) would scale every attention output by 1/4."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from fp8_align import FP8Config
     from fp8_align.error_bench.generate import run_generation
-    from fp8_align.vllm_plugin import engine_kwargs
     from fp8_align.vllm_plugin.kv import xqa_decode
     from fp8_align.vllm_plugin.kv.scales import push_kv_scales
-    from tests.test_gpu_plugin import save_random_qwen3
+    from tests.gpu_models import save_random_qwen3
 
     model = save_random_qwen3(tmp_path / "qwen3_xqa", XQA_ENGINE_MODEL, seed=0)
     prompts = torch.randint(0, XQA_ENGINE_MODEL["vocab_size"], (8, 24), generator=torch.Generator().manual_seed(3)).tolist()
@@ -194,16 +193,15 @@ def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_p
     fa3_pushed = reference({"kv_cache_dtype": "fp8"}, pushed, "fa3_pushed")
     fp8_kv_effect = _decode_diffs([r["token_ids"] for r in fa3_default], [r["logprobs"] for r in fa3_default], bf16_kv)
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker runs here: read its counter
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    llm = LLM(model=str(model), skip_tokenizer_init=True, **ENGINE_KWARGS,
-              **engine_kwargs(FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa")))  # fmt: skip
-    assert xqa_decode.decode_calls > 0, "no decode step went to XQA (warm-up and CUDA-graph capture run decode batches)"
-    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
-    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    first = _logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
-    push_kv_scales(llm, pushed)
-    second = _logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the worker runs here: read its counter
+    with vllm_runner(model, FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa"), env=in_process, **ENGINE_KWARGS) as runner:
+        llm = runner.llm
+        assert xqa_decode.decode_calls > 0, "no decode step went to XQA (warm-up and CUDA-graph capture run decode batches)"
+        params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
+        token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        first = _logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
+        push_kv_scales(llm, pushed)
+        second = _logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
 
     print(f"FP8 vs BF16 KV cache (FA3): decode |dlogp| over {len(fp8_kv_effect)} tokens: mean {fp8_kv_effect.mean():.3e}")
     for label, (tokens, logprobs), fa3 in (("default scales", first, fa3_default), ("pushed scales", second, fa3_pushed)):

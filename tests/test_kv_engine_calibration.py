@@ -14,7 +14,6 @@ outputs stay bit-identical while the K, V and Q ranges change by exactly f, g an
 from __future__ import annotations
 
 import functools
-import gc
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,19 +31,14 @@ from fp8_align.vllm_plugin.kv import probe
 from fp8_align.vllm_plugin.kv.calibration import KVCalibrationError, calibrate_kv_scales
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
-from tests.model_factory import make_tiny_llama
-from tests.test_refit import _fp8_kv_unsupported_reason
+from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, EngineRunner, fp8_kv_unsupported_reason
+from tests.gpu_models import IN_PROCESS_LLM_KWARGS, SMALL, save_random_qwen3
+from tests.model_factory import TINY_LLAMA_HEAD_DIM, make_tiny_llama
+from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
 
-#: Calibration prompts (16 tokens) and held-out evaluation prompts (4 x 48 tokens, vocab 512).
-PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
+#: PROMPTS (16 tokens) calibrate; held-out evaluation prompts: 4 x 48 tokens, vocab 512.
 EVAL_PROMPTS = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(1)).tolist()
-MAX_TOKENS = 12
-#: As tests/test_refit.py: an explicit 64 MiB KV cache keeps each engine small on a shared host.
-ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
-          "max_num_batched_tokens": 256}
-FP8_CONFIG = {"num_first_layers_in_bf16": 1}
-NUM_LAYERS = 3
-FP8_KV_SKIP = _fp8_kv_unsupported_reason()
+FP8_KV_SKIP = fp8_kv_unsupported_reason(TINY_LLAMA_HEAD_DIM)
 DEFAULT_SCALES = {layer: {"k_scale": 1.0, "v_scale": 1.0, "q_scale": 1.0} for layer in range(NUM_LAYERS)}
 
 
@@ -219,29 +213,26 @@ def test_token_ids_outside_the_vocabulary_raise_before_the_engine_runs() -> None
 class _EngineSlot:
     """At most one in-process engine: `get(kv_cache_dtype)` shuts the other one down first."""
 
-    def __init__(self, model: Path, llm_kwargs: dict[str, Any]) -> None:
-        self.model, self.llm_kwargs, self.kind, self.llm = model, llm_kwargs, None, None
+    def __init__(self, runner_type: type[EngineRunner], model: Path, llm_kwargs: dict[str, Any]) -> None:
+        self.runner_type, self.model, self.llm_kwargs = runner_type, model, llm_kwargs
+        self.runner: EngineRunner | None = None
+        self.kind: str | None = None
+
+    @property
+    def llm(self) -> Any:
+        return None if self.runner is None else self.runner.llm
 
     def get(self, kv_cache_dtype: str) -> Any:
         if self.kind != kv_cache_dtype:
             self.close()
-            from vllm import LLM
-
-            from fp8_align.config import FP8Config
-            from fp8_align.vllm_plugin import engine_kwargs
-
-            self.llm = LLM(
-                model=str(self.model), dtype="bfloat16", seed=0, skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype,
-                **self.llm_kwargs, **engine_kwargs(FP8Config.from_kwargs(**FP8_CONFIG)),
-            )
+            self.runner = self.runner_type(self.model, FIRST_LAYER_BF16, kv_cache_dtype=kv_cache_dtype, **self.llm_kwargs)
             self.kind = kv_cache_dtype
         return self.llm
 
     def close(self) -> None:
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm, self.kind = None, None
-            gc.collect()
+        if self.runner is not None:
+            self.runner.close()
+            self.runner, self.kind = None, None
 
 
 @pytest.fixture(scope="module")
@@ -250,17 +241,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoint: Path, monkeypatch_module: pytest.MonkeyPatch):
-    monkeypatch_module.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    slot = _EngineSlot(checkpoint, ENGINE)
+def engines(checkpoint: Path, vllm_runner: type[EngineRunner]):
+    slot = _EngineSlot(vllm_runner, checkpoint, ENGINE)
     yield slot
     slot.close()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        yield monkeypatch
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +370,7 @@ def test_engine_side_amaxes_agree_with_the_trainer_side_calibrator(engines: _Eng
     from fp8_align.megatron_ext.calibration import KVScaleCalibrator
 
     model = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.bfloat16).eval()
-    apply_fp8_emulation(model, FP8Config.from_kwargs(**FP8_CONFIG))  # layers 1-2: the engine's FP8 codes and scales
+    apply_fp8_emulation(model, FP8Config.from_kwargs(**FIRST_LAYER_BF16))  # layers 1-2: the engine's FP8 codes and scales
     with KVScaleCalibrator(model) as calibrator, torch.no_grad():
         for prompt in PROMPTS:
             model(torch.tensor([prompt]))
@@ -529,22 +513,12 @@ def _gpu_engine_state(worker: Any) -> dict[str, str]:
             "impl": type(attn.impl).__name__, "query_quant": str(getattr(attn, "query_quant", None) is not None)}
 
 
-#: As tests/test_gpu_refit.py (max_num_batched_tokens bounds DeepGEMM's warm-up).
-GPU_ENGINE = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.3}
-
-
 @pytest.mark.gpu
-def test_gpu_calibration_is_exact_under_cuda_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_calibration_is_exact_under_cuda_graphs(tmp_path: Path, vllm_runner: type[EngineRunner]) -> None:
     """Not run yet (no GPU here): the CPU tests' exactness and fixed point on vLLM 0.22's GPU
     backends with CUDA graphs, on the small Qwen3-shaped model of the other GPU tests."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from tests.test_gpu_plugin import SMALL
-
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**SMALL)).to(torch.bfloat16).save_pretrained(tmp_path)
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    slot = _EngineSlot(tmp_path, GPU_ENGINE)
+    save_random_qwen3(tmp_path, SMALL, seed=0)
+    slot = _EngineSlot(vllm_runner, tmp_path, IN_PROCESS_LLM_KWARGS)
     try:
         llm = slot.get("auto")
         state = llm.collective_rpc(_gpu_engine_state)[0]

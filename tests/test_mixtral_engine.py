@@ -8,8 +8,6 @@ those experts, leaving the others as they were.
 
 from __future__ import annotations
 
-import gc
-import os
 from pathlib import Path
 
 import pytest
@@ -20,8 +18,8 @@ from fp8_align import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.moe import expert_shard_rows
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
+from tests.engines import ENGINE
 from tests.model_factory import make_tiny_mixtral
-from tests.test_refit import ENGINE
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +35,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints):
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **ENGINE,
-                 **engine_kwargs(FP8Config()))  # fmt: skip
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+def llm(checkpoints, vllm_runner):
+    with vllm_runner(checkpoints["w1"], FP8Config(), **ENGINE) as runner:
+        yield runner.llm
 
 
 def _assert_layer_holds(entry: dict, weights: dict[str, torch.Tensor], layer: int) -> None:

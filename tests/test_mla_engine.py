@@ -7,8 +7,6 @@ fresh W2 engine (subprocess) as the reference.
 
 from __future__ import annotations
 
-import gc
-import os
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,8 @@ from fp8_align import FP8Config
 from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
+from tests.engines import ENGINE, MAX_TOKENS, PROMPTS, generate_greedy
 from tests.model_factory import make_tiny_moonlight
-from tests.test_refit import ENGINE, MAX_TOKENS, PROMPTS, _generate
 
 pytestmark = pytest.mark.slow
 
@@ -40,18 +38,9 @@ def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints, fresh_w2):
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True, **ENGINE,
-                 **engine_kwargs(FP8Config()))  # fmt: skip
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+def llm(checkpoints, fresh_w2, vllm_runner):
+    with vllm_runner(checkpoints["w1"], FP8Config(), **ENGINE) as runner:
+        yield runner.llm
 
 
 def _mla_projections_hold(llm, weights: dict[str, torch.Tensor]) -> None:
@@ -86,11 +75,11 @@ def test_refit_rebuilds_the_absorbed_kv_b_weights(llm, checkpoints, fresh_w2):
     had they kept W1's values, decode logprobs would differ from the fresh engine."""
     from fp8_align.vllm_plugin.refit import refit_weights
 
-    w1_outputs = _generate(llm)
+    w1_outputs = generate_greedy(llm)
     w2 = load_file(str(checkpoints["w2"] / "model.safetensors"))
     refit_weights(llm, w2)
     _mla_projections_hold(llm, w2)
     reference = fresh_w2.wait()["outputs"]
-    got = _generate(llm)
+    got = generate_greedy(llm)
     assert got == [{k: o[k] for k in ("prompt_ids", "token_ids", "logprobs")} for o in reference]
     assert got != w1_outputs

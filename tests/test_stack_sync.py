@@ -14,8 +14,6 @@ parts of their sync that need CUDA (OpenRLHF's NCCL/CUDA-IPC receive) run on the
 
 from __future__ import annotations
 
-import gc
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -30,10 +28,9 @@ from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.quant.shards import shard_slices
 from tests import stack_sync_calls as calls
+from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, MERGED_SHARDS, PROMPTS, fp8_storage_pointers, generate_greedy
+from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
 from tests.model_factory import make_tiny_llama
-from tests.test_refit import (
-    ENGINE, FP8_CONFIG, MAX_TOKENS, MERGED_SHARDS, NUM_LAYERS, PROMPTS, _fp8_storage_pointers, _generate,
-)  # the same tiny engine settings, prompts and helpers as the refit tests
 
 pytestmark = pytest.mark.slow
 
@@ -49,32 +46,20 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
     """A fresh fp8_align engine from W2 (subprocess, started at module setup), with its layers."""
-    spec = {"model": str(checkpoints["w2"]), "fp8_config": FP8_CONFIG, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+    spec = {"model": str(checkpoints["w2"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "inspect": True, "llm_kwargs": ENGINE}
     return start_generation(spec, tmp_path_factory.mktemp("sync_refs") / "w2.pt")
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints, fresh_w2):
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM
-
-    from fp8_align.config import FP8Config
-    from fp8_align.vllm_plugin import engine_kwargs
-
-    engine = LLM(
-        model=str(checkpoints["w1"]), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
-        worker_extension_cls=OPENRLHF_WORKER, **ENGINE, **engine_kwargs(FP8Config.from_kwargs(**FP8_CONFIG)),
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+def llm(checkpoints, fresh_w2, vllm_runner):
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, worker_extension_cls=OPENRLHF_WORKER, **ENGINE) as runner:
+        yield runner.llm
 
 
 @pytest.fixture(scope="module")
 def w1_outputs(llm) -> list[dict[str, Any]]:
-    return _generate(llm)
+    return generate_greedy(llm)
 
 
 def _fp8_layers(llm) -> dict[str, dict[str, Any]]:
@@ -138,7 +123,7 @@ def test_bad_sync_calls_raise_naming_the_tensor_and_write_nothing(llm, w1_output
     _assert_layers_equal(_fp8_layers(llm), before)
     bf16_after = llm.apply_model(calls.bf16_weights)[0]
     assert all(torch.equal(bf16_after[name], tensor) for name, tensor in bf16_before.items())
-    assert _generate(llm) == w1_outputs
+    assert generate_greedy(llm) == w1_outputs
 
 
 # --- 2. OpenRLHF: one tensor per call, through WorkerWrap (engine ends at W2) ----------------------
@@ -151,12 +136,12 @@ def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpo
     w2 = load_file(str(w2_path))
     scales = {layer: {"k_scale": 0.5, "v_scale": 0.25, "q_scale": 0.125} for layer in range(NUM_LAYERS)}
     push_kv_scales(llm, scales)
-    pointers = llm.apply_model(_fp8_storage_pointers)[0]
+    pointers = llm.apply_model(fp8_storage_pointers)[0]
 
     [info] = llm.collective_rpc(calls.openrlhf_update_weights, args=(str(w2_path), list(w2)))
     assert "WorkerWrap" in info["worker_classes"]  # OpenRLHF's class is mixed into the vLLM worker
 
-    assert llm.apply_model(_fp8_storage_pointers)[0] == pointers
+    assert llm.apply_model(fp8_storage_pointers)[0] == pointers
     assert read_kv_scales(llm) == [scales]
     layers = _fp8_layers(llm)
     _assert_fp8_layers_hold(layers, w2)
@@ -164,7 +149,7 @@ def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpo
     fresh = fresh_w2.wait()
     _assert_layers_equal(layers, {name: entry for name, entry in fresh["layers"].items() if "weight" in entry})
     push_kv_scales(llm, {layer: {"k_scale": 1.0, "v_scale": 1.0, "q_scale": 1.0} for layer in range(NUM_LAYERS)})
-    synced = _generate(llm)
+    synced = generate_greedy(llm)
     assert synced != w1_outputs
     assert synced == fresh["outputs"]
 
@@ -204,4 +189,4 @@ def test_whole_state_dict_in_one_call_then_vllm_postprocessing(llm, w1_outputs, 
     llm.collective_rpc(calls.vllm_process_weights_after_loading)
     _assert_fp8_layers_hold(_fp8_layers(llm), w1)
     _assert_bf16_modules_hold(llm, w1)
-    assert _generate(llm) == w1_outputs
+    assert generate_greedy(llm) == w1_outputs

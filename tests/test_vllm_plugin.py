@@ -17,17 +17,10 @@ from safetensors.torch import load_file
 from fp8_align.error_bench.generate import GenerationError, run_generation
 from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
 from fp8_align.quant import quantize_weight_blockwise
+from tests.engines import ENGINE, MAX_TOKENS, MERGED_SHARDS, PROMPTS
 from tests.model_factory import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
-MAX_TOKENS = 12
-ENGINE = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256}
-SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "self_attn.o_proj": ("self_attn.o_proj",),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp.down_proj": ("mlp.down_proj",)}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +64,7 @@ def _expected_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales `quantize(weight, pow2)` gives the checkpoint's own tensors, shard by shard."""
     state = load_file(str(checkpoint / "model.safetensors"))
-    parts = [quantize(state[f"model.layers.{layer}.{name}.weight"], pow2) for name in SHARDS[module]]
+    parts = [quantize(state[f"model.layers.{layer}.{name}.weight"], pow2) for name in MERGED_SHARDS[module]]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -88,7 +81,7 @@ def _assert_layers(
 ) -> None:
     layers = run["layers"]
     for index in range(3):
-        for module in SHARDS:
+        for module in MERGED_SHARDS:
             entry = layers[f"model.layers.{index}.{module}"]
             if index in bf16_layers:
                 assert entry["method"] == "Fp8AlignBf16LinearMethod", (index, module)

