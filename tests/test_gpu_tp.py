@@ -1,7 +1,7 @@
 """Tensor parallel (2 GPUs, vLLM 0.22): the plugin and a non-default config reach every worker.
 
 Runs where at least two CUDA GPUs are visible (the nvidia-h200-x2 box); skipped elsewhere. The
-small random Qwen3 of test_gpu_plugin.py (16 query / 8 KV heads of 128, intermediate 3072, so
+small random Qwen3 of the GPU tests, tests/gpu_models.py (16 query / 8 KV heads of 128, intermediate 3072, so
 every per-rank shard is a multiple of 128 rows or columns) runs with tensor_parallel_size=2 under
 the multiprocessing executor and under Ray (when `ray` imports), with layer 0 in BF16 and
 power-of-two weight and activation scales, carried by `engine_kwargs`. Checked in each rank's
