@@ -14,7 +14,9 @@ the new weights pushed into the running engine after every step through `model.l
 trainer's forward and pushed every step when the arm has an FP8 KV cache.
 
 Arms (benchmarks/grpo/arms.py): bf16, fp8 (FP8 gen / BF16 train), fp8_tis (+ token TIS),
-fp8_aligned_tis (FP8 gen / FP8 training forward + TIS), fp8kv_aligned_tis (+ FP8 KV cache).
+fp8_aligned_tis (FP8 gen / FP8 training forward + TIS), fp8kv_aligned_tis (+ FP8 KV cache),
+fp8_bitwise (`FP8Config(on_policy="bitwise")`: engine and trainer run the same kernels, no TIS;
+CUDA only).
 Every arm of a run uses the same seed, problems and hyper-parameters. One JSON per arm,
 `grpo_<arm>_seed<seed>.json`, rewritten after every step.
 
@@ -72,6 +74,9 @@ def settings_from(args: argparse.Namespace) -> RunSettings:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke and device != "cpu":
         raise SystemExit("--smoke is the CPU smoke run; drop --device cuda")
+    bitwise = [arm.name for arm in parse_arms(args.arms) if arm.bitwise]
+    if bitwise and device != "cuda":
+        raise SystemExit(f"arm {', '.join(bitwise)} runs on_policy='bitwise', which needs a CUDA GPU (docs/on_policy.md)")
     fields = {name: getattr(args, name) for name in RunSettings.__dataclass_fields__ if hasattr(args, name) and name != "device"}
     if args.smoke:
         fields.update(SMOKE)

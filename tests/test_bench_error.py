@@ -23,6 +23,7 @@ from fp8_align.error_bench.error import (
     BenchInputError,
     BenchInputs,
     BenchSettings,
+    default_variants,
     parse_variants,
     resolve_model,
     result_document,
@@ -143,6 +144,8 @@ def test_token_ids_must_fit_the_vocabulary(tiny_checkpoint: Path) -> None:
 def test_parse_variants() -> None:
     assert parse_variants("bf16,fp8") == ("bf16", "fp8")
     assert parse_variants("all") == tuple(VARIANTS)
+    assert parse_variants("all", "cpu") == tuple(name for name in VARIANTS if name != "fp8_bitwise")
+    assert default_variants("cpu") == ("bf16", "fp8") and default_variants("cuda") == ("bf16", "fp8", "fp8_bitwise")
     with pytest.raises(BenchInputError, match="unknown variant"):
         parse_variants("bf16,fp4")
     with pytest.raises(BenchInputError, match="listed twice"):
@@ -245,6 +248,31 @@ def test_fp8_training_side_differs_from_bf16(bf16_model: LlamaForCausalLM) -> No
     for setting in ("greedy", "sampled"):
         error = token_mult_prob_error(scores.train_logprobs["fp8"][setting], scores.gen_logprobs[setting], scores.mask[setting])
         assert 1.0 < float(error) < 1.5
+
+
+def test_bitwise_training_side_scores_each_sequence_as_the_bitwise_trainer_does(bf16_model: LlamaForCausalLM) -> None:
+    """The `bitwise_trainer` side (BitwiseForward; on CPU its ops are the pure-torch references):
+    every row equals BitwiseForward on that sequence alone, bit for bit, whatever micro-batch it was
+    packed in; and its BF16 log-probs stay within 0.02 nats of HF's forward (the two compute the same
+    function with other kernels; 0.008 was measured on test_bitwise.py's model)."""
+    from fp8_align.hf_training import BitwiseForward
+
+    bitwise = BitwiseForward(bf16_model, FP8Config(on_policy="bitwise", precision="bf16"))
+    outputs = _self_generated(bf16_model)
+    scores = score_generation(outputs, {"bf16": bf16_model, "bitwise_trainer": bitwise})
+    for setting, rows in outputs.items():
+        train, mask = scores.train_logprobs["bitwise_trainer"][setting], scores.mask[setting]
+        for b, row in enumerate(rows):
+            (alone,) = bitwise.token_logprobs([row["prompt_ids"] + row["token_ids"]], [len(row["prompt_ids"])])
+            assert torch.equal(train[b, : len(row["token_ids"])], alone)
+        assert mismatch_metrics(train, scores.gen_logprobs[setting], mask).max_abs_log_ratio < 0.02
+
+
+def test_bitwise_variant_needs_cuda(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = str(tiny_checkpoint / "prompts.jsonl")
+    args = ["bench-error", "--model", str(tiny_checkpoint / "model"), "--prompts", prompts, "--out", str(tmp_path), "--device", "cpu"]
+    assert main([*args, "--variants", "bf16,fp8_bitwise"]) == 2
+    assert "fp8_bitwise runs on_policy='bitwise', which needs --device cuda" in capsys.readouterr().err
 
 
 def test_fp8_model_leaves_the_bf16_model_untouched(bf16_model: LlamaForCausalLM) -> None:

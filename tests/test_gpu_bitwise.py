@@ -13,6 +13,8 @@ and engine-vs-trainer agreement are exact. The whole-engine proof is benchmarks/
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -178,3 +180,25 @@ def test_bitwise_forward_gradients_follow_the_references(precision: str, monkeyp
     for name, grad in engine.items():
         error = (grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-12)
         assert error < 0.25, (name, error.item())
+
+
+def test_bench_error_bitwise_trainer_side_is_the_engine_bit_for_bit(tmp_path: Path) -> None:
+    """`fp8-align bench-error --variants fp8_bitwise` on SmolLM2-135M-Instruct with an eager engine
+    (no torch.compile, no CUDA graphs: another code path than the proof's compiled engines): the
+    `bitwise_trainer` side equals the engine's log-probs, greedy and sampled, while the HF emulation
+    side of the same tokens does not (so the comparison can fail)."""
+    import json
+
+    from fp8_align.cli import main
+    from fp8_align.error_bench.report import JSON_NAME
+
+    args = ["bench-error", "--variants", "fp8_bitwise", "--num-prompts", "8", "--max-new-tokens", "48", "--device", "cuda",
+            "--vllm-compile", "off", "--out", str(tmp_path), "--json-only", "--no-plots"]  # fmt: skip
+    assert main(args) == 0
+    pairs = json.loads((tmp_path / JSON_NAME).read_text())["pairs"]
+    bitwise = {p["sampling"]: p["metrics"] for p in pairs if p["training"] == "bitwise_trainer"}
+    assert set(bitwise) == {"greedy", "sampled"}
+    for metrics in bitwise.values():
+        assert metrics["num_tokens"] > 100 and metrics["max_abs_log_ratio"] == 0.0 and metrics["mult_prob_error"] == 1.0
+    emulation = [p["metrics"] for p in pairs if p["training"] == "fp8_bitwise"]
+    assert emulation and all(m["max_abs_log_ratio"] > 0 for m in emulation)

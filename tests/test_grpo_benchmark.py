@@ -121,6 +121,38 @@ def test_arms_and_their_engine_configs() -> None:
     cfg = settings.fp8_config(ARMS["fp8kv_aligned_tis"])
     assert cfg.kv_cache_dtype == "fp8" and not cfg.use_weight_pow2_scale and not cfg.use_deep_gemm
     assert settings.fp8_config(ARMS["fp8_tis"]).kv_cache_dtype == "auto"
+    assert settings.fp8_config(ARMS["fp8_bitwise"]).on_policy == "bitwise" and not ARMS["fp8_bitwise"].tis
+    assert all(settings.fp8_config(arm).on_policy == "off" for arm in ARMS.values() if arm.generation_fp8 and not arm.bitwise)
+
+
+def test_bitwise_trainer_logprobs_and_update(tmp_path: Path) -> None:
+    """The fp8_bitwise arm's trainer: BitwiseForward's log-probs in the padded [B, T] layout (each row
+    equal to BitwiseForward on that sequence alone), and a GRPO update through its engine ops. On CPU
+    the ops are their pure-torch references (the engine side of this arm needs CUDA: the GPU run)."""
+    from fp8_align.hf_training import BitwiseForward
+
+    checkpoint = make_tiny_llama(tmp_path / "tiny")
+    cfg = RunSettings().fp8_config(ARMS["fp8_bitwise"])
+    policy = GRPOPolicy(checkpoint, "cpu", cfg, lr=1e-3, max_tokens_per_forward=40)
+    assert policy.bitwise is not None and policy.fp8_layers
+    prompts, completions = [[5, 6, 7], [8], [9, 10, 11, 12, 13]], [[1, 2], [3, 4, 5, 6], [7]]
+    packed = pack_sequences(prompts, completions)
+    got = policy.all_logprobs(packed)
+    alone = BitwiseForward(policy.model, cfg)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        (expected,) = alone.token_logprobs([prompt + completion], [len(prompt)])
+        assert torch.equal(got[row, : len(completion)], expected)
+    assert bool((got[~packed.mask] == 0).all())
+    before = policy.bf16_weights()["model.layers.1.mlp.down_proj.weight"].clone()
+    stats = policy.update(packed, torch.tensor([1.0, -1.0, 0.5]), got, packed.mask.float(), clip_eps=0.2, num_minibatches=1)
+    assert stats["grad_norm"] > 0 and math.isfinite(stats["loss"])
+    assert not torch.equal(policy.bf16_weights()["model.layers.1.mlp.down_proj.weight"], before)
+
+
+def test_bitwise_arm_refuses_a_cpu_run(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, str(SCRIPT), "--arms", "fp8_bitwise", "--device", "cpu", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr
 
 
 def test_cpu_smoke_run_end_to_end(tmp_path: Path) -> None:

@@ -1,33 +1,51 @@
 #!/usr/bin/env bash
 # The bitwise on-policy session on the GPU box (issue #24), stages per device call:
 #   bash benchmarks/box/bitwise_box_run.sh STAGE...
-#   STAGE: stage (copy the carried .gpukit/part_* and .gpumodel/smol.zst.part_* to /root/stage)
-#        | setup (kit + SmolLM2) | tests | proof[=MODELS] | cost[=PARTS]
-# Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise.json, on_policy_cost.json, logs.
+#   STAGE: stage (copy the carried .gpukit/part_*, .gpumodel/smol.zst.part_* and .gpute/te.part_* to /root/stage)
+#        | setup (kit + SmolLM2) | te-build (TransformerEngine, in the background) | te-wait
+#        | tests | proof[=MODELS] ($PROOF_ARGS: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
+#        | grpo (3 seeds of the bf16 and fp8_bitwise arms at once; $GRPO_ARGS: more arguments)
+#        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
+# Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise*.json, on_policy_cost.json, grpo_bitwise/, logs.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out" /root/stage
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    stage) cp .gpukit/part_* .gpumodel/smol.zst.part_* /root/stage/ 2>/dev/null; ls -l /root/stage ;;
+    stage) cp .gpukit/part_* .gpumodel/smol.zst.part_* .gpute/te.part_* /root/stage/ 2>/dev/null; ls -l /root/stage ;;
     setup)
       source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
       source benchmarks/box/gpu_model_setup.sh || exit 1 ;;
+    te-build)  # TE's torch extension compiles on the CPU (~130 s) while GPU stages run
+      ( source benchmarks/box/te_box_setup.sh ) > "$out/te_setup.log" 2>&1 &
+      te_build_pid=$! ;;
+    te-wait) wait "${te_build_pid:?te-build did not run in this call}"; echo "te setup rc=$?"; tail -3 "$out/te_setup.log" ;;
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/test_gpu_bitwise.py > "$out/pytest_bitwise.txt" 2>&1
       tail -25 "$out/pytest_bitwise.txt" ;;
     proof*)
       models="${stage#proof}"; models="${models#=}"
-      python3 benchmarks/on_policy_bitwise.py --out "$out/on_policy_bitwise${models:+_${models//,/_}}.json" \
-        ${models:+--models "$models"} --work /root/bitwise_work > "$out/on_policy_bitwise${models:+_${models//,/_}}.log" 2>&1
-      echo "rc=$?"; tail -40 "$out/on_policy_bitwise${models:+_${models//,/_}}.log"
+      name="on_policy_bitwise${models:+_${models//,/_}}"
+      python3 benchmarks/on_policy_bitwise.py --out "$out/$name.json" ${models:+--models "$models"} ${PROOF_ARGS:-} \
+        --work /root/bitwise_work > "$out/$name.log" 2>&1
+      echo "rc=$?"; tail -40 "$out/$name.log"
       tail -c 20000 /root/bitwise_work/*.log > "$out/bitwise_engine_logs.txt" 2>/dev/null ;;
     cost*)
       parts="${stage#cost}"; parts="${parts#=}"
-      python3 benchmarks/on_policy_cost.py --out "$out/on_policy_cost.json" ${parts:+--parts "$parts"} --work /root/cost_work \
-        > "$out/on_policy_cost.log" 2>&1
+      python3 benchmarks/on_policy_cost.py --out "$out/on_policy_cost.json" ${parts:+--parts "$parts"} ${COST_ARGS:-} \
+        --work /root/cost_work > "$out/on_policy_cost.log" 2>&1
       echo "rc=$?"; tail -20 "$out/on_policy_cost.log"
       tail -c 8000 /root/cost_work/*.log > "$out/cost_engine_logs.txt" 2>/dev/null ;;
+    grpo)
+      for seed in 0 1 2; do
+        python3 benchmarks/grpo_alignment.py --arms bf16,fp8_bitwise --parallel --seed "$seed" --steps 30 --validate-every 10 \
+          ${GRPO_ARGS:---max-seconds 420} --out "$out/grpo_bitwise/seed$seed" > "$out/grpo_bitwise_seed$seed.log" 2>&1 &
+      done
+      wait; tail -n 4 "$out"/grpo_bitwise/seed*/*.log ;;
+    main-job)
+      python3 -m fp8_align.cli bench-error --out "$out/bench_error_cuda" --json-only --no-plots > "$out/bench_error_cuda.log" 2>&1
+      echo "rc=$?"; tail -30 "$out/bench_error_cuda.log" ;;
+    te) bash benchmarks/box/te_box_run.sh tests ops ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real-TransformerEngine session on the GPU box (issue #17), one stage per device call:
-#   bash benchmarks/box/te_box_run.sh STAGE...     STAGE: setup | tests | align | bench-pow2 | bench-fp32
+#   bash benchmarks/box/te_box_run.sh STAGE...     STAGE: setup | tests | align | bench-pow2 | bench-fp32 | ops
 # Needs the vLLM kit, SmolLM2 and the TE bundle staged in /root/stage (docs/dev/gpu_box.md);
 # every stage re-sources the setup scripts (cheap once installed). Output under $OUT/te/.
 set -uo pipefail
@@ -31,6 +31,12 @@ for stage in "$@"; do
     bench-fp32)
       NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 "${bench[@]}" --variants fp8,fp8_te_rule,fp8_bf16_ends --out "$out/bench_fp32" \
         > "$out/bench_fp32.log" 2>&1; tail -30 "$out/bench_fp32.log" ;;
+    ops)  # which Megatron-TE ops differ from the bitwise engine's (issue #24 item 7)
+      python3 -m benchmarks.megatron_te_ops --out "$out/megatron_te_ops_pow2.json" > "$out/megatron_te_ops_pow2.log" 2>&1
+      echo "rc=$?"; grep '^{' "$out/megatron_te_ops_pow2.log" | cut -c1-220
+      NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 python3 -m benchmarks.megatron_te_ops --out "$out/megatron_te_ops_fp32.json" \
+        > "$out/megatron_te_ops_fp32.log" 2>&1
+      echo "rc=$?"; grep '^{' "$out/megatron_te_ops_fp32.log" | cut -c1-220 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

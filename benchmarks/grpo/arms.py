@@ -10,8 +10,9 @@ from fp8_align.config import FP8Config
 
 @dataclass(frozen=True)
 class Arm:
-    """Where FP8 runs in one arm: generation linears (+ KV cache), the training forward, and
-    whether the loss uses token-level truncated importance sampling (TIS)."""
+    """Where FP8 runs in one arm: generation linears (+ KV cache), the training forward, whether
+    the loss uses token-level truncated importance sampling (TIS), and whether engine and trainer
+    run bit-identical kernels (`FP8Config(on_policy="bitwise")`, CUDA only)."""
 
     name: str
     label: str
@@ -19,6 +20,7 @@ class Arm:
     kv_cache_fp8: bool
     training_fp8: bool
     tis: bool
+    bitwise: bool = False
 
 
 ARMS: dict[str, Arm] = {
@@ -29,6 +31,7 @@ ARMS: dict[str, Arm] = {
         Arm("fp8_tis", "FP8 gen / BF16 train + TIS", True, False, False, True),
         Arm("fp8_aligned_tis", "FP8 gen / FP8 train + TIS", True, False, True, True),
         Arm("fp8kv_aligned_tis", "FP8 gen + FP8 KV / FP8 train + TIS", True, True, True, True),
+        Arm("fp8_bitwise", "FP8 gen / bitwise FP8 train", True, False, True, False, bitwise=True),
     )
 }
 
@@ -80,6 +83,7 @@ class RunSettings:
             use_weight_pow2_scale=self.weight_pow2_scale,
             use_activation_pow2_scale=self.activation_pow2_scale,
             kv_cache_dtype="fp8" if arm.kv_cache_fp8 else "auto",
+            on_policy="bitwise" if arm.bitwise else "off",
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 The model computes in BF16 (as Megatron does with bf16 params); AdamW keeps FP32 master copies,
 and after each optimizer step the BF16 parameters are the masters rounded to BF16: exactly the
 tensors pushed to the generation engine. With an `FP8Config` the recipe's linears run the
-aligned block-FP8 forward (`fp8_align.hf_training`, BF16 backward).
+aligned block-FP8 forward (`fp8_align.hf_training`, BF16 backward); with one whose `on_policy` is
+"bitwise" the whole log-prob path runs the engine's kernels (`hf_training.BitwiseForward`), so
+the trainer's log-probs of the sampled tokens are the engine's bits.
 
 Batches are right-padded prompt + completion sequences; log-probs are taken in FP32 at the
 completion tokens, rows aligned at the first completion token (the `fp8_align.metrics` layout).
@@ -16,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from fp8_align.error_bench.scoring import micro_batches
 from fp8_align.config import FP8Config
-from fp8_align.hf_training import apply_fp8_training
+from fp8_align.hf_training import BitwiseForward, apply_fp8_training
 from fp8_align.is_correction import importance_weighted_loss
 from fp8_align.megatron_ext.calibration import KVScaleCalibrator
 
@@ -90,7 +94,8 @@ def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
 
 
 class GRPOPolicy:
-    """The trainer: BF16 HF model (+ aligned FP8 forward when `fp8` is given), FP32 AdamW masters."""
+    """The trainer: BF16 HF model (+ aligned FP8 forward when `fp8` is given, the engine's own
+    kernels when `fp8.on_policy` is "bitwise"), FP32 AdamW masters."""
 
     def __init__(
         self,
@@ -107,7 +112,12 @@ class GRPOPolicy:
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(self.device)
         self.model.eval()  # no dropout; gradients still flow
         self.model.config.use_cache = False
-        self.fp8_layers = apply_fp8_training(self.model, fp8) if fp8 is not None else []
+        self.bitwise: BitwiseForward | None = None
+        if fp8 is not None and fp8.on_policy == "bitwise":
+            self.bitwise = BitwiseForward(self.model, fp8)
+            self.fp8_layers = sorted(self.bitwise.fp8)
+        else:
+            self.fp8_layers = apply_fp8_training(self.model, fp8) if fp8 is not None else []
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -122,6 +132,8 @@ class GRPOPolicy:
     def logprobs(self, packed: PackedSequences, rows: Sequence[int]) -> Tensor:
         """Log-probs [len(rows), T] float32 on the trainer's device of the completion tokens of
         `rows`, with autograd when grad is enabled; 0.0 at masked positions."""
+        if self.bitwise is not None:
+            return self._bitwise_logprobs(self.bitwise, packed, rows)
         index = torch.tensor(list(rows))
         length = int((packed.prompt_lengths[index] + packed.completion_lengths[index]).max())
         ids = packed.input_ids[index, :length].to(self.device)
@@ -134,6 +146,13 @@ class GRPOPolicy:
         targets = packed.targets[index].to(self.device)
         values = torch.log_softmax(picked.float(), dim=-1).gather(-1, targets[:, :, None])[:, :, 0]
         return torch.where(packed.mask[index].to(self.device), values, 0.0)
+
+    def _bitwise_logprobs(self, bitwise: BitwiseForward, packed: PackedSequences, rows: Sequence[int]) -> Tensor:
+        """`logprobs` through BitwiseForward: the rows' sequences packed without padding."""
+        prompts = [int(packed.prompt_lengths[r]) for r in rows]
+        sequences = [packed.input_ids[r, : p + int(packed.completion_lengths[r])].tolist() for r, p in zip(rows, prompts)]
+        padded = pad_sequence(bitwise.token_logprobs(sequences, prompts), batch_first=True)  # 0.0 past each completion
+        return F.pad(padded, (0, packed.targets.shape[1] - padded.shape[1]))
 
     def _groups(self, rows: Sequence[int], packed: PackedSequences) -> list[list[int]]:
         lengths = (packed.prompt_lengths + packed.completion_lengths).tolist()

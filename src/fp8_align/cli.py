@@ -14,7 +14,9 @@ from fp8_align.error_bench.error import (
     VARIANTS,
     BenchInputError,
     BenchSettings,
+    default_variants,
     parse_variants,
+    resolve_device,
     run_bench_error,
 )
 from fp8_align.error_bench.generate import GenerationError
@@ -48,7 +50,7 @@ def _bench_error(args: argparse.Namespace) -> int:
             prompts=args.prompts,
             num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens,
-            variants=parse_variants(args.variants),
+            variants=parse_variants(args.variants, resolve_device(args.device)) if args.variants else default_variants(resolve_device(args.device)),
             seed=args.seed,
             device=args.device,
             vllm_compile=args.vllm_compile,
@@ -137,10 +139,10 @@ def _add_bench_error(sub: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=int, default=defaults.max_new_tokens,
         help=f"new tokens per completion at most (default {defaults.max_new_tokens})",
     )
-    variants = ",".join(defaults.variants)
     bench.add_argument(
-        "--variants", default=variants,
-        help=f"comma-separated from {', '.join(VARIANTS)}, or 'all' (default {variants}; one vLLM engine each)",
+        "--variants", default=None,
+        help=f"comma-separated from {', '.join(VARIANTS)}, or 'all' (default {','.join(default_variants('cpu'))} on CPU, "
+        f"{','.join(default_variants('cuda'))} on CUDA; one vLLM engine each)",
     )
     bench.add_argument("--seed", type=int, default=defaults.seed, help=f"vLLM engine and sampling seed (default {defaults.seed})")
     bench.add_argument("--out", type=Path, default=defaults.out_dir, help=f"output directory (default ./{defaults.out_dir})")

@@ -3,8 +3,10 @@
 For each variant (a generation precision recipe) one vLLM engine generates every prompt twice,
 greedy and sampled, in one run. The generated tokens are then scored by the "training side", an
 HF transformers forward over prompt + completion: in BF16, and (for FP8 variants) with
-`fp8_align.hf_emulation.apply_fp8_emulation`, the same block-FP8 recipe the engine ran. Each
-(generation, training side, sampling) pair is summarized with `fp8_align.metrics`.
+`fp8_align.hf_emulation.apply_fp8_emulation`, the same block-FP8 recipe the engine ran. A variant
+with `on_policy="bitwise"` (CUDA) is also scored by `fp8_align.hf_training.BitwiseForward`, the
+trainer that runs the engine's own kernels (side `bitwise_trainer`). Each (generation, training
+side, sampling) pair is summarized with `fp8_align.metrics`.
 
 This module is plumbing: variants, settings, the run and its result document. Prompt files are
 read by `fp8_align.error_bench.prompts`, engines run by `fp8_align.error_bench.generate`, and the numerics
@@ -39,6 +41,7 @@ from fp8_align.error_bench.megatron_side import (
 )
 from fp8_align.error_bench.prompts import default_prompts_path, read_prompt_records, tokenize_prompts
 from fp8_align.error_bench.scoring import fp8_model, layer_attribution, pair_records, score_generation
+from fp8_align.hf_training import BitwiseForward
 
 #: Version of the JSON document `run_bench_error` returns.
 SCHEMA = "fp8_align.bench_error/1"
@@ -83,6 +86,11 @@ VARIANTS: dict[str, Variant] = {
             {"precision": "fp8", "scale_rule": "transformer_engine"},
         ),
         Variant(
+            "fp8_bitwise",
+            "block FP8, FP32 scales, engine and trainer on the same kernels (on_policy='bitwise', CUDA only)",
+            {"precision": "fp8", "on_policy": "bitwise"},
+        ),
+        Variant(
             "fp8_bf16_ends",
             "block FP8, first and last decoder layer in BF16",
             {"precision": "fp8", "num_first_layers_in_bf16": 1, "num_last_layers_in_bf16": 1},
@@ -91,12 +99,27 @@ VARIANTS: dict[str, Variant] = {
 }
 #: The default set: BF16 and one FP8 engine fit the 5-minute budget on a 2-core CPU.
 DEFAULT_VARIANTS = ("bf16", "fp8")
+#: The default set on a CUDA GPU adds the bitwise engine (its CPU engine does not exist).
+DEFAULT_CUDA_VARIANTS = ("bf16", "fp8", "fp8_bitwise")
+#: Training side that scores `on_policy="bitwise"` variants with `hf_training.BitwiseForward`.
+BITWISE_SIDE = "bitwise_trainer"
 
 
-def parse_variants(text: str) -> tuple[str, ...]:
-    """Comma-separated variant names ('all' for every one) -> names in the given order."""
+def default_variants(device: str) -> tuple[str, ...]:
+    """The variants `bench-error` runs when none are named: `device` is "cpu" or "cuda"."""
+    return DEFAULT_CUDA_VARIANTS if device == "cuda" else DEFAULT_VARIANTS
+
+
+def is_bitwise(name: str) -> bool:
+    """Whether variant `name` runs `FP8Config(on_policy="bitwise")`."""
+    return (VARIANTS[name].fp8_kwargs or {}).get("on_policy") == "bitwise"
+
+
+def parse_variants(text: str, device: str = "cuda") -> tuple[str, ...]:
+    """Comma-separated variant names -> names in the given order; 'all' is every variant `device`
+    ("cpu" or "cuda") runs (on CPU all but the CUDA-only bitwise ones)."""
     if text.strip() == "all":
-        return tuple(VARIANTS)
+        return tuple(name for name in VARIANTS if device == "cuda" or not is_bitwise(name))
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     unknown = [name for name in names if name not in VARIANTS]
     if unknown or not names:
@@ -184,6 +207,12 @@ def prepare_inputs(settings: BenchSettings, say: Callable[[str], None]) -> Bench
         raise BenchInputError(f"--layer-attribution must be between 0 and the number of prompts ({len(prompts)})")
     if settings.layer_attribution_prompts and all(VARIANTS[n].fp8_kwargs is None for n in settings.variants):
         raise BenchInputError("--layer-attribution needs an FP8 variant in --variants")
+    bitwise = [name for name in settings.variants if is_bitwise(name)]
+    if bitwise and resolve_device(settings.device) != "cuda":
+        raise BenchInputError(
+            f"variant {', '.join(bitwise)} runs on_policy='bitwise', which needs --device cuda: vLLM's CPU engine "
+            "computes prefill and decode with different attention kernels (docs/on_policy.md)"
+        )
     sides = training_sides(settings.training_side)
     if "engine-kernels" in sides and resolve_device(settings.device) != "cuda":
         raise BenchInputError("--training-side engine-kernels runs the vLLM plugin's CUDA GEMMs: it needs --device cuda")
@@ -264,11 +293,15 @@ def run_bench_error(
         if bf16_model is None:
             bf16_model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=torch.bfloat16).to(device).eval()
         cfg = variant.fp8_config()
-        models = {"bf16": bf16_model}
+        models: dict[str, nn.Module | BitwiseForward] = {"bf16": bf16_model}
         fp8_sides = set()
         if cfg is not None:
             models[name] = fp8_model(bf16_model, cfg)
             fp8_sides.add(name)
+        if cfg is not None and cfg.on_policy == "bitwise":
+            models[BITWISE_SIDE] = BitwiseForward(bf16_model, cfg)
+            if cfg.precision == "fp8":
+                fp8_sides.add(BITWISE_SIDE)
         if cfg is not None and "engine-kernels" in sides:
             models[f"engine_kernels_{name}"] = fp8_model(bf16_model, cfg, forward_kernel="engine")
             fp8_sides.add(f"engine_kernels_{name}")
@@ -350,7 +383,7 @@ def result_document(
                 "the sampled setting's raw and processed log-probs agree"
             ),
         },
-        "training_side": _training_side_description(settings.training_side),
+        "training_side": _training_side_description(settings.training_side, settings.variants),
         "variants": [
             {"name": n, "description": VARIANTS[n].description, "fp8_config": VARIANTS[n].fp8_kwargs, **engines[n]}
             for n in settings.variants
@@ -361,7 +394,7 @@ def result_document(
     }
 
 
-def _training_side_description(training_side: str) -> dict[str, str]:
+def _training_side_description(training_side: str, variants: tuple[str, ...]) -> dict[str, str]:
     extra = training_sides(training_side)
     sides = {
         "bf16": "HF transformers forward, BF16 weights and activations; log_softmax in FP32",
@@ -378,6 +411,12 @@ def _training_side_description(training_side: str) -> dict[str, str]:
         )
     if "megatron-te" in extra:
         sides.update(describe_megatron_te_side())
+    if any(is_bitwise(name) for name in variants):
+        sides[BITWISE_SIDE] = (
+            "fp8_align.hf_training.BitwiseForward: every op of the log-prob path on the kernels of the bitwise "
+            "engine (its RMSNorm, RoPE, SiLU-and-mul, fixed-tile block-FP8 GEMM and activation quantizer; vLLM's "
+            "batch-invariant matmul, TRITON_ATTN attention and log-softmax); expected max |dlogp| = 0"
+        )
     return sides
 
 

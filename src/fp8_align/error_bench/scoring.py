@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import apply_fp8_emulation
-from fp8_align.hf_training import apply_fp8_training
+from fp8_align.hf_training import BitwiseForward, apply_fp8_training
 from fp8_align.metrics import mismatch_metrics, per_position_mult_prob_error, token_mult_prob_error
 
 #: Upper bound on (sequences x padded length) per forward; bounds the FP32 logits memory.
@@ -96,6 +96,31 @@ def completion_logprobs(
     return logprobs, mask
 
 
+def bitwise_completion_logprobs(
+    forward: BitwiseForward,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    max_tokens_per_forward: int = DEFAULT_MAX_TOKENS_PER_FORWARD,
+) -> tuple[Tensor, Tensor]:
+    """`completion_logprobs`'s contract computed by `BitwiseForward` (sequences packed, unpadded):
+    (logprobs [B, T] float32 on CPU, mask [B, T] bool)."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    width = max((len(c) for c in completions), default=0)
+    logprobs = torch.zeros(len(prompts), width, dtype=torch.float32)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for batch in micro_batches([len(p) + len(c) for p, c in zip(prompts, completions)], max_tokens_per_forward):
+        batch = [b for b in batch if completions[b]]
+        if not batch:
+            continue
+        with torch.inference_mode():
+            values = forward.token_logprobs([list(prompts[b]) + list(completions[b]) for b in batch], [len(prompts[b]) for b in batch])
+        for b, row in zip(batch, values):
+            logprobs[b, : row.numel()] = row.cpu()
+            mask[b, : row.numel()] = True
+    return logprobs, mask
+
+
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Sequence indices grouped longest first so that len(group) * max(length in group) <= max_tokens.
 
@@ -127,12 +152,13 @@ class VariantScores:
 
 
 def score_generation(
-    outputs_by_sampling: dict[str, list[dict[str, Any]]], models: dict[str, nn.Module]
+    outputs_by_sampling: dict[str, list[dict[str, Any]]], models: dict[str, nn.Module | BitwiseForward]
 ) -> VariantScores:
     """Score one engine's completions with each training-side model (one batched pass per model).
 
     Args: outputs_by_sampling: setting -> per prompt {"prompt_ids", "token_ids", "logprobs"} (as
-    `fp8_align.error_bench.generate` returns); models: training side name -> HF causal LM.
+    `fp8_align.error_bench.generate` returns); models: training side name -> HF causal LM or a
+    `BitwiseForward` over one.
     Every setting's sequences go through a model together; rows are split back by setting.
     Raises RuntimeError if the scored tokens do not line up with the generated ones.
     """
@@ -146,7 +172,8 @@ def score_generation(
         gen, mask = pad_logprobs([o["logprobs"] for o in rows[lo:hi]])
         scores.gen_logprobs[setting], scores.mask[setting] = gen, mask
     for side, model in models.items():
-        train, train_mask = completion_logprobs(model, prompts, completions)
+        score = bitwise_completion_logprobs if isinstance(model, BitwiseForward) else completion_logprobs
+        train, train_mask = score(model, prompts, completions)
         scores.train_logprobs[side] = {}
         for setting, (lo, hi) in zip(settings, bounds):
             width = scores.mask[setting].shape[1]
