@@ -41,7 +41,8 @@ for stage in "$@"; do
         python3 benchmarks/grpo_alignment.py --arms bf16,fp8_bitwise --parallel --seed "$seed" --steps 30 --validate-every 10 \
           ${GRPO_ARGS:---max-seconds 420} --out "$out/grpo_bitwise/seed$seed" > "$out/grpo_bitwise_seed$seed.log" 2>&1 &
       done
-      wait; tail -n 4 "$out"/grpo_bitwise/seed*/*.log ;;
+      wait; tail -n 4 "$out"/grpo_bitwise/seed*/*.log
+      tar -C "$out" -czf "$out/grpo_bitwise.tgz" grpo_bitwise grpo_bitwise_seed*.log && rm -rf "$out"/grpo_bitwise "$out"/grpo_bitwise_seed*.log ;;  # few files back
     main-job)
       python3 -m fp8_align.cli bench-error --out "$out/bench_error_cuda" --json-only --no-plots > "$out/bench_error_cuda.log" 2>&1
       echo "rc=$?"; tail -30 "$out/bench_error_cuda.log" ;;

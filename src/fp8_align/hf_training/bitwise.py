@@ -76,20 +76,27 @@ def engine_op(engine_fn: Callable[..., Any], reference_fn: Callable[..., Any], *
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], head_size: int) -> torch.Tensor:
     """Causal attention of packed sequences: q [T, Hq * D], k/v [T, Hk * D] (grouped heads) ->
-    [T, Hq * D] in q's dtype, softmax in FP32 with scale D ** -0.5."""
+    [T, Hq * D] in q's dtype, softmax in FP32 with scale D ** -0.5. The sequences are padded into one
+    [B, H, L, D] batch (one matmul per step for every sequence, so its backward is fast too)."""
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
-    outputs, start = [], 0
-    for length in seq_lens:
-        rows = slice(start, start + length)
-        qs = q[rows].reshape(length, heads, head_size).transpose(0, 1).float()
-        ks = k[rows].reshape(length, kv_heads, head_size).transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=0)
-        vs = v[rows].reshape(length, kv_heads, head_size).transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=0)
-        scores = (qs @ ks.transpose(1, 2)) * head_size**-0.5
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        outputs.append((probs @ vs).transpose(0, 1).reshape(length, heads * head_size))
-        start += length
-    return torch.cat(outputs).to(q.dtype)
+    count, longest, device = len(seq_lens), max(seq_lens), q.device
+    lengths = torch.tensor(list(seq_lens), device=device)
+    row = torch.repeat_interleave(torch.arange(count, device=device), lengths)
+    position = torch.arange(q.shape[0], device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+
+    def padded(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        grid = x.new_zeros(count, longest, num_heads, head_size).index_put((row, position), x.reshape(-1, num_heads, head_size))
+        return grid.transpose(1, 2).float()  # [B, H, L, D]
+
+    qs = padded(q, heads)
+    ks = padded(k, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
+    vs = padded(v, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
+    scores = (qs @ ks.transpose(-1, -2)) * head_size**-0.5
+    keys = torch.arange(longest, device=device)
+    allowed = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])  # [B, L, L]
+    probs = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(dim=-1)
+    out = (probs @ vs).transpose(1, 2)[row, position]  # [T, H, D]
+    return out.reshape(q.shape[0], heads * head_size).to(q.dtype)
 
 
 @dataclass(frozen=True)
