@@ -17,6 +17,7 @@ from fp8_align.megatron_ext.moe import check_moe_alignment
 from fp8_align.megatron_ext.shim import (
     MEGATRON_FP8_FIELDS,
     apply_to_transformer_config,
+    check_no_ignored_layer_kws,
     fp8_fields,
     training_env_vars,
     transformer_config_kwargs,
@@ -48,6 +49,7 @@ __all__ = [
     "alignment_report",
     "apply_to_transformer_config",
     "check_moe_alignment",
+    "check_no_ignored_layer_kws",
     "detect_training_environment",
     "fp8_fields",
     "required_te_pow2_scales",

@@ -76,10 +76,11 @@ def transformer_config_kwargs(
     Returns:
         {field: value} for `MEGATRON_FP8_FIELDS`.
     Raises:
-        TrainingSetupError when megatron-core is missing or lacks a field or the recipe, or the
-        BF16 layer counts exceed `num_layers`.
+        TrainingSetupError when megatron-core is missing or lacks a field or the recipe, the
+        BF16 layer counts exceed `num_layers`, or `check_no_ignored_layer_kws` refuses `cfg`.
     """
     check_megatron_supports(cfg, _transformer_config_class() if config_cls is None else config_cls)
+    check_no_ignored_layer_kws(cfg)
     if num_layers is not None:
         check_bf16_layer_counts(cfg, num_layers)
     return fp8_fields(cfg)
@@ -90,10 +91,12 @@ def apply_to_transformer_config(config: Any, cfg: FP8Config) -> Any:
 
     The copy goes through `dataclasses.replace`, so megatron-core re-runs its `__post_init__`
     checks on the new values (e.g. BF16 layer counts per pipeline stage). `config` is not changed.
-    Raises TrainingSetupError for a missing field/recipe, BF16 counts above `config.num_layers`,
-    or MoE settings under which experts would not quantize as generation does (`check_moe_alignment`).
+    Raises TrainingSetupError for a missing field/recipe, `quantization_ignored_layer_kws` with FP8
+    training (`check_no_ignored_layer_kws`), BF16 counts above `config.num_layers`, or MoE
+    settings under which experts would not quantize as generation does (`check_moe_alignment`).
     """
     check_megatron_supports(cfg, type(config))
+    check_no_ignored_layer_kws(cfg)
     check_bf16_layer_counts(cfg, config.num_layers)
     updated = dataclasses.replace(config, **fp8_fields(cfg))
     check_moe_alignment(updated, cfg)
@@ -112,7 +115,8 @@ def update_nemo_rl_megatron_cfg(megatron_cfg: Mapping[str, Any], cfg: FP8Config)
     Raises:
         TrainingSetupError when `cfg` keeps first/last layers in BF16 for FP8 training: NeMo RL
         forwards no such setting, so training would quantize layers generation keeps in BF16.
-        With `allow_recipe_mismatch` that mismatch is accepted and nothing is raised.
+        With `allow_recipe_mismatch` that mismatch is accepted and nothing is raised. Also
+        raised by `check_no_ignored_layer_kws`.
     """
     if (
         cfg.fp8 is not None
@@ -126,6 +130,7 @@ def update_nemo_rl_megatron_cfg(megatron_cfg: Mapping[str, Any], cfg: FP8Config)
             "TransformerConfig inside the worker with fp8_align.megatron_ext.apply_to_transformer_config, "
             "set both to 0, or set allow_recipe_mismatch=True."
         )
+    check_no_ignored_layer_kws(cfg)
     updated = copy.deepcopy(dict(megatron_cfg))
     fp8_cfg = dict(updated.get("fp8_cfg") or {})
     fp8_cfg.update(cfg.to_nemo_rl()["policy"]["megatron_cfg"]["fp8_cfg"])
@@ -134,6 +139,20 @@ def update_nemo_rl_megatron_cfg(megatron_cfg: Mapping[str, Any], cfg: FP8Config)
     if env_vars:
         updated["env_vars"] = {**dict(updated.get("env_vars") or {}), **env_vars}
     return updated
+
+
+def check_no_ignored_layer_kws(cfg: FP8Config) -> None:
+    """Raise TrainingSetupError when FP8 training would quantize modules generation keeps in BF16
+    by name (`quantization_ignored_layer_kws`): megatron-core has no per-module FP8 switch, so every
+    TransformerEngine linear of an FP8 layer trains in FP8. Nothing is raised for BF16 training
+    (`fp8=None`), an empty keyword list, or with `allow_recipe_mismatch`."""
+    if cfg.fp8 is None or not cfg.quantization_ignored_layer_kws or cfg.allow_recipe_mismatch:
+        return
+    raise TrainingSetupError(
+        f"quantization_ignored_layer_kws={list(cfg.quantization_ignored_layer_kws)!r} keeps those modules BF16 "
+        "in generation, but megatron-core has no per-module FP8 switch: FP8 training quantizes them. Remove "
+        "the keywords, train in BF16 (fp8=None), or set allow_recipe_mismatch=True."
+    )
 
 
 def training_env_vars(cfg: FP8Config) -> dict[str, str]:

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from fp8_align.config import TE_FP32_SCALES_ENV_VAR
 from fp8_align.quant.scales import (
     E4M3_MAX,
     check_float_input,
@@ -39,9 +40,6 @@ from fp8_align.quant.scales import (
     reciprocal,
     te_multiplier_from_amax,
 )
-
-#: TE reads this once, when `transformer_engine.common.recipe` is imported: "1" selects FP32 scales.
-TE_FP32_SCALES_ENV_VAR = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 
 #: TE's block length for both 1x128 and 128x128 block scaling.
 TE_BLOCK_LEN = 128

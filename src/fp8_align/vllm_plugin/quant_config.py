@@ -67,19 +67,35 @@ class Fp8AlignQuantConfig(QuantizationConfig):
             check_bitwise_engine(get_current_vllm_config())
             self._bitwise_checked = True
         apply_patches(self.fp8_config)
-        decision = _decide(layer, prefix, self.fp8_config, is_experts)
+        merged_from = () if is_experts else _merged_from(prefix, self.packed_modules_mapping)
+        decision = _decide(layer, prefix, self.fp8_config, is_experts, merged_from)
         record_decision(layer, decision, self.fp8_config)
         if is_experts:
             return _experts_method(self.fp8_config, layer, prefix) if decision.fp8 else None
         return Fp8AlignLinearMethod(self.fp8_config, prefix) if decision.fp8 else Fp8AlignBf16LinearMethod()
 
 
-def _decide(layer: torch.nn.Module, prefix: str, cfg: FP8Config, is_experts: bool) -> LayerDecision:
+def _merged_from(prefix: str, packed_modules_mapping: dict[str, list[str]]) -> tuple[str, ...]:
+    """Full names of the checkpoint modules vLLM merges into the linear `prefix` (its model's
+    `packed_modules_mapping`, e.g. q/k/v_proj for qkv_proj); () for a linear that is not merged."""
+    parent, _, name = prefix.rpartition(".")
+    return tuple(f"{parent}.{shard}" if parent else shard for shard in packed_modules_mapping.get(name, ()))
+
+
+def _decide(
+    layer: torch.nn.Module, prefix: str, cfg: FP8Config, is_experts: bool, merged_from: tuple[str, ...]
+) -> LayerDecision:
     text_config = _hf_text_config()
     depth, experts = int(text_config.num_hidden_layers), num_routed_experts(text_config)
     if not is_experts:
         return decide_layer(
-            prefix, depth, cfg, output_size=layer.output_size, input_size=layer.input_size, num_experts=experts
+            prefix,
+            depth,
+            cfg,
+            output_size=layer.output_size,
+            input_size=layer.input_size,
+            num_experts=experts,
+            merged_from=merged_from,
         )
     decision = decide_layer(prefix, depth, cfg, kind="experts")
     unsupported = unsupported_experts_reason(layer) if decision.fp8 else None
