@@ -257,11 +257,16 @@ class FP8Config(BaseModel):
         """Build from a NeMo RL master config dict (`policy.generation.vllm_cfg.*`,
         `policy.megatron_cfg.fp8_cfg.*`, `loss_fn.use_importance_sampling_correction`).
 
+        With `policy.generation.vllm_kwargs.quantization: fp8_align` (NeMo RL's engines run
+        fp8_align) the generation side is FP8 and `vllm_cfg.precision` is NeMo RL's own FP8
+        switch: it must be off (bfloat16), else FP8ConfigError says which one to turn off.
+
         Keys fp8_align does not know inside those sections are ignored (NeMo RL sections carry
         many unrelated settings); known keys are validated.
         """
         policy = _section(cfg, "policy")
-        vllm_cfg = _section(_section(policy, "generation"), "vllm_cfg")
+        generation = _section(policy, "generation")
+        vllm_cfg = _section(generation, "vllm_cfg")
         megatron_cfg = _section(policy, "megatron_cfg")
         fp8_cfg = _section(megatron_cfg, "fp8_cfg")
         loss_fn = _section(cfg, "loss_fn")
@@ -287,6 +292,8 @@ class FP8Config(BaseModel):
             kwargs["fp8"] = None
         if "use_importance_sampling_correction" in loss_fn:
             kwargs["use_importance_sampling_correction"] = loss_fn["use_importance_sampling_correction"]
+        if _section(generation, "vllm_kwargs").get("quantization") == _NEMO_RL_ENGINE_QUANTIZATION:
+            kwargs["precision"] = _fp8_align_engine_precision(vllm_cfg)
         return cls.from_kwargs(**kwargs)
 
     def to_nemo_rl(self) -> dict[str, Any]:
@@ -359,6 +366,23 @@ _NEMO_RL_GENERATION_ALIASES = {
     "pow2_activation_scaling_factors": "use_activation_pow2_scale",
 }
 _TRAINING_FIELDS = ("fp8", "fp8_recipe", "fp8_param", "allow_recipe_mismatch")
+
+
+#: `policy.generation.vllm_kwargs.quantization` of a NeMo RL config whose engines run fp8_align.
+_NEMO_RL_ENGINE_QUANTIZATION = "fp8_align"
+
+
+def _fp8_align_engine_precision(vllm_cfg: Mapping[str, Any]) -> str:
+    """fp8_align's precision for NeMo RL engines started with quantization=fp8_align: "fp8";
+    raises FP8ConfigError when NeMo RL's own FP8 (`vllm_cfg.precision: fp8`) is on too."""
+    if str(vllm_cfg.get("precision", "bfloat16")).lower() == "fp8":
+        raise FP8ConfigError(
+            "policy.generation.vllm_cfg.precision: fp8 turns on NeMo RL's own FP8 generation (its init_fp8 patches "
+            "vLLM and replaces vllm_kwargs.quantization with 'fp8'), and policy.generation.vllm_kwargs.quantization: "
+            "fp8_align asks for fp8_align; turn one off. For fp8_align set vllm_cfg.precision: bfloat16 (the recipe "
+            "comes from the other vllm_cfg keys); for NeMo RL's FP8 remove quantization: fp8_align from vllm_kwargs."
+        )
+    return "fp8"
 
 
 def _section(cfg: Mapping[str, Any], key: str) -> Mapping[str, Any]:
