@@ -12,8 +12,7 @@ buffer, loads every batch with `model.load_weights` and then runs vLLM's
 replaced (`install_cpu_stand_ins`; nothing else of either side is changed):
 
 - the ZMQ socket is named after the GPU's UUID (NVML): `CpuWorkerExtension.get_zmq_address`
-  returns `ZMQ_ADDRESS_ENV` instead (`CpuWorkerExtension` is NeMo RL's class with that method
-  swapped and without `CLASHES_WITH_VLLM_WORKER`, which vLLM 0.32 refuses to mix in);
+  returns `ZMQ_ADDRESS_ENV` instead;
 - `torch.cuda.nvtx.range_push` / `range_pop` (NeMo RL's `wrap_with_nvtx_name` profiling marks):
   no-ops;
 - `torch.cuda.current_stream().synchronize()` (the fences before a handle is sent and before an
@@ -42,9 +41,9 @@ if str(THIRD_PARTY) not in sys.path:
 from nemo_rl.models.generation.vllm import vllm_backend  # noqa: E402
 from nemo_rl.models.generation.vllm.quantization.fp8_train_utils import get_vllm_qkv_scale_names  # noqa: E402
 
-#: NeMo RL's worker extension, as its vllm_worker.py passes it to `vllm.LLM(worker_extension_cls=...)`.
-NEMO_RL_WORKER = "nemo_rl.models.generation.vllm.vllm_backend.VllmInternalWorkerExtension"
-#: The same class with the CPU socket address (see the module docstring).
+#: `worker_extension_cls` of the GPU and the CPU engines (NeMo RL's vllm_worker.py passes
+#: "nemo_rl.models.generation.vllm.vllm_backend.VllmInternalWorkerExtension"; see `CLASHES_WITH_VLLM_WORKER`).
+GPU_WORKER = "tests.nemo_rl_worker.WorkerExtension"
 CPU_WORKER = "tests.nemo_rl_worker.CpuWorkerExtension"
 #: Environment variable holding the refit socket's address on CPU.
 ZMQ_ADDRESS_ENV = "FP8_ALIGN_TEST_NEMO_RL_ZMQ"
@@ -52,31 +51,35 @@ ZMQ_ADDRESS_ENV = "FP8_ALIGN_TEST_NEMO_RL_ZMQ"
 ENGINE_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(THIRD_PARTY), os.environ.get("PYTHONPATH")]))}
 
 
-#: Attributes of NeMo RL's extension that vLLM 0.32's workers define too. vLLM refuses to mix in an
-#: extension that redefines a worker attribute (`WorkerWrapperBase.init_worker`); NeMo RL's
-#: `synchronize_device` serves only its sparse-delta refit (its vLLM pin, 0.25.1, has no such
-#: worker attribute), so the CPU class leaves it out.
-CLASHES_WITH_VLLM_WORKER = ("synchronize_device",)
+#: Attributes of NeMo RL's extension that the installed vLLM's worker class defines too: vLLM
+#: refuses to mix in an extension that redefines a worker attribute (`init_worker` of its
+#: `WorkerWrapperBase`). On vLLM 0.32 that is `synchronize_device`, which NeMo RL's sparse-delta
+#: refit uses and its IPC refit does not (NeMo RL pins vLLM 0.25.1); the extensions here leave
+#: these out and are otherwise NeMo RL's class, its own method objects.
+CLASHES_WITH_VLLM_WORKER = tuple(
+    name for name in vars(vllm_backend.VllmInternalWorkerExtension)
+    if not name.startswith("__") and hasattr(vllm_backend.VllmWorker, name)
+)  # fmt: skip
+
+
+def _nemo_rl_extension(name: str, **replaced: Any) -> type:
+    """NeMo RL's `VllmInternalWorkerExtension` without `CLASHES_WITH_VLLM_WORKER`, `replaced` set."""
+    kept = {
+        key: value for key, value in vars(vllm_backend.VllmInternalWorkerExtension).items()
+        if key not in (*CLASHES_WITH_VLLM_WORKER, "__dict__", "__weakref__")
+    }  # fmt: skip
+    return type(name, (), {**kept, **replaced, "__module__": __name__, "__qualname__": name})
 
 
 def _socket_address(self: Any) -> str:
-    """The refit socket's address: `ZMQ_ADDRESS_ENV` (NeMo RL: the GPU's NVML UUID)."""
+    """The refit socket's address on CPU: `ZMQ_ADDRESS_ENV` (NeMo RL: the GPU's NVML UUID)."""
     return os.environ[ZMQ_ADDRESS_ENV]
 
 
-#: NeMo RL's `VllmInternalWorkerExtension` with its own method objects, except `get_zmq_address`
-#: (`_socket_address`) and `CLASHES_WITH_VLLM_WORKER`.
-CpuWorkerExtension = type(
-    "CpuWorkerExtension",
-    (),
-    {
-        **{name: value for name, value in vars(vllm_backend.VllmInternalWorkerExtension).items()
-           if name not in (*CLASHES_WITH_VLLM_WORKER, "__dict__", "__weakref__")},  # fmt: skip
-        "get_zmq_address": _socket_address,
-        "__module__": __name__,
-        "__qualname__": "CpuWorkerExtension",
-    },
-)
+#: For GPU engines: NeMo RL's worker extension as it is (less the clashes).
+WorkerExtension = _nemo_rl_extension("WorkerExtension")
+#: For CPU engines: the same with the socket address from `ZMQ_ADDRESS_ENV`.
+CpuWorkerExtension = _nemo_rl_extension("CpuWorkerExtension", get_zmq_address=_socket_address)
 
 
 class _NoStream:

@@ -204,9 +204,13 @@ def test_nemo_rl_engines_on_fp8_align_generate_in_fp8():
     (`vllm_cfg.precision: bfloat16`): the generation side is fp8_align's FP8 recipe."""
     data = _nemo_rl_dict()
     data["policy"]["generation"]["vllm_cfg"]["precision"] = "bfloat16"
-    data["policy"]["generation"]["vllm_kwargs"] = {"quantization": "fp8_align"}
+    data["policy"]["generation"]["vllm_kwargs"] = {"quantization": "fp8_align", "kv_cache_dtype": "fp8"}
     cfg = FP8Config.from_nemo_rl(data)
     assert cfg.precision == "fp8" and cfg.num_first_layers_in_bf16 == 1 and cfg.use_weight_pow2_scale
+    assert cfg.kv_cache_dtype == "fp8"
+    del data["policy"]["generation"]["vllm_kwargs"]["kv_cache_dtype"]  # NeMo RL would stream scales for a BF16 cache
+    with pytest.raises(FP8ConfigError, match=r"vllm_cfg\.kv_cache_dtype='fp8' .* set both to fp8 or both to auto"):
+        FP8Config.from_nemo_rl(data)
 
 
 def test_nemo_rl_fp8_precision_with_fp8_align_engines_is_refused():

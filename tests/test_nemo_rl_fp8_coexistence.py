@@ -17,6 +17,8 @@ tests/test_config.py (`FP8Config.from_nemo_rl`).
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,12 +92,10 @@ def test_fp8_align_engine_refuses_to_start_after_nemo_rl_fp8(tmp_path: Path):
     (VLLM_ENABLE_V1_MULTIPROCESSING=0, vllm_worker.py:243): the engine does not start, and the
     error says which setting to turn off. A subprocess, so the pytest process stays unpatched."""
     model = make_tiny_llama(tmp_path / "w1", seed=0, tie_word_embeddings=True)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{THIRD_PARTY}:{Path.cwd() / 'src'}:{Path.cwd()}",
-           "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join(map(str, (THIRD_PARTY, root / "src", root)))}
     done = subprocess.run([sys.executable, "-c", _ENGINE_AFTER_NEMO_RL_FP8, str(model)], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     refused = [line for line in done.stdout.splitlines() if line.startswith(("REFUSED:", "STARTED"))]
     assert refused and refused[-1].startswith("REFUSED:"), done.stdout[-2000:] + done.stderr[-4000:]
-    import re
-
     assert re.search(REFUSAL, refused[-1]), refused[-1]

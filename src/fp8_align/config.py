@@ -292,8 +292,10 @@ class FP8Config(BaseModel):
             kwargs["fp8"] = None
         if "use_importance_sampling_correction" in loss_fn:
             kwargs["use_importance_sampling_correction"] = loss_fn["use_importance_sampling_correction"]
-        if _section(generation, "vllm_kwargs").get("quantization") == _NEMO_RL_ENGINE_QUANTIZATION:
-            kwargs["precision"] = _fp8_align_engine_precision(vllm_cfg)
+        vllm_kwargs = _section(generation, "vllm_kwargs")
+        if vllm_kwargs.get("quantization") == _NEMO_RL_ENGINE_QUANTIZATION:
+            _check_nemo_rl_fp8_align_engines(vllm_cfg, vllm_kwargs)
+            kwargs["precision"] = "fp8"
         return cls.from_kwargs(**kwargs)
 
     def to_nemo_rl(self) -> dict[str, Any]:
@@ -372,9 +374,11 @@ _TRAINING_FIELDS = ("fp8", "fp8_recipe", "fp8_param", "allow_recipe_mismatch")
 _NEMO_RL_ENGINE_QUANTIZATION = "fp8_align"
 
 
-def _fp8_align_engine_precision(vllm_cfg: Mapping[str, Any]) -> str:
-    """fp8_align's precision for NeMo RL engines started with quantization=fp8_align: "fp8";
-    raises FP8ConfigError when NeMo RL's own FP8 (`vllm_cfg.precision: fp8`) is on too."""
+def _check_nemo_rl_fp8_align_engines(vllm_cfg: Mapping[str, Any], vllm_kwargs: Mapping[str, Any]) -> None:
+    """For NeMo RL engines started with quantization=fp8_align: raise FP8ConfigError when NeMo RL's
+    own FP8 is on too (`vllm_cfg.precision: fp8`), or when `vllm_cfg.kv_cache_dtype` (what NeMo RL
+    calibrates and streams KV scales for) and `vllm_kwargs.kv_cache_dtype` (the engine's KV cache;
+    NeMo RL passes the former to vLLM only with its own FP8) disagree on FP8."""
     if str(vllm_cfg.get("precision", "bfloat16")).lower() == "fp8":
         raise FP8ConfigError(
             "policy.generation.vllm_cfg.precision: fp8 turns on NeMo RL's own FP8 generation (its init_fp8 patches "
@@ -382,7 +386,14 @@ def _fp8_align_engine_precision(vllm_cfg: Mapping[str, Any]) -> str:
             "fp8_align asks for fp8_align; turn one off. For fp8_align set vllm_cfg.precision: bfloat16 (the recipe "
             "comes from the other vllm_cfg keys); for NeMo RL's FP8 remove quantization: fp8_align from vllm_kwargs."
         )
-    return "fp8"
+    calibrated = str(vllm_cfg.get("kv_cache_dtype") or "auto").startswith("fp8")
+    engine = str(vllm_kwargs.get("kv_cache_dtype") or "auto").startswith("fp8")
+    if calibrated != engine:
+        raise FP8ConfigError(
+            f"policy.generation.vllm_cfg.kv_cache_dtype={vllm_cfg.get('kv_cache_dtype')!r} (NeMo RL calibrates and "
+            f"streams KV scales for it) but vllm_kwargs.kv_cache_dtype={vllm_kwargs.get('kv_cache_dtype')!r} (the "
+            "engine's KV cache: with precision bfloat16 NeMo RL does not pass vllm_cfg's to vLLM); set both to fp8 or both to auto."
+        )
 
 
 def _section(cfg: Mapping[str, Any], key: str) -> Mapping[str, Any]:
