@@ -25,7 +25,9 @@ buffer travels by value inside the ZMQ message).
 Not run here:
 - `update_weights_from_collective` and `nccl_reshard_refit` (NeMo RL's non-colocated refit):
   NCCL `StatelessProcessGroup`s, and `packed_broadcast_consumer` allocates on "cuda". Both end in
-  the same `_load_weights` as the IPC path.
+  the same `_load_weights` as the IPC path. Nor its sparse-delta refit
+  (`update_weights_from_decoded_sparse_payload`, vllm_sparse_delta.py) or its checkpoint-engine
+  refit (NIXL, `VllmInternalWorkerExtensionWithCheckpointEngine`): not vendored.
 - `MegatronPolicyWorker.calibrate_qkv_fp8_scales`: forward hooks on a Megatron-Bridge model in a
   Ray policy worker. Its result (`{"layer_N": {"q_scale", "k_scale", "v_scale"}}`) is given here
   with fixed values and converted by NeMo RL's own `convert_calibration_to_vllm_format`; the
