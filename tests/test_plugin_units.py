@@ -81,7 +81,7 @@ def test_compile_cache_patch_keys_on_the_config_and_undoes():
     original, original_process = VllmConfig.compute_hash, base_loader.process_weights_after_loading
     names = patches.apply_patches(FP8Config())
     try:
-        assert names == ["compile_cache_key_includes_fp8_config", "weight_sync_on_loaded_models"]
+        assert names == ["compile_cache_key_includes_fp8_config", "weight_sync_on_loaded_models", "kv_scales_survive_post_processing"]
         assert sorted(names) == patches.applied_patches()
         patched, patched_process = VllmConfig.compute_hash, base_loader.process_weights_after_loading
         assert patched is not original and patched_process is not original_process

@@ -24,11 +24,13 @@ from safetensors.torch import load_file, save_file
 
 from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
-from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.quant.shards import shard_slices
 from tests import stack_sync_calls as calls
-from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, MERGED_SHARDS, PROMPTS, fp8_storage_pointers, generate_greedy
+from tests.engines import (
+    ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, MERGED_SHARDS, PROMPTS, assert_layers_equal, fp8_layers, fp8_storage_pointers,
+    generate_greedy,
+)  # fmt: skip
 from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
 from tests.model_factory import make_tiny_llama
 
@@ -60,17 +62,6 @@ def llm(checkpoints, fresh_w2, vllm_runner):
 @pytest.fixture(scope="module")
 def w1_outputs(llm) -> list[dict[str, Any]]:
     return generate_greedy(llm)
-
-
-def _fp8_layers(llm) -> dict[str, dict[str, Any]]:
-    return {name: entry for name, entry in read_linear_layers(llm)[0].items() if "weight" in entry}
-
-
-def _assert_layers_equal(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
-    assert got.keys() == want.keys()
-    for name, entry in want.items():
-        assert torch.equal(got[name]["weight"].view(torch.uint8), entry["weight"].view(torch.uint8)), name
-        assert torch.equal(got[name]["weight_scale_inv"], entry["weight_scale_inv"]), name
 
 
 def _assert_fp8_layers_hold(layers: dict[str, dict[str, Any]], weights: dict[str, torch.Tensor]) -> None:
@@ -112,7 +103,7 @@ def test_bad_sync_calls_raise_naming_the_tensor_and_write_nothing(llm, w1_output
         (k_name, [o_name], {k_name: w2[k_name].to(torch.float8_e4m3fn)}),  # never copied into FP8 codes
         (q0_name, [o_name, q0_name, q0_name], {}),  # the same tensor twice in one call
     ]
-    before = _fp8_layers(llm)
+    before = fp8_layers(llm)
     bf16_before = llm.apply_model(calls.bf16_weights)[0]
     for index, (offending, names, extra) in enumerate(bad_calls):
         extra_path = str(tmp_path / f"bad_{index}.safetensors")
@@ -120,7 +111,7 @@ def test_bad_sync_calls_raise_naming_the_tensor_and_write_nothing(llm, w1_output
         with pytest.raises(Exception, match=re.escape(offending)) as raised:
             llm.collective_rpc(calls.load_weights_once, args=(w2_path, names, extra_path))
         print(f"\nrefused: {str(raised.value).split('Worker failed with error ')[-1][:160]}")
-    _assert_layers_equal(_fp8_layers(llm), before)
+    assert_layers_equal(fp8_layers(llm), before)
     bf16_after = llm.apply_model(calls.bf16_weights)[0]
     assert all(torch.equal(bf16_after[name], tensor) for name, tensor in bf16_before.items())
     assert generate_greedy(llm) == w1_outputs
@@ -143,11 +134,11 @@ def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpo
 
     assert llm.apply_model(fp8_storage_pointers)[0] == pointers
     assert read_kv_scales(llm) == [scales]
-    layers = _fp8_layers(llm)
+    layers = fp8_layers(llm)
     _assert_fp8_layers_hold(layers, w2)
     _assert_bf16_modules_hold(llm, w2)
     fresh = fresh_w2.wait()
-    _assert_layers_equal(layers, {name: entry for name, entry in fresh["layers"].items() if "weight" in entry})
+    assert_layers_equal(layers, {name: entry for name, entry in fresh["layers"].items() if "weight" in entry})
     push_kv_scales(llm, {layer: {"k_scale": 1.0, "v_scale": 1.0, "q_scale": 1.0} for layer in range(NUM_LAYERS)})
     synced = generate_greedy(llm)
     assert synced != w1_outputs
@@ -159,9 +150,9 @@ def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpo
 def test_partial_sync_changes_only_the_sent_shard(llm, checkpoints):
     w1_path = str(checkpoints["w1"] / "model.safetensors")
     k_proj = load_file(w1_path)["model.layers.1.self_attn.k_proj.weight"]
-    before = _fp8_layers(llm)
+    before = fp8_layers(llm)
     llm.collective_rpc(calls.load_weights_once, args=(w1_path, ["model.layers.1.self_attn.k_proj.weight"]))
-    after = _fp8_layers(llm)
+    after = fp8_layers(llm)
     codes, scales = quantize_weight_blockwise(k_proj)
     qkv, qkv_before = after["model.layers.1.self_attn.qkv_proj"], before["model.layers.1.self_attn.qkv_proj"]
     # q rows 0:192 (scale rows 0:2), k rows 192:256 (scale row 2), v rows 256:320 (scale row 3)
@@ -170,7 +161,7 @@ def test_partial_sync_changes_only_the_sent_shard(llm, checkpoints):
     for rows, scale_rows in ((slice(0, 192), slice(0, 2)), (slice(256, 320), slice(3, 4))):
         assert torch.equal(qkv["weight"][rows].view(torch.uint8), qkv_before["weight"][rows].view(torch.uint8))
         assert torch.equal(qkv["weight_scale_inv"][scale_rows], qkv_before["weight_scale_inv"][scale_rows])
-    _assert_layers_equal({k: v for k, v in after.items() if k != "model.layers.1.self_attn.qkv_proj"},
+    assert_layers_equal({k: v for k, v in after.items() if k != "model.layers.1.self_attn.qkv_proj"},
                          {k: v for k, v in before.items() if k != "model.layers.1.self_attn.qkv_proj"})
 
 
@@ -187,6 +178,6 @@ def test_whole_state_dict_in_one_call_then_vllm_postprocessing(llm, w1_outputs, 
     save_file({"lm_head.weight": w1["model.embed_tokens.weight"]}, lm_head_path)
     llm.collective_rpc(calls.load_weights_once, args=(w1_path, None, lm_head_path))
     llm.collective_rpc(calls.vllm_process_weights_after_loading)
-    _assert_fp8_layers_hold(_fp8_layers(llm), w1)
+    _assert_fp8_layers_hold(fp8_layers(llm), w1)
     _assert_bf16_modules_hold(llm, w1)
     assert generate_greedy(llm) == w1_outputs

@@ -291,6 +291,10 @@ class FP8Config(BaseModel):
         read are resolved against `cfg`. Keys unrelated to FP8 are ignored. Raises FP8ConfigError,
         naming the NeMo RL key, for every FP8 key whose value fp8_align cannot honour (docs/megatron.md,
         "NeMo RL recipes", lists them).
+
+        With `policy.generation.vllm_kwargs.quantization: fp8_align` (NeMo RL's engines run fp8_align)
+        the generation side is FP8 and `vllm_cfg.precision` is NeMo RL's own FP8 switch: it must be
+        off (bfloat16), else FP8ConfigError says which one to turn off.
         """
         nemo = _NemoRlView(cfg)
         kwargs: dict[str, Any] = {}
@@ -316,6 +320,14 @@ class FP8Config(BaseModel):
                 f"{vllm_path}.is_mx=True selects NeMo RL's MXFP8 (1x32 blocks, E8M0 scales), which fp8_align "
                 "does not run: its recipe is 128x128 block FP8 with the trainer's quantizer. Remove is_mx."
             )
+        engines_path = "policy.generation.vllm_kwargs"
+        engine_kwargs = nemo.section(engines_path)
+        if nemo.value(engine_kwargs, engines_path, "quantization") == _NEMO_RL_ENGINE_QUANTIZATION:
+            _check_nemo_rl_fp8_align_engines(
+                nemo.value(vllm_cfg, vllm_path, "precision"), nemo.value(vllm_cfg, vllm_path, "kv_cache_dtype"),
+                nemo.value(engine_kwargs, engines_path, "kv_cache_dtype"),
+            )  # fmt: skip
+            kwargs["precision"], sources["precision"] = "fp8", f"{engines_path}.quantization"
         generates_fp8 = str(kwargs.get("precision", cls.model_fields["precision"].default)).lower() == "fp8"
         if generates_fp8:
             _refuse_env_vars(nemo, vllm_cfg, vllm_path, _is_vllm_fp8_env_var, "use_deep_gemm and the FP8Config fields")
@@ -508,6 +520,32 @@ class _NemoRlView:
         return self._resolve(node, target[:-1], target_name, seen | {target_name})
 
 
+#: `policy.generation.vllm_kwargs.quantization` of a NeMo RL config whose engines run fp8_align.
+_NEMO_RL_ENGINE_QUANTIZATION = "fp8_align"
+
+
+def _check_nemo_rl_fp8_align_engines(precision: Any, calibrated_kv_dtype: Any, engine_kv_dtype: Any) -> None:
+    """For NeMo RL engines started with quantization=fp8_align: raise FP8ConfigError when NeMo RL's
+    own FP8 is on too (`vllm_cfg.precision` fp8), or when `vllm_cfg.kv_cache_dtype` (what NeMo RL
+    calibrates and streams KV scales for) and `vllm_kwargs.kv_cache_dtype` (the engine's KV cache;
+    NeMo RL passes the former to vLLM only with its own FP8) disagree on FP8. Values as resolved."""
+    if str(precision or "bfloat16").lower() == "fp8":
+        raise FP8ConfigError(
+            "policy.generation.vllm_cfg.precision: fp8 turns on NeMo RL's own FP8 generation (its init_fp8 patches "
+            "vLLM and replaces vllm_kwargs.quantization with 'fp8'), and policy.generation.vllm_kwargs.quantization: "
+            "fp8_align asks for fp8_align; turn one off. For fp8_align set vllm_cfg.precision: bfloat16 (the recipe "
+            "comes from the other vllm_cfg keys); for NeMo RL's FP8 remove quantization: fp8_align from vllm_kwargs."
+        )
+    calibrated = str(calibrated_kv_dtype or "auto").startswith("fp8")
+    engine = str(engine_kv_dtype or "auto").startswith("fp8")
+    if calibrated != engine:
+        raise FP8ConfigError(
+            f"policy.generation.vllm_cfg.kv_cache_dtype={calibrated_kv_dtype!r} (NeMo RL calibrates and streams KV "
+            f"scales for it) but vllm_kwargs.kv_cache_dtype={engine_kv_dtype!r} (the engine's KV cache: with precision "
+            "bfloat16 NeMo RL does not pass vllm_cfg's to vLLM); set both to fp8 or both to auto."
+        )
+
+
 def _refuse_env_vars(
     nemo: _NemoRlView, section: Mapping[str, Any], path: str, refused: Callable[[str], bool], instead: str
 ) -> None:
@@ -541,9 +579,10 @@ def _check_vllm_kwargs(nemo: _NemoRlView) -> None:
             f"{path}.quantization={quantization!r} replaces fp8_align's quantization; "
             "set it to 'fp8_align' or remove it"
         )
-    if nemo.value(kwargs, path, "kv_cache_dtype") is not None:
+    if nemo.value(kwargs, path, "kv_cache_dtype") is not None and quantization != _NEMO_RL_ENGINE_QUANTIZATION:
         raise FP8ConfigError(
-            f"{path}.kv_cache_dtype is not read by fp8_align; set policy.generation.vllm_cfg.kv_cache_dtype instead"
+            f"{path}.kv_cache_dtype is not read by fp8_align; set policy.generation.vllm_cfg.kv_cache_dtype instead "
+            f"(with {path}.quantization: fp8_align the two must agree)"
         )
     if nemo.value(kwargs, path, "calculate_kv_scales"):
         raise FP8ConfigError(

