@@ -1,7 +1,7 @@
-"""Where a decode step's GPU time goes: BF16 vs fp8_align + FP8 KV, Qwen3-8B shape, one GPU.
+"""Where a decode step's GPU time goes: BF16 vs fp8_align (+ FP8 KV, or bitwise), Qwen3-8B shape, one GPU.
 
     python benchmarks/decode_profile.py --results DIR [--context 1536] [--steps 20]
-        [--batch bf16=140,fp8_align_kv=320]
+        [--batch bf16=140,fp8_align_kv=320]        # or fp8_align=140,fp8_bitwise=140: what bitwise costs
 
 Per variant (own process): the engine of `rollout_throughput.py` (same checkpoint and settings),
 `batch` prompts of `context` random tokens each, generating 64 tokens, with vLLM's torch profiler
@@ -33,7 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from benchmarks.rollout.checkpoints import QWEN3_8B, ensure_bf16_checkpoint  # noqa: E402
 from benchmarks.rollout.report import device_and_versions  # noqa: E402
 
-VARIANTS = ("bf16", "fp8_align_kv")
+#: FP8Config fields of each variant (None: stock BF16): fp8_align's fast mode with a BF16 or FP8 KV
+#: cache (CUTLASS GEMMs), and `on_policy="bitwise"`.
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "bf16": None,
+    "fp8_align": {"use_deep_gemm": False},
+    "fp8_align_kv": {"use_deep_gemm": False, "kv_cache_dtype": "fp8"},
+    "fp8_bitwise": {"on_policy": "bitwise"},
+}
 #: Kernel-name patterns -> family (first match wins; the rest is "other").
 FAMILIES = (
     ("kv_cache_write", r"reshape_and_cache|concat_and_cache"),
@@ -66,14 +73,14 @@ def run_engine(variant: str, model: str, batch: int, context: int, steps: int, p
     kwargs: dict[str, Any] = dict(
         model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.85,
         max_model_len=2560, max_num_seqs=max(batch, 16), max_num_batched_tokens=chunk,
-        kv_cache_dtype="fp8" if variant == "fp8_align_kv" else "auto",
         profiler_config={
             "profiler": "torch", "torch_profiler_dir": prof_dir, "torch_profiler_with_stack": False,
             "delay_iterations": prefill_steps + 8, "max_iterations": steps,
         },
     )  # fmt: skip
-    if variant == "fp8_align_kv":
-        kwargs.update(engine_kwargs(FP8Config(use_deep_gemm=False)))
+    fields = VARIANTS[variant]
+    if fields is not None:
+        kwargs.update(engine_kwargs(FP8Config(**fields)))
     llm = LLM(**kwargs)
     g = torch.Generator().manual_seed(0)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in torch.randint(0, QWEN3_8B["vocab_size"], (batch, context), generator=g).tolist()]

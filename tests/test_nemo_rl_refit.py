@@ -48,12 +48,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.error_bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob
 from fp8_align.vllm_plugin.kv.scales import read_kv_scales
 from tests import stack_sync_calls as calls
-from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, assert_layers_equal, fp8_layers, fp8_storage_pointers, generate_greedy
+from tests.engines import (
+    ENGINE, FIRST_LAYER_BF16, assert_layers_equal, fp8_layers, fp8_storage_pointers, generate_greedy, start_fresh_engine,
+    sync_checkpoints,
+)  # fmt: skip
 from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
-from tests.model_factory import make_tiny_llama
 from tests.nemo_rl_worker import (
     CPU_WORKER, ENGINE_ENV, ZMQ_ADDRESS_ENV, install_cpu_stand_ins, install_cpu_stand_ins_in_worker, refit_stream,
     start_ipc_sender, state_dict_info,
@@ -68,16 +70,13 @@ ADDRESS = f"ipc:///tmp/fp8_align_nemo_rl_{os.getpid()}.sock"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("nemo_rl_models")
-    return {name: make_tiny_llama(root / name, seed=seed, tie_word_embeddings=True) for name, seed in (("w1", 0), ("w2", 1))}
+    return sync_checkpoints(tmp_path_factory.mktemp("nemo_rl_models"))
 
 
 @pytest.fixture(scope="module")
 def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
     """A fresh fp8_align engine from W2 (subprocess, started at module setup), with its layers."""
-    spec = {"model": str(checkpoints["w2"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-            "inspect": True, "llm_kwargs": ENGINE}
-    return start_generation(spec, tmp_path_factory.mktemp("nemo_rl_refs") / "w2.pt")
+    return start_fresh_engine(checkpoints["w2"], tmp_path_factory.mktemp("nemo_rl_refs") / "w2.pt")
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8_align.error_bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.quant.shards import shard_slices
 from tests import stack_sync_calls as calls
 from tests.engines import (
-    ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, MERGED_SHARDS, PROMPTS, assert_layers_equal, fp8_layers, fp8_storage_pointers,
-    generate_greedy,
+    ENGINE, FIRST_LAYER_BF16, MERGED_SHARDS, assert_layers_equal, fp8_layers, fp8_storage_pointers, generate_greedy,
+    start_fresh_engine, sync_checkpoints,
 )  # fmt: skip
 from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
-from tests.model_factory import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +40,13 @@ OPENRLHF_WORKER = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("sync_models")
-    return {name: make_tiny_llama(root / name, seed=seed, tie_word_embeddings=True) for name, seed in (("w1", 0), ("w2", 1))}
+    return sync_checkpoints(tmp_path_factory.mktemp("sync_models"))
 
 
 @pytest.fixture(scope="module")
 def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
     """A fresh fp8_align engine from W2 (subprocess, started at module setup), with its layers."""
-    spec = {"model": str(checkpoints["w2"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-            "inspect": True, "llm_kwargs": ENGINE}
-    return start_generation(spec, tmp_path_factory.mktemp("sync_refs") / "w2.pt")
+    return start_fresh_engine(checkpoints["w2"], tmp_path_factory.mktemp("sync_refs") / "w2.pt")
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@
 #        | tests | proof[=MODELS] ($PROOF_ARGS: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
 #        | grpo (3 seeds of the bf16 and fp8_bitwise arms at once; $GRPO_ARGS: more arguments)
 #        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
+#        | profile (one decode step of the fast mode and of the bitwise mode, kernel families; Qwen3-8B shape)
 # Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise*.json, on_policy_cost.json, grpo_bitwise/, logs.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out" /root/stage
@@ -42,11 +43,16 @@ for stage in "$@"; do
           ${GRPO_ARGS:---max-seconds 420} --out "$out/grpo_bitwise/seed$seed" > "$out/grpo_bitwise_seed$seed.log" 2>&1 &
       done
       wait; tail -n 4 "$out"/grpo_bitwise/seed*/*.log
-      tar -C "$out" -czf "$out/grpo_bitwise.tgz" grpo_bitwise grpo_bitwise_seed*.log && rm -rf "$out"/grpo_bitwise "$out"/grpo_bitwise_seed*.log ;;  # few files back
+      (cd "$out" && tar -czf grpo_bitwise.tgz grpo_bitwise grpo_bitwise_seed*.log && rm -rf grpo_bitwise grpo_bitwise_seed*.log) ;;  # few files back
     main-job)
       python3 -m fp8_align.cli bench-error --out "$out/bench_error_cuda" --json-only --no-plots > "$out/bench_error_cuda.log" 2>&1
       echo "rc=$?"; tail -30 "$out/bench_error_cuda.log" ;;
     te) bash benchmarks/box/te_box_run.sh tests ops ;;
+    profile)
+      python3 benchmarks/decode_profile.py --results "$out/decode_profile" --batch fp8_align=140,fp8_bitwise=140 \
+        > "$out/decode_profile.log" 2>&1
+      echo "rc=$?"; tail -4 "$out/decode_profile.log"
+      tar -C "$out" -czf "$out/decode_profile.tgz" decode_profile && rm -rf "$out/decode_profile" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
