@@ -74,8 +74,9 @@ def rollout_one(variant: str, shape: str, work: Path) -> dict[str, Any]:
             "output_tok_per_s": round(tokens / seconds, 1), "engine_start_s": round(start_s, 1)}  # fmt: skip
 
 
-def trainer_times(repeats: int = 3) -> list[dict[str, Any]]:
-    """Forward + backward seconds per trainer variant on the 4-layer Qwen3-8B shape."""
+def trainer_times(repeats: int = 3, profile_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Forward + backward seconds per trainer variant on the 4-layer Qwen3-8B shape; with
+    `profile_dir`, one more profiled step per variant writes its CUDA-time table there."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -117,6 +118,11 @@ def trainer_times(repeats: int = 3) -> list[dict[str, Any]]:
                 times.append(time.perf_counter() - start)
         rows.append({"trainer": name, "tokens": 8 * 512, "median_s": round(statistics.median(times), 4), "times_s": [round(t, 4) for t in times]})
         print(json.dumps(rows[-1]), flush=True)
+        if profile_dir is not None:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss_fn().backward()
+                torch.cuda.synchronize()
+            (profile_dir / f"trainer_{name}.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45))
     return rows
 
 
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="short")
     parser.add_argument("--variants", default="bf16,fp8_fast,fp8_bitwise")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_cost"))
+    parser.add_argument("--profile-trainer", type=Path, help="write each trainer variant's profiler table into this folder")
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "SHAPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -140,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                               "torch": torch.__version__, "vllm": vllm.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "rollout": [], "trainer": [], "failures": []}  # fmt: skip
     if "trainer" in args.parts:
-        report["trainer"] = trainer_times()
+        if args.profile_trainer:
+            args.profile_trainer.mkdir(parents=True, exist_ok=True)
+        report["trainer"] = trainer_times(profile_dir=args.profile_trainer)
         args.out.write_text(json.dumps(report, indent=1))
     if "rollout" in args.parts:
         for shape in args.shapes.split(","):

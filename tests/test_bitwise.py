@@ -136,7 +136,7 @@ def test_apply_rope_matches_transformers_rotation() -> None:
 _INTERPRETED_SCRIPT = """
 import torch
 from fp8_align.bitwise import triton_kernels as tk
-from fp8_align.bitwise.reference import fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
+from fp8_align.bitwise.reference import RopeSpec, apply_rope, fused_add_rms_norm_reference, rms_norm_reference, rope_table, silu_and_mul_reference
 from fp8_align.quant import fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
 g = torch.Generator().manual_seed(0)
 # FP32 against the references (the interpreter rounds float32 -> bf16 by truncation, so bf16
@@ -162,6 +162,13 @@ for rows in (slice(0, 1), slice(3, 10), slice(5, 69)):
     out = tk.block_fp8_gemm_fixed_tile(xq[rows], xs[rows], codes, scales, torch.empty(rows.stop - rows.start, 200, dtype=torch.bfloat16), bias)
     assert torch.equal(out, tk.block_fp8_gemm_fixed_tile(xq, xs, codes, scales, torch.empty(70, 200, dtype=torch.bfloat16), bias)[rows])
 assert torch.equal(tk.silu_and_mul_triton(ab[2:5]), tk.silu_and_mul_triton(ab)[2:5])
+# RoPE: the reference's arithmetic exactly (FP32), full and partial rotation, any positions
+for head_size, rotary in ((64, 64), (64, 32)):
+    spec = RopeSpec(head_size, rotary, 10000.0, 256)
+    table, positions = rope_table(spec), torch.randint(0, 256, (11,), generator=g)
+    q = torch.randn(11, 3 * head_size, generator=g)
+    assert torch.equal(tk.rope_triton(positions, q, table, head_size, rotary), apply_rope(positions, q, table, head_size, rotary))
+    assert torch.equal(tk.rope_triton(positions[4:9], q[4:9], table, head_size, rotary), tk.rope_triton(positions, q, table, head_size, rotary)[4:9])
 print("ok")
 """
 
@@ -223,7 +230,7 @@ def test_gradients_are_the_reference_gradients(precision: str, monkeypatch: pyte
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     engine = gradients()
-    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, reference_fn, *inputs: reference_fn(*inputs))
+    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, reference_fn, *inputs, **_: reference_fn(*inputs))
     reference = gradients()
     assert engine.keys() == reference.keys() and len(engine) == len(list(model.parameters()))
     for name in engine:

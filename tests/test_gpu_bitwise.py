@@ -52,10 +52,12 @@ def test_norm_and_activation_kernels_match_references_and_the_batch_does_not_mat
         assert torch.equal(torch.ops.fp8_align.bitwise_silu_and_mul(gate_up[rows]), act[rows])
 
 
-@pytest.mark.parametrize(("shards", "k"), [([4096, 1024, 1024], 4096), ([24576], 4096), ([576, 192, 192], 576), ([200], 200)])
-def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[int], k: int) -> None:
-    """The engine's FP8 linear (`FixedTileBlockFp8Kernel`) on a stacked weight: within one BF16 ulp
-    plus the FP8 accumulation bound of the FP32 reference per shard, and the same bits for every sub-batch."""
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize(("shards", "k"), [([4096, 1024, 1024], 4096), ([24576], 4096), ([4096], 12288), ([576, 192, 192], 576), ([200], 200)])
+def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[int], k: int, with_bias: bool) -> None:
+    """The engine's FP8 linear (`FixedTileBlockFp8Kernel`) on a stacked weight, through CUTLASS
+    (whole 128-blocks, K <= 3N, no bias) or the Triton GEMM: within one BF16 ulp plus the FP8
+    accumulation bound of the FP32 reference per shard, and the same bits for every sub-batch."""
     from types import SimpleNamespace
 
     from fp8_align.quant.shards import quantize_shards
@@ -65,8 +67,8 @@ def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[in
     weight = _randn(sum(shards), k, seed=5) * 0.05
     codes, scales = quantize_shards(weight, shards, False)
     layer = SimpleNamespace(weight=codes, weight_scale_inv=scales, fp8_align=Fp8AlignLayerState("linear", "test", shard_sizes=shards))
-    x, bias = _randn(512, k, seed=6), _randn(sum(shards), seed=7)
-    out = FixedTileBlockFp8Kernel().apply(layer, x, bias, False)
+    x, bias = _randn(512, k, seed=6), _randn(sum(shards), seed=7) if with_bias else torch.zeros(sum(shards), device="cuda")
+    out = FixedTileBlockFp8Kernel().apply(layer, x, bias if with_bias else None, False)
     x_fp8, x_scale = quantize_activation_groupwise(x)
     start, scale_start = 0, 0
     for size in shards:
@@ -78,16 +80,39 @@ def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[in
         assert (error <= BF16_ULP * ref.abs() + 2**-12 * magnitude).all(), error.max().item()
         start, scale_start = start + size, scale_start + blocks
     for rows in SUB_BATCHES:
-        assert torch.equal(FixedTileBlockFp8Kernel().apply(layer, x[rows], bias, False), out[rows])
+        assert torch.equal(FixedTileBlockFp8Kernel().apply(layer, x[rows], bias if with_bias else None, False), out[rows])
 
 
-def test_rope_rows_do_not_depend_on_the_batch() -> None:
-    table = rope_table(RopeSpec(head_size=128, rotary_dim=128, theta=1e6, max_positions=4096), "cuda")
+def test_fixed_tile_calls_pick_cutlass_only_where_its_one_tile_holds() -> None:
+    """The plan of a layer depends on its shape alone: one CUTLASS call for Qwen3-8B's stacked
+    qkv / gate_up and its down_proj (K = 3N), the Triton GEMM where vLLM's CUTLASS dispatch turns to
+    Stream-K (K > 3N), where blocks are partial (SmolLM2), and where the layer has a bias."""
+    from fp8_align.vllm_plugin.kernels.fixed_tile import CUTLASS, TRITON, fixed_tile_calls
+
+    sm = torch.cuda.get_device_capability()
+    assert sm == (9, 0), "the plan below is SM90's"
+    assert [gemm for _, _, gemm in fixed_tile_calls((4096, 1024, 1024), 4096, sm, False)] == [CUTLASS]
+    assert [gemm for _, _, gemm in fixed_tile_calls((4096,), 12288, sm, False)] == [CUTLASS]
+    assert [gemm for _, _, gemm in fixed_tile_calls((4096,), 14336, sm, False)] == [TRITON]
+    assert [gemm for _, _, gemm in fixed_tile_calls((576, 192, 192), 576, sm, False)] == [TRITON] * 3
+    assert [gemm for _, _, gemm in fixed_tile_calls((4096, 1024, 1024), 4096, sm, True)] == [TRITON]
+
+
+@pytest.mark.parametrize(("head_size", "rotary_dim"), [(128, 128), (64, 32)])
+def test_rope_kernel_is_the_reference_and_rows_do_not_depend_on_the_batch(head_size: int, rotary_dim: int) -> None:
+    """The Triton RoPE computes the elementwise reference's FP32 operations one by one (no FMA
+    contraction), so it equals `apply_rope` bit for bit; strided q (a view of a stacked qkv) too."""
+    from fp8_align.bitwise.reference import apply_rope
+
+    table = rope_table(RopeSpec(head_size=head_size, rotary_dim=rotary_dim, theta=1e6, max_positions=4096), "cuda")
     positions = torch.randint(0, 4096, (512,), device="cuda")
-    q, k = _randn(512, 32 * 128, seed=8), _randn(512, 8 * 128, seed=9)
-    q_out, k_out = torch.ops.fp8_align.bitwise_rope(positions, q, k, table, 128, 128)
+    qkv = _randn(512, 48 * head_size, seed=8)
+    q, k = qkv[:, : 32 * head_size], qkv[:, 32 * head_size : 40 * head_size]
+    q_out, k_out = torch.ops.fp8_align.bitwise_rope(positions, q, k, table, head_size, rotary_dim)
+    assert torch.equal(q_out, apply_rope(positions, q, table, head_size, rotary_dim))
+    assert torch.equal(k_out, apply_rope(positions, k, table, head_size, rotary_dim))
     for rows in SUB_BATCHES:
-        q_rows, k_rows = torch.ops.fp8_align.bitwise_rope(positions[rows], q[rows], k[rows], table, 128, 128)
+        q_rows, k_rows = torch.ops.fp8_align.bitwise_rope(positions[rows], q[rows], k[rows], table, head_size, rotary_dim)
         assert torch.equal(q_rows, q_out[rows]) and torch.equal(k_rows, k_out[rows])
 
 
@@ -175,7 +200,7 @@ def test_bitwise_forward_gradients_follow_the_references(precision: str, monkeyp
         return {name: p.grad.float().clone() for name, p in model.named_parameters()}
 
     engine = gradients()
-    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, reference_fn, *inputs: reference_fn(*inputs))
+    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, reference_fn, *inputs, **_: reference_fn(*inputs))
     reference = gradients()
     for name, grad in engine.items():
         error = (grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-12)

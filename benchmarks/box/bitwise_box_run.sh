@@ -7,6 +7,8 @@
 #        | grpo (3 seeds of the bf16 and fp8_bitwise arms at once; $GRPO_ARGS: more arguments)
 #        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
 #        | profile (one decode step of the fast mode and of the bitwise mode, kernel families; Qwen3-8B shape)
+#        | kernels[=all] (benchmarks/bitwise_kernels.py: CUTLASS and the current Triton tile checked for
+#          M-invariance and timed; =all: every tile configuration and the TRITON_ATTN settings too)
 # Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise*.json, on_policy_cost.json, grpo_bitwise/, logs.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out" /root/stage
@@ -33,9 +35,10 @@ for stage in "$@"; do
       tail -c 20000 /root/bitwise_work/*.log > "$out/bitwise_engine_logs.txt" 2>/dev/null ;;
     cost*)
       parts="${stage#cost}"; parts="${parts#=}"
-      python3 benchmarks/on_policy_cost.py --out "$out/on_policy_cost.json" ${parts:+--parts "$parts"} ${COST_ARGS:-} \
-        --work /root/cost_work > "$out/on_policy_cost.log" 2>&1
-      echo "rc=$?"; tail -20 "$out/on_policy_cost.log"
+      name="on_policy_cost${parts:+_${parts//,/_}}"
+      python3 benchmarks/on_policy_cost.py --out "$out/$name.json" ${parts:+--parts "$parts"} ${COST_ARGS:-} \
+        --work /root/cost_work > "$out/$name.log" 2>&1
+      echo "rc=$?"; tail -20 "$out/$name.log"
       tail -c 8000 /root/cost_work/*.log > "$out/cost_engine_logs.txt" 2>/dev/null ;;
     grpo)
       for seed in 0 1 2; do
@@ -48,6 +51,10 @@ for stage in "$@"; do
       python3 -m fp8_align.cli bench-error --out "$out/bench_error_cuda" --json-only --no-plots > "$out/bench_error_cuda.log" 2>&1
       echo "rc=$?"; tail -30 "$out/bench_error_cuda.log" ;;
     te) bash benchmarks/box/te_box_run.sh tests ops ;;
+    kernels*)
+      if [ "$stage" = "kernels=all" ]; then kernel_args=(--tiles all); else kernel_args=(--tiles current --parts gemm); fi
+      python3 benchmarks/bitwise_kernels.py --out "$out/bitwise_kernels.json" "${kernel_args[@]}" > "$out/bitwise_kernels.log" 2>&1
+      echo "rc=$?"; grep -h cutlass "$out/bitwise_kernels.log" | head -12 ;;
     profile)
       python3 benchmarks/decode_profile.py --results "$out/decode_profile" --batch fp8_align=140,fp8_bitwise=140 \
         > "$out/decode_profile.log" 2>&1

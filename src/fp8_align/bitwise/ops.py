@@ -4,7 +4,7 @@ The engine (its patched RMSNorm, SiLU-and-mul and RoPE layers, `vllm_plugin.patc
 trainer (`fp8_align.hf_training.BitwiseForward`) call these same ops. As custom ops they are opaque
 to torch.compile: vLLM's Inductor graph calls them as they are and cannot fuse or re-round their
 arithmetic. On CUDA they run `fp8_align.bitwise.triton_kernels`, elsewhere the pure-torch
-references (`fp8_align.bitwise.reference`); RoPE is elementwise torch everywhere.
+references (`fp8_align.bitwise.reference`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ def _(x: torch.Tensor) -> torch.Tensor:
 def rope(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, table: torch.Tensor, head_size: int, rotary_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX RoPE of query [T, Hq * head_size] and key [T, Hk * head_size] (`reference.apply_rope`)."""
+    """NeoX RoPE of query [T, Hq * head_size] and key [T, Hk * head_size] (`reference.apply_rope`'s
+    contract and arithmetic; on CUDA its Triton kernel, elsewhere the reference)."""
+    if _on_triton(query):
+        return triton_kernels.rope_triton(positions, query, table, head_size, rotary_dim), triton_kernels.rope_triton(positions, key, table, head_size, rotary_dim)
     return apply_rope(positions, query, table, head_size, rotary_dim), apply_rope(positions, key, table, head_size, rotary_dim)
 
 

@@ -3,12 +3,15 @@ kernel for kernel as a bitwise vLLM engine runs it, so its token log-probs are t
 
 `BitwiseForward(model, cfg)` reads the model's own Parameters (optimizers, state dicts and weight
 sync see the usual tensors) and computes, over packed sequences: embedding, RMSNorm with the fused
-residual add, the projections (block FP8 through the plugin's fixed-tile GEMM for the layers the
-recipe quantizes, vLLM's batch-invariant matmul for BF16 ones), RMSNorm of q/k per head (Qwen3),
+residual add, the projections stacked as vLLM stacks them (q|k|v, gate|up: one product each, with
+the same GEMM calls as the engine; block FP8 through the plugin's fixed-tile backend for the layers
+the recipe quantizes, vLLM's batch-invariant matmul for BF16 ones), RMSNorm of q/k per head (Qwen3),
 RoPE with the FP32 table, attention with vLLM's TRITON_ATTN kernel over a paged copy of K/V,
 SiLU-and-mul, the final norm, lm_head and the log-softmax of the sampler. Each op is an autograd
 function whose forward is the engine's kernel and whose backward is the gradient of the op's
-pure-torch reference at the same inputs (FP8 projections: BF16 straight-through), so training runs.
+pure-torch reference at the same inputs: in closed form for the linears and the log-softmax (no
+second forward), by autograd through the reference otherwise; FP8 projections: BF16
+straight-through. So training runs.
 
 On CUDA the kernels are the engine's (fp8_align's Triton operators and vLLM's, via
 `vllm_plugin.compat.batch_invariant_kernels`); on CPU every op runs its pure-torch reference, which
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -38,7 +42,11 @@ from fp8_align.bitwise.reference import (
 )
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
-from fp8_align.hf_training.linear import Fp8TrainingLinear, stacked_shard_sizes
+from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
+from fp8_align.quant.shards import quantize_shards
+from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
+from fp8_align.vllm_plugin.kernels.registry import select_kernel
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 #: KV-cache block size of the trainer's paged K/V copy (vLLM's default for TRITON_ATTN on CUDA).
 ATTENTION_BLOCK_SIZE = 16
@@ -48,36 +56,94 @@ class UnsupportedModelError(ValueError):
     """A model family whose forward `BitwiseForward` does not reproduce."""
 
 
+#: A closed-form backward: (inputs, forward output or None, output gradient) -> one gradient per input.
+Vjp = Callable[[tuple[torch.Tensor, ...], torch.Tensor | None, torch.Tensor], tuple[torch.Tensor | None, ...]]
+
+
 class _EngineOp(torch.autograd.Function):
-    """Forward: `engine_fn(*inputs)`; backward: autograd of `reference_fn` at the same inputs."""
+    """Forward: `engine_fn(*inputs)`; backward: `vjp` when given (with the output when
+    `save_output`), else autograd of `reference_fn` at the same inputs."""
 
     @staticmethod
-    def forward(ctx: Any, engine_fn: Callable[..., Any], reference_fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.reference_fn = reference_fn
-        ctx.save_for_backward(*inputs)
-        return engine_fn(*inputs)
+    def forward(  # type: ignore[override]
+        ctx: Any, engine_fn: Callable[..., Any], reference_fn: Callable[..., Any], vjp: Vjp | None, save_output: bool, *inputs: torch.Tensor
+    ) -> Any:
+        ctx.reference_fn, ctx.vjp, ctx.save_output = reference_fn, vjp, save_output
+        output = engine_fn(*inputs)
+        ctx.save_for_backward(*inputs, *((output,) if save_output else ()))
+        return output
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        needs = ctx.needs_input_grad[4:]
+        if ctx.vjp is not None:
+            saved = ctx.saved_tensors
+            inputs, output = (saved[:-1], saved[-1]) if ctx.save_output else (saved, None)
+            found = ctx.vjp(tuple(inputs), output, grads[0])
+            return (None, None, None, None, *(g if need else None for g, need in zip(found, needs)))
+        inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(ctx.saved_tensors, needs)]
         with torch.enable_grad():
             outputs = ctx.reference_fn(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         wanted = [t for t in inputs if t.requires_grad]
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) if pairs and wanted else [])
-        return (None, None, *(next(found) if t.requires_grad else None for t in inputs))
+        return (None, None, None, None, *(next(found) if t.requires_grad else None for t in inputs))
 
 
-def engine_op(engine_fn: Callable[..., Any], reference_fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
-    """`engine_fn(*inputs)` with the backward of `reference_fn` (the same contract, pure torch)."""
-    return _EngineOp.apply(engine_fn, reference_fn, *inputs)
+def engine_op(
+    engine_fn: Callable[..., Any], reference_fn: Callable[..., Any], *inputs: torch.Tensor, vjp: Vjp | None = None, save_output: bool = False
+) -> Any:
+    """`engine_fn(*inputs)` with the backward of `reference_fn` (the same contract, pure torch):
+    `vjp`, its gradient in closed form (one output; given the output when `save_output`), if given."""
+    return _EngineOp.apply(engine_fn, reference_fn, vjp, save_output, *inputs)
+
+
+def linear_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of `F.linear(x, weight[, bias])` for 2-D x [T, K], weight [N, K], grad [T, N],
+    computed as autograd computes them (`grad @ weight`, `grad.T @ x`, `grad.sum(0)`)."""
+    x, weight = inputs[0], inputs[1]
+    grads = (grad.mm(weight), grad.t().mm(x))
+    return (*grads, grad.sum(0)) if len(inputs) == 3 else grads
+
+
+def log_softmax_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Gradient of `torch.log_softmax(x, -1)` from its output (`save_output=True`), with autograd's own formula."""
+    assert output is not None
+    return (torch.ops.aten._log_softmax_backward_data(grad, output, -1, inputs[0].dtype),)
+
+
+#: A block-FP8 product of a quantized layer (codes, scale grids, shard sizes) with x [T, K], + bias.
+Fp8Gemm = Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class _StackedFp8Linear(torch.autograd.Function):
+    """x [T, K] times the stacked BF16 weight [sum(shards), K] quantized shard by shard, through
+    `gemm` with the engine layer's shard sizes; BF16 straight-through backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...], gemm: Fp8Gemm, cfg: FP8Config
+    ) -> torch.Tensor:
+        codes, scales = quantize_shards(weight.detach(), list(shard_sizes), cfg.use_weight_pow2_scale, cfg.scale_rule)
+        layer = SimpleNamespace(
+            weight=codes, weight_scale_inv=scales, bias=bias, params_dtype=x.dtype,
+            fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", shard_sizes=list(shard_sizes)),
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return gemm(layer, x.detach(), None if bias is None else bias.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (*bf16_straight_through(ctx, grad_out), None, None, None)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], head_size: int) -> torch.Tensor:
     """Causal attention of packed sequences: q [T, Hq * D], k/v [T, Hk * D] (grouped heads) ->
-    [T, Hq * D] in q's dtype, softmax in FP32 with scale D ** -0.5. The sequences are padded into one
-    [B, H, L, D] batch (one matmul per step for every sequence, so its backward is fast too)."""
+    [T, Hq * D] in q's dtype, in FP32 with scale D ** -0.5. The sequences are padded at their ends
+    into one [B, H, L, D] batch for torch's scaled-dot-product attention (one fused kernel, forward
+    and backward); a query never sees a padded key, every key it may see comes before it."""
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
     count, longest, device = len(seq_lens), max(seq_lens), q.device
     lengths = torch.tensor(list(seq_lens), device=device)
@@ -91,12 +157,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_l
     qs = padded(q, heads)
     ks = padded(k, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
     vs = padded(v, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
-    scores = (qs @ ks.transpose(-1, -2)) * head_size**-0.5
-    keys = torch.arange(longest, device=device)
-    allowed = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])  # [B, L, L]
-    probs = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(dim=-1)
-    out = (probs @ vs).transpose(1, 2)[row, position]  # [T, H, D]
-    return out.reshape(q.shape[0], heads * head_size).to(q.dtype)
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=head_size**-0.5)
+    return out.transpose(1, 2)[row, position].reshape(q.shape[0], heads * head_size).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -181,18 +243,35 @@ class BitwiseForward:
         self.device = next(model.parameters()).device
         self.kernels = _engine_kernels() if self.device.type == "cuda" else _reference_kernels()
         self.table = rope_table(self.rope, self.device)
-        kernel = "engine" if self.device.type == "cuda" else "emulation"
-        self.fp8 = {
-            name: Fp8TrainingLinear(module, cfg, kernel, name, stacked_shard_sizes(model, name))
-            for name, module in (recipe_fp8_modules(model, cfg, config.num_hidden_layers) if cfg.precision == "fp8" else [])
-        }
+        self.fp8_names = {name for name, _ in (recipe_fp8_modules(model, cfg, config.num_hidden_layers) if cfg.precision == "fp8" else [])}
+        self.fp8_gemm = self._fp8_gemm()
+
+    def _fp8_gemm(self) -> Fp8Gemm:
+        """The engine's block-FP8 backend on CUDA (`select_kernel` for this config), the emulated
+        product of the CPU backend elsewhere."""
+        pow2, rule = self.cfg.use_activation_pow2_scale, self.cfg.scale_rule
+        if self.device.type != "cuda" or not self.fp8_names:
+            return lambda layer, x, bias: emulated_block_fp8_linear(x, layer.weight, layer, bias, pow2, rule)
+        weight = self.model.get_submodule(min(self.fp8_names)).weight
+        kernel = select_kernel(self.cfg, weight.shape, [weight.shape[0]], self.device, weight.dtype)
+        return lambda layer, x, bias: kernel.apply(layer, x, bias, pow2, rule)
 
     # ------------------------------------------------------------------ ops
-    def _linear(self, name: str, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if name in self.fp8:
-            return self.fp8[name](x)
-        inputs = (x, module.weight) if module.bias is None else (x, module.weight, module.bias)
-        return engine_op(self.kernels.linear, F.linear, *inputs)
+    def _stacked(self, prefix: str, names: Sequence[str], x: torch.Tensor) -> torch.Tensor:
+        """The outputs of the linears `prefix.<name>` on x [T, K], side by side [T, sum(N)]: one
+        product of their stacked weights, as the engine's stacked layer (q|k|v, gate|up) computes it."""
+        modules = [self.model.get_submodule(f"{prefix}.{name}") for name in names]
+        fp8 = {f"{prefix}.{name}" in self.fp8_names for name in names}
+        if len(fp8) > 1:
+            raise ValueError(f"{prefix}: {list(names)} are one layer in vLLM; the recipe quantizes only some of them")
+        sizes = tuple(m.out_features for m in modules)
+        weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
+        bias = None
+        if modules[0].bias is not None:
+            bias = modules[0].bias if len(modules) == 1 else torch.cat([m.bias for m in modules])
+        if fp8.pop():
+            return _StackedFp8Linear.apply(x, weight, bias, sizes, self.fp8_gemm, self.cfg)
+        return engine_op(self.kernels.linear, F.linear, *((x, weight) if bias is None else (x, weight, bias)), vjp=linear_vjp)
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", self.config.rms_norm_eps)))
@@ -227,19 +306,16 @@ class BitwiseForward:
         else:
             x, residual = self._norm(h, layer.input_layernorm, residual)
         attn = layer.self_attn
-        q = self._linear(f"{prefix}.self_attn.q_proj", attn.q_proj, x)
-        k = self._linear(f"{prefix}.self_attn.k_proj", attn.k_proj, x)
-        v = self._linear(f"{prefix}.self_attn.v_proj", attn.v_proj, x)
+        q_size, kv_size = attn.q_proj.out_features, attn.k_proj.out_features
+        q, k, v = self._stacked(f"{prefix}.self_attn", STACKED_PROJECTIONS[0], x).split([q_size, kv_size, kv_size], dim=-1)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of every head before RoPE
             q = self._norm(q.reshape(q.shape[0], -1, self.head_size), attn.q_norm).reshape(q.shape)
             k = self._norm(k.reshape(k.shape[0], -1, self.head_size), attn.k_norm).reshape(k.shape)
         q, k = self._rope(positions, q, k)
-        h = self._linear(f"{prefix}.self_attn.o_proj", attn.o_proj, self._attention(q, k, v, seq_lens))
+        h = self._stacked(f"{prefix}.self_attn", ("o_proj",), self._attention(q, k, v, seq_lens))
         x, residual = self._norm(h, layer.post_attention_layernorm, residual)
-        mlp = layer.mlp
-        gate_up = torch.cat((self._linear(f"{prefix}.mlp.gate_proj", mlp.gate_proj, x), self._linear(f"{prefix}.mlp.up_proj", mlp.up_proj, x)), dim=-1)
-        act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_reference, gate_up)
-        return self._linear(f"{prefix}.mlp.down_proj", mlp.down_proj, act), residual
+        act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_reference, self._stacked(f"{prefix}.mlp", STACKED_PROJECTIONS[1], x))
+        return self._stacked(f"{prefix}.mlp", ("down_proj",), act), residual
 
     # ------------------------------------------------------------------ public
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -272,7 +348,7 @@ class BitwiseForward:
         picked = []
         for chunk in range(0, row_index.numel(), chunk_rows):
             part = slice(chunk, chunk + chunk_rows)
-            logits = engine_op(self.kernels.linear, F.linear, hidden[row_index[part]], head.weight)
-            logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits.float())
+            logits = engine_op(self.kernels.linear, F.linear, hidden[row_index[part]], head.weight, vjp=linear_vjp)
+            logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits.float(), vjp=log_softmax_vjp, save_output=True)
             picked.append(logprobs.gather(1, target[part, None])[:, 0])
         return list(torch.cat(picked).split([len(s) - p for s, p in zip(sequences, prompt_lens)]))

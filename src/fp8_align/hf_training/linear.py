@@ -62,13 +62,14 @@ class _BlockFp8LinearFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        return (*_bf16_straight_through(ctx, grad_out), None, None, None)
+        return (*bf16_straight_through(ctx, grad_out), None, None, None)
 
 
-def _bf16_straight_through(
+def bf16_straight_through(
     ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients (x, weight, bias) of `x @ w.T + b` with the saved BF16 x and weight."""
+    """Gradients (x, weight, bias) of `x @ w.T + b` with the BF16 x and weight saved first in
+    `ctx` (a Function whose first three inputs are x, weight, bias; `ctx.has_bias` set)."""
     x, weight = ctx.saved_tensors
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)
     grad_x = (grad_2d @ weight).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
@@ -106,7 +107,7 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
-        return (*_bf16_straight_through(ctx, grad_out), None)
+        return (*bf16_straight_through(ctx, grad_out), None)
 
 
 class Fp8TrainingLinear(nn.Module):

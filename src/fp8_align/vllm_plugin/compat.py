@@ -28,6 +28,7 @@ from fp8_align import versions
 __all__ = [
     "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
+    "cutlass_block_fp8_one_tile",
     "dispatch_cpu_unquantized_gemm",
     "initialize_online_processing",
     "kv_scales_unread_reason",
@@ -51,6 +52,16 @@ def cutlass_block_fp8_mm(
     from vllm import _custom_ops
 
     return _custom_ops.cutlass_scaled_mm(x_fp8, weight.T, scale_a=x_scale, scale_b=weight_scale.T, out_dtype=out_dtype)
+
+
+def cutlass_block_fp8_one_tile(n: int, k: int, capability: tuple[int, int]) -> bool:
+    """True when `cutlass_block_fp8_mm` of an [M, k] x [n, k] product runs one kernel configuration
+    for every M on this device, so a row's bits do not depend on the batch: vLLM's SM90 blockwise
+    dispatch (`cutlass_gemm_blockwise_sm90_fp8_dispatch`) runs a persistent 128x128x128-tile kernel
+    with whole K per tile when k <= 3n, and Stream-K with a nondeterministic reduction when k > 3n.
+    n and k must be multiples of 128 (the kernel's scale grid). Checked in vLLM 0.22.0 (SM90 only;
+    other architectures dispatch elsewhere and are not claimed)."""
+    return capability == (9, 0) and n % 128 == 0 and k % 128 == 0 and k <= 3 * n
 
 
 def kv_scales_unread_reason() -> str | None:

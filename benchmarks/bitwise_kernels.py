@@ -1,0 +1,186 @@
+"""Which batch-invariant kernels the bitwise mode can afford (GPU): block-FP8 GEMM tile
+configurations and TRITON_ATTN launch settings, each checked for bit-invariance and timed.
+
+    python benchmarks/bitwise_kernels.py --out bitwise_kernels.json [--parts gemm,attention] [--tiles all|current]
+
+GEMM: fp8_align's fixed-tile block-FP8 Triton GEMM (`bitwise.triton_kernels`) on the Qwen3-8B
+projection shapes with random E4M3 codes and FP32 scales. Per tile configuration: whether its rows
+are the same bits at M = 1, 7, 64, 256, 512 and 4096 as at M = 8192 (`m_invariant`), whether they
+equal the current `GEMM_TILE`'s bits (`equals_current`), and its time at the decode and training
+sizes next to vLLM's CUTLASS block-FP8 GEMM (the fast mode; its M-invariance and bits against the
+Triton GEMM checked the same way) and a BF16 cuBLAS matmul.
+Attention: vLLM's TRITON_ATTN 2D kernel as the bitwise engine runs it (decode at batch 256 over a
+BF16 paged cache), per (tile size, warps, stages): whether a decode row equals the same token's row
+of a full-sequence (prefill) launch, and its time next to FlashAttention-3 (`num_splits=1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from fp8_align.bitwise.triton_kernels import GEMM_TILE, block_fp8_gemm_fixed_tile
+
+#: (name, N, K) of the Qwen3-8B projections (fused qkv and gate_up, as the engine holds them).
+GEMM_SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288), ("down_llama3", 4096, 14336))
+M_CHECK = (1, 7, 64, 256, 512, 4096)
+M_MAX = 8192
+M_TIME = (256, 512, 4096)
+TILES = [
+    dict(GEMM_TILE),
+    {**GEMM_TILE, "GROUP_M": 8},
+    {**GEMM_TILE, "num_stages": 4},
+    {**GEMM_TILE, "BLOCK_N": 64, "num_stages": 4},
+    {**GEMM_TILE, "BLOCK_M": 128, "num_warps": 8, "GROUP_M": 8},
+    {**GEMM_TILE, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "GROUP_M": 8},
+    {**GEMM_TILE, "BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 8, "GROUP_M": 8},
+    {**GEMM_TILE, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4, "GROUP_M": 8},
+    {**GEMM_TILE, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 5, "GROUP_M": 8},
+    {**GEMM_TILE, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 8},
+]
+
+
+def _codes(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    return (torch.randn(rows, cols, generator=generator, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def gemm_part(tiles: list[dict[str, int]]) -> list[dict[str, Any]]:
+    """One row per (shape, tile configuration of `tiles`, the first being the current one) and one
+    per (shape, reference kernel)."""
+    from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
+
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k in GEMM_SHAPES:
+        x = _codes(M_MAX, k, gen)
+        xs = torch.rand(M_MAX, k // 128, generator=gen, device="cuda") * 1e-2 + 1e-4
+        w = _codes(n, k, gen)
+        ws = torch.rand(n // 128, k // 128, generator=gen, device="cuda") * 1e-2 + 1e-4
+        current = None
+        for tile in tiles:
+            run = functools.partial(block_fp8_gemm_fixed_tile, tile=tile)
+            full = run(x, xs, w, ws, torch.empty(M_MAX, n, dtype=torch.bfloat16, device="cuda"))
+            current = full if current is None else current
+            invariant = all(torch.equal(run(x[:m], xs[:m], w, ws, torch.empty(m, n, dtype=torch.bfloat16, device="cuda")), full[:m]) for m in M_CHECK)
+            times = {}
+            for m in M_TIME:
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                times[str(m)] = round(do_bench(lambda: run(x[:m], xs[:m], w, ws, out), warmup=10, rep=50) * 1e3, 2)
+            row = {"shape": name, "n": n, "k": k, "tile": tile, "m_invariant": invariant, "equals_current": torch.equal(full, current), "us": times}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        xs_cm = xs.t().contiguous().t()
+        cutlass_full = cutlass_block_fp8_mm(x, w, xs_cm, ws, torch.bfloat16)
+        cutlass_invariant = all(torch.equal(cutlass_block_fp8_mm(x[:m], w, xs_cm[:m].t().contiguous().t(), ws, torch.bfloat16), cutlass_full[:m]) for m in M_CHECK)
+        rows.append({"shape": name, "n": n, "k": k, "kernel": "cutlass_block_fp8", "m_invariant": cutlass_invariant,
+                     "equals_current": torch.equal(cutlass_full, current), "k_le_3n": k <= 3 * n})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        wb = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        xb = torch.randn(M_MAX, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for ref, fn in (
+            ("cutlass_block_fp8", lambda m: cutlass_block_fp8_mm(x[:m], w, xs_cm[:m], ws, torch.bfloat16)),
+            ("cublas_bf16", lambda m: xb[:m] @ wb.t()),
+        ):
+            times = {str(m): round(do_bench(functools.partial(fn, m), warmup=10, rep=50) * 1e3, 2) for m in M_TIME}
+            rows.append({"shape": name, "n": n, "k": k, "kernel": ref, "us": times})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+class _Launch:
+    """`kernel[grid](**kwargs)` with num_warps / num_stages added (the vLLM wrapper passes none)."""
+
+    def __init__(self, kernel: Any, **options: int) -> None:
+        self.kernel, self.options = kernel, options
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda **kwargs: self.kernel[grid](**kwargs, **self.options)
+
+
+def attention_part(batch: int = 256, contexts: tuple[int, ...] = (512, 1536)) -> list[dict[str, Any]]:
+    """Decode over a paged BF16 cache (Qwen3-8B heads, 16-token blocks) per TRITON_ATTN setting."""
+    from vllm.v1.attention.ops import triton_unified_attention as tua
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    original_kernel, original_tile = tua.kernel_unified_attention, tua._get_tile_size
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for context in contexts:
+        blocks = -(-context // block)
+        cache_k = torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        cache_v = torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        table = torch.randperm(batch * blocks, generator=gen, device="cuda").to(torch.int32).view(batch, blocks)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        unit = torch.ones(batch, kv_heads, device="cuda")
+        # prefill of sequence 0: every position's query, the last one equal to the decode query
+        q_pre = torch.randn(context, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        q_pre[-1] = q[0]
+        cu_pre = torch.tensor([0, context], dtype=torch.int32, device="cuda")
+
+        def call(query: torch.Tensor, cu: torch.Tensor, max_q: int, seqs: int) -> torch.Tensor:
+            out = torch.empty_like(query)
+            tua.unified_attention(q=query, k=cache_k, v=cache_v, out=out, cu_seqlens_q=cu, max_seqlen_q=max_q, seqused_k=lens[:seqs],
+                                  max_seqlen_k=context, softmax_scale=dim**-0.5, causal=True, window_size=(-1, -1),
+                                  block_table=table[:seqs], softcap=0, q_descale=None, k_descale=unit[:seqs], v_descale=unit[:seqs])  # fmt: skip
+            return out
+
+        for tile in (32, 64, 128):
+            for warps, stages in ((4, 3), (4, 2), (8, 3), (4, 4)):
+                tua._get_tile_size = lambda *a, _t=tile, **kw: _t
+                tua.kernel_unified_attention = _Launch(original_kernel, num_warps=warps, num_stages=stages)
+                try:
+                    decode = call(q, cu_q, 1, batch)
+                    prefill = call(q_pre, cu_pre, context, 1)
+                    same = torch.equal(decode[0], prefill[-1])
+                    us = round(do_bench(lambda: call(q, cu_q, 1, batch), warmup=10, rep=50) * 1e3, 1)
+                    row = {"context": context, "tile": tile, "num_warps": warps, "num_stages": stages, "decode_equals_prefill": same, "decode_us": us}
+                except Exception as error:  # noqa: BLE001  (a setting that does not compile is a result)
+                    row = {"context": context, "tile": tile, "num_warps": warps, "num_stages": stages, "error": repr(error)[:300]}
+                finally:
+                    tua._get_tile_size, tua.kernel_unified_attention = original_tile, original_kernel
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        out = torch.empty_like(q)
+
+        def fa3() -> None:
+            flash_attn_varlen_func(q=q, k=cache_k, v=cache_v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens, max_seqlen_k=context,
+                                   softmax_scale=dim**-0.5, causal=True, block_table=table, fa_version=3, num_splits=1)  # fmt: skip
+
+        rows.append({"context": context, "kernel": "fa3_num_splits_1", "decode_us": round(do_bench(fa3, warmup=10, rep=50) * 1e3, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+        bytes_read = 2 * batch * context * kv_heads * dim * 2
+        rows.append({"context": context, "kv_bytes_per_call": bytes_read})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default="gemm,attention")
+    parser.add_argument("--tiles", choices=("all", "current"), default="all", help="GEMM tile configurations to compare")
+    args = parser.parse_args(argv)
+    import vllm
+
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+                              "vllm": vllm.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    tiles = TILES if args.tiles == "all" else TILES[:1]
+    for part, fn in (("gemm", functools.partial(gemm_part, tiles)), ("attention", attention_part)):
+        if part in args.parts:
+            report[part] = fn()
+            args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
