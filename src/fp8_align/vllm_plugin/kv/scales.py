@@ -185,8 +185,9 @@ def write_layer_scales(model: torch.nn.Module, payload: KVScales) -> None:
 
 
 def _write_attention_scales(attn: torch.nn.Module, values: dict[str, float]) -> None:
-    """In place: the FP32 device buffers and every host copy vLLM 0.32 backends read; the layer
-    remembers the values (`PUSHED_SCALES_ATTR`) for `restore_pushed_scales`."""
+    """In place: the FP32 device buffers and every host copy vLLM 0.20-0.32 backends read
+    (`_k_scale_float`, ...; `_k_scale_cpu`/`_v_scale_cpu` where the release has them, 0.27+); the
+    layer remembers the values (`PUSHED_SCALES_ATTR`) for `restore_pushed_scales`."""
     attn.__dict__[PUSHED_SCALES_ATTR] = {**attn.__dict__.get(PUSHED_SCALES_ATTR, {}), **values}
     for kind in ("k", "v", "q"):
         key = f"{kind}_scale"
