@@ -56,6 +56,7 @@ def gemm_part(tiles: list[dict[str, int]]) -> list[dict[str, Any]]:
     """One row per (shape, tile configuration of `tiles`, the first being the current one) and one
     per (shape, reference kernel)."""
     from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
+    from fp8_align.vllm_plugin.kernels import fixed_tile  # noqa: F401  (registers vLLM's padded CUTLASS op)
 
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -43,6 +43,9 @@ class Fp8AlignLayerState:
     shard_sizes: list[int] = field(default_factory=list)
     #: linears: the GEMM backend, once the layer is quantized
     kernel: BlockFp8Kernel | None = None
+    #: linears of an `on_policy="bitwise"` engine: the GEMM calls its backend makes, planned once by
+    #: `prepare` outside the compiled forward ((codes rows, scale rows, GEMM name) per call)
+    gemm_calls: tuple[tuple[slice, slice, str], ...] = ()
     #: experts: dtype of the BF16 weights the checkpoint loads into
     params_dtype: torch.dtype | None = None
     #: experts: intermediate size of this rank's partition

@@ -24,6 +24,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+# registers torch.ops.vllm.padded_cutlass (vLLM <= 0.22), which `compat.cutlass_block_fp8_mm` calls
+import vllm.model_executor.kernels.linear.scaled_mm.cutlass  # noqa: F401
 from vllm._custom_ops import cutlass_scaled_mm_supports_block_fp8
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
@@ -67,12 +70,14 @@ class FixedTileBlockFp8Kernel(BlockFp8Kernel):
     name: str = "fixed_tile"
 
     def prepare(self, layer: torch.nn.Module) -> None:
+        """Plan the layer's GEMM calls into `layer.fp8_align.gemm_calls` (eagerly: the plan asks
+        vLLM's CUTLASS build what it supports, which torch.compile cannot trace) and log them."""
         capability = torch.cuda.get_device_capability(layer.weight.device)
         has_bias = getattr(layer, "bias", None) is not None
-        calls = fixed_tile_calls(tuple(layer.fp8_align.shard_sizes), layer.weight.shape[1], capability, has_bias)
+        layer.fp8_align.gemm_calls = fixed_tile_calls(tuple(layer.fp8_align.shard_sizes), layer.weight.shape[1], capability, has_bias)
         logger.info(
             "fp8_align: %s [%s] -> fixed_tile (on_policy='bitwise'): %s",
-            layer.fp8_align.prefix, tuple(layer.weight.shape), ", ".join(f"rows {r.start}:{r.stop} {gemm}" for r, _, gemm in calls),
+            layer.fp8_align.prefix, tuple(layer.weight.shape), ", ".join(f"rows {r.start}:{r.stop} {gemm}" for r, _, gemm in layer.fp8_align.gemm_calls),
         )  # fmt: skip
 
     def apply(
@@ -86,9 +91,11 @@ class FixedTileBlockFp8Kernel(BlockFp8Kernel):
         """[..., K] -> [..., N] in x's dtype, the bias added in FP32 before the one rounding."""
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(x2, act_pow2, int(ScaleLayout.COLUMN_MAJOR), scale_rule)
-        capability = torch.cuda.get_device_capability(x.device)
+        calls = layer.fp8_align.gemm_calls or fixed_tile_calls(
+            tuple(layer.fp8_align.shard_sizes), x2.shape[1], torch.cuda.get_device_capability(x.device), bias is not None
+        )  # planned by `prepare` in an engine; an unprepared layer (the trainer's, eager) plans here
         outputs = []
-        for rows, scale_rows, gemm in fixed_tile_calls(tuple(layer.fp8_align.shard_sizes), x2.shape[1], capability, bias is not None):
+        for rows, scale_rows, gemm in calls:
             weight, scales = layer.weight[rows], layer.weight_scale_inv[scale_rows]
             if gemm == CUTLASS:
                 outputs.append(cutlass_block_fp8_mm(x_fp8, weight, x_scale, scales, x.dtype))
