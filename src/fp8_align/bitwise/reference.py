@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 #: RoPE variants `rope_table` computes (HF `rope_type` names).
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -24,10 +25,9 @@ class UnsupportedRopeError(ValueError):
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., H] -> [..., H] in x's dtype: `x * (1 / sqrt(mean(x^2) + eps)) * weight` in FP32."""
-    xf = x.float()
-    inv_rms = 1.0 / torch.sqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
-    return (xf * inv_rms * weight.float()).to(x.dtype)
+    """[..., H] -> [..., H] in x's dtype: `x * rsqrt(mean(x^2) + eps) * weight` in FP32 (torch's
+    `rms_norm`, whose backward is one fused kernel on CUDA)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def fused_add_rms_norm_reference(
@@ -40,10 +40,10 @@ def fused_add_rms_norm_reference(
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] -> [..., d] in x's dtype: `g / (1 + exp(-g)) * u` in FP32, g = x[..., :d], u = x[..., d:]."""
-    d = x.shape[-1] // 2
-    gate, up = x[..., :d].float(), x[..., d:].float()
-    return (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
+    """[..., 2d] -> [..., d] in x's dtype: `silu(g) * u = g / (1 + exp(-g)) * u` in FP32, g = x[..., :d],
+    u = x[..., d:] (torch's `silu`, whose backward is one fused kernel)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def apply_rope(
