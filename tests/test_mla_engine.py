@@ -17,7 +17,7 @@ from fp8_align import FP8Config
 from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
-from tests.engines import ENGINE, MAX_TOKENS, PROMPTS, generate_greedy
+from tests.engines import ENGINE, ENGINE_CORES_ENV, MAX_TOKENS, PROMPTS, REFERENCE_CORES_ENV, generate_greedy
 from tests.model_factory import make_tiny_moonlight
 
 pytestmark = pytest.mark.slow
@@ -33,13 +33,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
-    spec = {"model": str(checkpoints["w2"]), "fp8_config": {}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "llm_kwargs": ENGINE}
+    spec = {"model": str(checkpoints["w2"]), "fp8_config": {}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "llm_kwargs": ENGINE, "env": REFERENCE_CORES_ENV}  # fmt: skip
     return start_generation(spec, tmp_path_factory.mktemp("mla_refs") / "w2.pt")
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoints, fresh_w2, vllm_runner):
-    with vllm_runner(checkpoints["w1"], FP8Config(), **ENGINE) as runner:
+    with vllm_runner(checkpoints["w1"], FP8Config(), env=ENGINE_CORES_ENV, **ENGINE) as runner:
         yield runner.llm
 
 

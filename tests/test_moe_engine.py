@@ -23,7 +23,9 @@ from fp8_align.quant.moe import expert_shard_rows
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from tests import stack_sync_calls as calls
-from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, generate_greedy
+from tests.engines import (
+    ENGINE, ENGINE_CORES_ENV, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, REFERENCE_CORES_ENV, generate_greedy,
+)  # fmt: skip
 from tests.model_factory import make_tiny_qwen3_moe
 
 pytestmark = pytest.mark.slow
@@ -53,13 +55,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
     spec = {"model": str(checkpoints["w2_update"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-            "llm_kwargs": ENGINE}
+            "llm_kwargs": ENGINE, "env": REFERENCE_CORES_ENV}
     return start_generation(spec, tmp_path_factory.mktemp("moe_refs") / "w2.pt")
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoints, fresh_w2, vllm_runner):
-    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, worker_extension_cls=OPENRLHF_WORKER, **ENGINE) as runner:
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, env=ENGINE_CORES_ENV, worker_extension_cls=OPENRLHF_WORKER,
+                     **ENGINE) as runner:  # fmt: skip
         yield runner.llm
 
 

@@ -6,7 +6,9 @@ worker extension as `worker_extension_cls` (vllm_worker.py:586-592) and fp8_alig
 quantization (`policy.generation.vllm_kwargs: {quantization: fp8_align}` reaches `vllm.LLM` as
 `**vllm_kwargs`, vllm_worker.py:374, :596), from W1 of the 3-layer tiny Llama (tied embeddings,
 layer 0 BF16 by the config). A fresh fp8_align engine from W2 (subprocess) is the reference. The
-tests run in file order on the one engine; each says what it leaves.
+tests run in file order on the one engine; each says what it leaves. W1, W2 and the reference are
+the session's (conftest.py: `sync_models`, `sync_fresh_w2`), shared with tests/test_stack_sync.py
+and never written to; the reference starts first, on the cores this engine leaves free.
 
 Runs for real, unmodified:
 - the trainer side: `stream_weights_via_ipc_zmq_impl` (packing into ping-pong buffers, one ZMQ
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,8 +53,7 @@ from fp8_align.error_bench.generate import GenerationJob
 from fp8_align.vllm_plugin.kv.scales import read_kv_scales
 from tests import stack_sync_calls as calls
 from tests.engines import (
-    ENGINE, FIRST_LAYER_BF16, assert_layers_equal, fp8_layers, fp8_storage_pointers, generate_greedy, start_fresh_engine,
-    sync_checkpoints,
+    ENGINE, ENGINE_CORES_ENV, FIRST_LAYER_BF16, assert_layers_equal, fp8_layers, fp8_storage_pointers, generate_greedy,
 )  # fmt: skip
 from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
 from tests.nemo_rl_worker import (
@@ -69,20 +69,9 @@ ADDRESS = f"ipc:///tmp/fp8_align_nemo_rl_{os.getpid()}.sock"
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    return sync_checkpoints(tmp_path_factory.mktemp("nemo_rl_models"))
-
-
-@pytest.fixture(scope="module")
-def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
-    """A fresh fp8_align engine from W2 (subprocess, started at module setup), with its layers."""
-    return start_fresh_engine(checkpoints["w2"], tmp_path_factory.mktemp("nemo_rl_refs") / "w2.pt")
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoints, fresh_w2, vllm_runner):
-    env = {**ENGINE_ENV, ZMQ_ADDRESS_ENV: ADDRESS}
-    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, env=env, worker_extension_cls=CPU_WORKER, **ENGINE) as runner:
+def llm(sync_models, sync_fresh_w2, vllm_runner):
+    env = {**ENGINE_ENV, ZMQ_ADDRESS_ENV: ADDRESS, **ENGINE_CORES_ENV}
+    with vllm_runner(sync_models["w1"], FIRST_LAYER_BF16, env=env, worker_extension_cls=CPU_WORKER, **ENGINE) as runner:
         runner.llm.collective_rpc(install_cpu_stand_ins_in_worker)
         yield runner.llm
 
@@ -105,14 +94,14 @@ def _nemo_rl_refit(llm: Any, stream: list[tuple[str, torch.Tensor]]) -> bool:
     return updated
 
 
-def _fresh_layers(fresh_w2: GenerationJob) -> dict[str, dict[str, Any]]:
-    return {name: entry for name, entry in fresh_w2.wait()["layers"].items() if "weight" in entry}
+def _fresh_layers(reference: GenerationJob) -> dict[str, dict[str, Any]]:
+    return {name: entry for name, entry in reference.wait()["layers"].items() if "weight" in entry}
 
 
 # --- 1. a bad tensor: NeMo RL's refit returns False, nothing is written (engine stays at W1) ------
 
-def test_nan_in_nemo_rl_refit_fails_it_and_writes_nothing(llm, w1_outputs, checkpoints):
-    w2 = load_file(str(checkpoints["w2"] / "model.safetensors"))
+def test_nan_in_nemo_rl_refit_fails_it_and_writes_nothing(llm, w1_outputs, sync_models):
+    w2 = load_file(str(sync_models["w2"] / "model.safetensors"))
     bad = "model.layers.1.self_attn.k_proj.weight"
     w2[bad] = w2[bad].clone()
     w2[bad][3, 5] = float("nan")
@@ -127,22 +116,22 @@ def test_nan_in_nemo_rl_refit_fails_it_and_writes_nothing(llm, w1_outputs, check
 
 # --- 2. NeMo RL's refit W1 -> W2 equals a fresh W2 engine (engine ends at W2) ---------------------
 
-def test_nemo_rl_ipc_refit_equals_a_fresh_engine(llm, w1_outputs, checkpoints, fresh_w2):
+def test_nemo_rl_ipc_refit_equals_a_fresh_engine(llm, w1_outputs, sync_models, sync_fresh_w2):
     """Every tensor of W2 through NeMo RL's IPC refit: every FP8 layer's codes and scales equal a
     fresh W2 engine's bit for bit, in the same storage, and so do the greedy tokens and logprobs."""
     pointers = llm.apply_model(fp8_storage_pointers)[0]
-    stream = list(refit_stream(load_file(str(checkpoints["w2"] / "model.safetensors")).items(), None, NUM_LAYERS))
+    stream = list(refit_stream(load_file(str(sync_models["w2"] / "model.safetensors")).items(), None, NUM_LAYERS))
     assert _nemo_rl_refit(llm, stream) is True
     assert llm.apply_model(fp8_storage_pointers)[0] == pointers
-    assert_layers_equal(fp8_layers(llm), _fresh_layers(fresh_w2))
+    assert_layers_equal(fp8_layers(llm), _fresh_layers(sync_fresh_w2))
     synced = generate_greedy(llm)
     assert synced != w1_outputs
-    assert synced == fresh_w2.wait()["outputs"]
+    assert synced == sync_fresh_w2.wait()["outputs"]
 
 
 # --- 3. NeMo RL's KV scales arrive with its refit (engine ends at W2 with the scales) -------------
 
-def test_nemo_rl_kv_scales_arrive_with_its_refit(llm, checkpoints, fresh_w2):
+def test_nemo_rl_kv_scales_arrive_with_its_refit(llm, sync_models, sync_fresh_w2):
     """NeMo RL's calibration result, converted by its own `convert_calibration_to_vllm_format` and
     appended to the refit stream as its trainer does: after the refit (which ends in vLLM's
     `process_weights_after_loading`, resetting unpushed scales to 1.0) every attention layer holds
@@ -155,10 +144,10 @@ def test_nemo_rl_kv_scales_arrive_with_its_refit(llm, checkpoints, fresh_w2):
     assert sorted(kv_scales)[:3] == ["model.layers.0.self_attn.attn.q_scale", "model.layers.0.self_attn.k_scale",
                                      "model.layers.0.self_attn.v_scale"]  # fmt: skip
     pointers = llm.apply_model(fp8_storage_pointers)[0]
-    weights = load_file(str(checkpoints["w2"] / "model.safetensors")).items()
+    weights = load_file(str(sync_models["w2"] / "model.safetensors")).items()
     assert _nemo_rl_refit(llm, list(refit_stream(weights, kv_scales, NUM_LAYERS))) is True
     expected = {i: {key: calibration[f"layer_{i}"][key] for key in ("k_scale", "v_scale", "q_scale")} for i in range(NUM_LAYERS)}
     assert all(math.isclose(v, torch.tensor(v, dtype=torch.float32).item(), rel_tol=0) for s in expected.values() for v in s.values())
     assert read_kv_scales(llm) == [expected]
     assert llm.apply_model(fp8_storage_pointers)[0] == pointers
-    assert_layers_equal(fp8_layers(llm), _fresh_layers(fresh_w2))
+    assert_layers_equal(fp8_layers(llm), _fresh_layers(sync_fresh_w2))

@@ -28,8 +28,8 @@ from fp8_align.vllm_plugin.inspection import read_linear_layers
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
 from tests.engines import (
-    ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, MERGED_SHARDS, PROMPTS, fp8_kv_unsupported_reason, fp8_storage_pointers,
-    generate_greedy,
+    ENGINE, ENGINE_CORES_ENV, FIRST_LAYER_BF16, MAX_TOKENS, MERGED_SHARDS, PROMPTS, REFERENCE_CORES_ENV,
+    fp8_kv_unsupported_reason, fp8_storage_pointers, generate_greedy,
 )  # fmt: skip
 from tests.model_factory import TINY_LLAMA_HEAD_DIM, make_tiny_llama
 from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
@@ -55,9 +55,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference_jobs(checkpoints, tmp_path_factory) -> dict[str, GenerationJob]:
-    """Fresh engines from W2 (same settings as the refit engine; and with a BF16 KV cache)."""
+    """Fresh engines from W2 (same settings as the refit engine; and with a BF16 KV cache), on the
+    cores the refit engine leaves free."""
     out = tmp_path_factory.mktemp("refit_refs")
-    base = {"model": str(checkpoints["w2"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    base = {"model": str(checkpoints["w2"]), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "env": REFERENCE_CORES_ENV}  # fmt: skip
     return {
         "fresh_w2": start_generation({**base, "llm_kwargs": {**REFIT_ENGINE, "kv_cache_dtype": KV_CACHE_DTYPE}}, out / "w2.pt"),
         "bf16_kv_w2": start_generation({**base, "llm_kwargs": {**REFIT_ENGINE, "kv_cache_dtype": "auto"}}, out / "w2_bf16kv.pt"),
@@ -66,7 +68,8 @@ def reference_jobs(checkpoints, tmp_path_factory) -> dict[str, GenerationJob]:
 
 @pytest.fixture(scope="module")
 def llm(checkpoints, reference_jobs, vllm_runner):
-    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, kv_cache_dtype=KV_CACHE_DTYPE, **REFIT_ENGINE) as runner:
+    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, env=ENGINE_CORES_ENV, kv_cache_dtype=KV_CACHE_DTYPE,
+                     **REFIT_ENGINE) as runner:  # fmt: skip
         yield runner.llm
 
 

@@ -6,7 +6,9 @@ BF16 by the config, layers 1-2 FP8) and OpenRLHF 0.11.2's real `WorkerWrap` as v
 `worker_extension_cls`, as OpenRLHF starts its engines (vllm_engine.py:267). The tests run in
 file order on that one engine; each states what it leaves behind. A fresh fp8_align engine
 started from W2 (a subprocess) is the reference: after a sync to W2 the engine must equal it bit
-for bit, codes, scales and generation.
+for bit, codes, scales and generation. W1, W2 and that reference are the session's
+(conftest.py: `sync_models`, `sync_fresh_w2`), shared with tests/test_nemo_rl_refit.py and never
+written to; the reference starts first, on the cores this engine leaves free (ENGINE_CORES_ENV).
 
 What runs here is each stack's exact call (tests/stack_sync_calls.py cites file and line); the
 parts of their sync that need CUDA (OpenRLHF's NCCL/CUDA-IPC receive) run on the GPU box.
@@ -15,21 +17,19 @@ parts of their sync that need CUDA (OpenRLHF's NCCL/CUDA-IPC receive) run on the
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8_align.error_bench.generate import GenerationJob
 from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
 from fp8_align.quant.shards import shard_slices
 from tests import stack_sync_calls as calls
 from tests.engines import (
-    ENGINE, FIRST_LAYER_BF16, MERGED_SHARDS, assert_layers_equal, fp8_layers, fp8_storage_pointers, generate_greedy,
-    start_fresh_engine, sync_checkpoints,
+    ENGINE, ENGINE_CORES_ENV, FIRST_LAYER_BF16, MERGED_SHARDS, assert_layers_equal, fp8_layers, fp8_storage_pointers,
+    generate_greedy,
 )  # fmt: skip
 from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
 
@@ -39,19 +39,9 @@ OPENRLHF_WORKER = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    return sync_checkpoints(tmp_path_factory.mktemp("sync_models"))
-
-
-@pytest.fixture(scope="module")
-def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
-    """A fresh fp8_align engine from W2 (subprocess, started at module setup), with its layers."""
-    return start_fresh_engine(checkpoints["w2"], tmp_path_factory.mktemp("sync_refs") / "w2.pt")
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoints, fresh_w2, vllm_runner):
-    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, worker_extension_cls=OPENRLHF_WORKER, **ENGINE) as runner:
+def llm(sync_models, sync_fresh_w2, vllm_runner):
+    with vllm_runner(sync_models["w1"], FIRST_LAYER_BF16, env=ENGINE_CORES_ENV, worker_extension_cls=OPENRLHF_WORKER,
+                     **ENGINE) as runner:  # fmt: skip
         yield runner.llm
 
 
@@ -84,8 +74,8 @@ def _assert_bf16_modules_hold(llm, weights: dict[str, torch.Tensor]) -> None:
 
 # --- 1. bad calls: refused, nothing written (engine stays at W1) ---------------------------------
 
-def test_bad_sync_calls_raise_naming_the_tensor_and_write_nothing(llm, w1_outputs, checkpoints, tmp_path):
-    w2_path = str(checkpoints["w2"] / "model.safetensors")
+def test_bad_sync_calls_raise_naming_the_tensor_and_write_nothing(llm, w1_outputs, sync_models, tmp_path):
+    w2_path = str(sync_models["w2"] / "model.safetensors")
     w2 = load_file(w2_path)
     k_name, o_name = "model.layers.2.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     nan = w2[k_name].clone()
@@ -115,11 +105,11 @@ def test_bad_sync_calls_raise_naming_the_tensor_and_write_nothing(llm, w1_output
 
 # --- 2. OpenRLHF: one tensor per call, through WorkerWrap (engine ends at W2) ----------------------
 
-def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpoints, fresh_w2):
+def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, sync_models, sync_fresh_w2):
     """OpenRLHF's WorkerWrap load call (one tensor per call, q/k/v and gate/up in separate calls),
     every tensor of W2: the engine then equals a fresh W2 engine bit for bit (codes, scales,
     greedy tokens and logprobs), in the same storage, with the KV scales pushed before kept."""
-    w2_path = checkpoints["w2"] / "model.safetensors"
+    w2_path = sync_models["w2"] / "model.safetensors"
     w2 = load_file(str(w2_path))
     scales = {layer: {"k_scale": 0.5, "v_scale": 0.25, "q_scale": 0.125} for layer in range(NUM_LAYERS)}
     push_kv_scales(llm, scales)
@@ -133,7 +123,7 @@ def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpo
     layers = fp8_layers(llm)
     _assert_fp8_layers_hold(layers, w2)
     _assert_bf16_modules_hold(llm, w2)
-    fresh = fresh_w2.wait()
+    fresh = sync_fresh_w2.wait()
     assert_layers_equal(layers, {name: entry for name, entry in fresh["layers"].items() if "weight" in entry})
     push_kv_scales(llm, {layer: {"k_scale": 1.0, "v_scale": 1.0, "q_scale": 1.0} for layer in range(NUM_LAYERS)})
     synced = generate_greedy(llm)
@@ -143,8 +133,8 @@ def test_openrlhf_per_tensor_sync_equals_a_fresh_engine(llm, w1_outputs, checkpo
 
 # --- 3. a partial sync: one shard, only its rows change (engine: W2 + W1's layer-1 k_proj) --------
 
-def test_partial_sync_changes_only_the_sent_shard(llm, checkpoints):
-    w1_path = str(checkpoints["w1"] / "model.safetensors")
+def test_partial_sync_changes_only_the_sent_shard(llm, sync_models):
+    w1_path = str(sync_models["w1"] / "model.safetensors")
     k_proj = load_file(w1_path)["model.layers.1.self_attn.k_proj.weight"]
     before = fp8_layers(llm)
     llm.collective_rpc(calls.load_weights_once, args=(w1_path, ["model.layers.1.self_attn.k_proj.weight"]))
@@ -163,12 +153,12 @@ def test_partial_sync_changes_only_the_sent_shard(llm, checkpoints):
 
 # --- 4. the whole state dict in one call, then vLLM's post-processing again (engine ends at W1) ---
 
-def test_whole_state_dict_in_one_call_then_vllm_postprocessing(llm, w1_outputs, checkpoints, tmp_path):
+def test_whole_state_dict_in_one_call_then_vllm_postprocessing(llm, w1_outputs, sync_models, tmp_path):
     """verl's shape of sync: `model.load_weights(bucket)` with the whole HF state dict (here
     including the tied `lm_head.weight`, as an HF `state_dict()` has it), then vLLM's
     `process_weights_after_loading` over the whole model (verl runs it after every sync): the
     engine is back at W1, bit for bit its own first generation."""
-    w1_path = str(checkpoints["w1"] / "model.safetensors")
+    w1_path = str(sync_models["w1"] / "model.safetensors")
     w1 = load_file(w1_path)
     lm_head_path = str(tmp_path / "lm_head.safetensors")
     save_file({"lm_head.weight": w1["model.embed_tokens.weight"]}, lm_head_path)

