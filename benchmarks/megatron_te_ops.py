@@ -36,6 +36,7 @@ from torch import nn
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align import FP8Config
 from fp8_align.hf_training import BitwiseForward
+from fp8_align.hf_training.bitwise import PackedBatch
 from fp8_align.hf_training.linear import Fp8TrainingLinear
 
 
@@ -165,7 +166,7 @@ def op_rows(gpt: nn.Module, hf_config: Any, cfg: FP8Config, bitwise: BitwiseForw
     def attention() -> tuple[torch.Tensor, torch.Tensor]:
         args, _, output = capture.seen["core_attention"]
         q, k, v = (t.reshape(seq, -1).contiguous() for t in args[:3])
-        return _first(output).reshape(seq, -1), bitwise.kernels.attention(q, k, v, [seq], size)
+        return _first(output).reshape(seq, -1), bitwise.kernels.attention(q, k, v, PackedBatch.from_lengths([seq], q.device), size)
 
     row("core_attention", type(attn.core_attention).__name__, "vLLM TRITON_ATTN unified_attention (paged K/V)", attention)
     row("linear_proj", te_gemm, gemm, norm_then_linear("linear_proj"))

@@ -120,15 +120,16 @@ def test_rope_kernel_is_the_reference_and_rows_do_not_depend_on_the_batch(head_s
 def test_triton_attention_decode_step_equals_the_full_sequence(heads: int, kv_heads: int, head_size: int) -> None:
     """A token attended in a decode step (one query per sequence, several sequences, other batch
     mates) is the trainer's full-sequence row of that token, bit for bit, and close to FP32 attention."""
-    from fp8_align.hf_training.bitwise import ATTENTION_BLOCK_SIZE, attention_reference, paged_triton_attention
+    from fp8_align.hf_training.bitwise import ATTENTION_BLOCK_SIZE, PackedBatch, attention_reference, paged_triton_attention
     from fp8_align.vllm_plugin.compat import batch_invariant_kernels
 
     unified_attention = batch_invariant_kernels()[2]
     lengths = [5, 77, 300, 129]
     tokens = sum(lengths)
     q, k, v = _randn(tokens, heads * head_size, seed=10), _randn(tokens, kv_heads * head_size, seed=11), _randn(tokens, kv_heads * head_size, seed=12)
-    full = paged_triton_attention(unified_attention, q, k, v, lengths, head_size)
-    torch.testing.assert_close(full.float(), attention_reference(q, k, v, lengths, head_size).float(), rtol=2e-2, atol=2e-2)
+    batch = PackedBatch.from_lengths(lengths, "cuda")
+    full = paged_triton_attention(unified_attention, q, k, v, batch, head_size)
+    torch.testing.assert_close(full.float(), attention_reference(q, k, v, batch, head_size).float(), rtol=2e-2, atol=2e-2)
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     for cut in (1, 2, 17):  # decode the last `cut` tokens' positions of each sequence, one query each
         for back in range(cut):

@@ -139,26 +139,66 @@ class _StackedFp8Linear(torch.autograd.Function):
         return (*bf16_straight_through(ctx, grad_out), None, None, None)
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], head_size: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackedBatch:
+    """Where each token of packed sequences sits, as device index tensors made once per forward
+    (every attention call and its backward reuse them: no host-to-device copy per layer).
+
+    `row`/`position` [T] int64: each token's sequence and place in it (the padded batch of
+    `attention_reference`); `slot` [T] int64, `block_table` [B, max blocks] int32, `cu_seqlens`
+    [B + 1] int32, `lengths` [B] int32: the paged K/V layout of `paged_triton_attention`
+    (`ATTENTION_BLOCK_SIZE`-token blocks, each sequence's blocks in order)."""
+
+    seq_lens: tuple[int, ...]
+    row: torch.Tensor
+    position: torch.Tensor
+    slot: torch.Tensor
+    block_table: torch.Tensor
+    cu_seqlens: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(-(-length // ATTENTION_BLOCK_SIZE) for length in self.seq_lens)
+
+    @classmethod
+    def from_lengths(cls, seq_lens: Sequence[int], device: torch.device | str) -> PackedBatch:
+        """The layout of sequences of `seq_lens` tokens packed in that order, on `device`."""
+        lengths = [int(n) for n in seq_lens]
+        blocks = [-(-n // ATTENTION_BLOCK_SIZE) for n in lengths]
+        block_table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+        rows, positions, slots, first = [], [], [], 0
+        for i, (length, count) in enumerate(zip(lengths, blocks)):
+            block_table[i, :count] = torch.arange(first, first + count, dtype=torch.int32)
+            rows.append(torch.full((length,), i))
+            positions.append(torch.arange(length))
+            slots.append(torch.arange(length) + first * ATTENTION_BLOCK_SIZE)
+            first += count
+        length_tensor = torch.tensor(lengths, dtype=torch.int32)
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), length_tensor.cumsum(0, dtype=torch.int32)])
+        return cls(
+            tuple(lengths), torch.cat(rows).to(device), torch.cat(positions).to(device), torch.cat(slots).to(device),
+            block_table.to(device), cu_seqlens.to(device), length_tensor.to(device),
+        )  # fmt: skip
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, head_size: int) -> torch.Tensor:
     """Causal attention of packed sequences: q [T, Hq * D], k/v [T, Hk * D] (grouped heads) ->
     [T, Hq * D] in q's dtype, in FP32 with scale D ** -0.5. The sequences are padded at their ends
     into one [B, H, L, D] batch for torch's scaled-dot-product attention (one fused kernel, forward
     and backward); a query never sees a padded key, every key it may see comes before it."""
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
-    count, longest, device = len(seq_lens), max(seq_lens), q.device
-    lengths = torch.tensor(list(seq_lens), device=device)
-    row = torch.repeat_interleave(torch.arange(count, device=device), lengths)
-    position = torch.arange(q.shape[0], device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    count, longest = len(batch.seq_lens), max(batch.seq_lens)
 
     def padded(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-        grid = x.new_zeros(count, longest, num_heads, head_size).index_put((row, position), x.reshape(-1, num_heads, head_size))
+        grid = x.new_zeros(count, longest, num_heads, head_size).index_put((batch.row, batch.position), x.reshape(-1, num_heads, head_size))
         return grid.transpose(1, 2).float()  # [B, H, L, D]
 
     qs = padded(q, heads)
     ks = padded(k, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
     vs = padded(v, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
     out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=head_size**-0.5)
-    return out.transpose(1, 2)[row, position].reshape(q.shape[0], heads * head_size).to(q.dtype)
+    return out.transpose(1, 2)[batch.row, batch.position].reshape(q.shape[0], heads * head_size).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -167,7 +207,7 @@ class _Kernels:
 
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], int], torch.Tensor]
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedBatch, int], torch.Tensor]
 
 
 def _reference_kernels() -> _Kernels:
@@ -179,44 +219,32 @@ def _engine_kernels() -> _Kernels:
     from fp8_align.vllm_plugin.compat import batch_invariant_kernels
 
     linear, log_softmax, unified_attention = batch_invariant_kernels()
-
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], head_size: int) -> torch.Tensor:
-        return paged_triton_attention(unified_attention, q, k, v, seq_lens, head_size)
-
-    return _Kernels(linear, functools.partial(log_softmax, dim=-1), attention)
+    return _Kernels(linear, functools.partial(log_softmax, dim=-1), functools.partial(paged_triton_attention, unified_attention))
 
 
 def paged_triton_attention(
-    unified_attention: Callable[..., None], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], head_size: int
+    unified_attention: Callable[..., None], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, head_size: int
 ) -> torch.Tensor:
     """`attention_reference`'s contract computed by vLLM's TRITON_ATTN kernel as a bitwise engine
-    calls it: K/V copied into a paged cache of `ATTENTION_BLOCK_SIZE`-token blocks, every query of a
-    sequence attending to its prefix, scales 1.0 (BF16 cache), softmax scale D ** -0.5."""
+    calls it: K/V copied into a paged cache of `ATTENTION_BLOCK_SIZE`-token blocks (`batch`'s
+    layout), every query of a sequence attending to its prefix, scales 1.0 (BF16 cache), softmax
+    scale D ** -0.5."""
     tokens, device = q.shape[0], q.device
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
-    blocks = [-(-length // ATTENTION_BLOCK_SIZE) for length in seq_lens]
-    block_table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    slots, first = [], 0
-    for i, (length, count) in enumerate(zip(seq_lens, blocks)):
-        block_table[i, :count] = torch.arange(first, first + count, dtype=torch.int32)
-        slots.append(torch.arange(length) + first * ATTENTION_BLOCK_SIZE)
-        first += count
-    slot = torch.cat(slots).to(device)
-    key_cache = torch.zeros(first * ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=k.dtype, device=device)
+    blocks, seqs = batch.num_blocks, len(batch.seq_lens)
+    key_cache = torch.zeros(blocks * ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=k.dtype, device=device)
     value_cache = torch.zeros_like(key_cache)
-    key_cache[slot] = k.reshape(tokens, kv_heads, head_size)
-    value_cache[slot] = v.reshape(tokens, kv_heads, head_size)
-    lengths = torch.tensor(list(seq_lens), dtype=torch.int32)
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0, dtype=torch.int32)]).to(device)
-    unit = torch.ones(1, dtype=torch.float32, device=device).expand(len(seq_lens), kv_heads)
+    key_cache[batch.slot] = k.reshape(tokens, kv_heads, head_size)
+    value_cache[batch.slot] = v.reshape(tokens, kv_heads, head_size)
+    unit = torch.ones(1, dtype=torch.float32, device=device).expand(seqs, kv_heads)
     out = torch.empty(tokens, heads, head_size, dtype=q.dtype, device=device)
     unified_attention(
         q=q.reshape(tokens, heads, head_size).contiguous(),
-        k=key_cache.view(first, ATTENTION_BLOCK_SIZE, kv_heads, head_size),
-        v=value_cache.view(first, ATTENTION_BLOCK_SIZE, kv_heads, head_size),
-        out=out, cu_seqlens_q=cu_seqlens, max_seqlen_q=max(seq_lens), seqused_k=lengths.to(device),
-        max_seqlen_k=max(seq_lens), softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1),
-        block_table=block_table.to(device), softcap=0, q_descale=None, k_descale=unit, v_descale=unit,
+        k=key_cache.view(blocks, ATTENTION_BLOCK_SIZE, kv_heads, head_size),
+        v=value_cache.view(blocks, ATTENTION_BLOCK_SIZE, kv_heads, head_size),
+        out=out, cu_seqlens_q=batch.cu_seqlens, max_seqlen_q=max(batch.seq_lens), seqused_k=batch.lengths,
+        max_seqlen_k=max(batch.seq_lens), softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1),
+        block_table=batch.block_table, softcap=0, q_descale=None, k_descale=unit, v_descale=unit,
     )  # fmt: skip
     return out.reshape(tokens, heads * head_size)
 
@@ -293,13 +321,13 @@ class BitwiseForward:
 
         return engine_op(kernel, reference, q, k)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         return engine_op(
-            functools.partial(self.kernels.attention, seq_lens=seq_lens, head_size=self.head_size),
-            functools.partial(attention_reference, seq_lens=seq_lens, head_size=self.head_size), q, k, v,
+            functools.partial(self.kernels.attention, batch=batch, head_size=self.head_size),
+            functools.partial(attention_reference, batch=batch, head_size=self.head_size), q, k, v,
         )  # fmt: skip
 
-    def _layer(self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         prefix = f"model.layers.{index}"
         if residual is None:
             residual, x = h, self._norm(h, layer.input_layernorm)
@@ -311,8 +339,8 @@ class BitwiseForward:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of every head before RoPE
             q = self._norm(q.reshape(q.shape[0], -1, self.head_size), attn.q_norm).reshape(q.shape)
             k = self._norm(k.reshape(k.shape[0], -1, self.head_size), attn.k_norm).reshape(k.shape)
-        q, k = self._rope(positions, q, k)
-        h = self._stacked(f"{prefix}.self_attn", ("o_proj",), self._attention(q, k, v, seq_lens))
+        q, k = self._rope(batch.position, q, k)
+        h = self._stacked(f"{prefix}.self_attn", ("o_proj",), self._attention(q, k, v, batch))
         x, residual = self._norm(h, layer.post_attention_layernorm, residual)
         act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_reference, self._stacked(f"{prefix}.mlp", STACKED_PROJECTIONS[1], x))
         return self._stacked(f"{prefix}.mlp", ("down_proj",), act), residual
@@ -320,14 +348,13 @@ class BitwiseForward:
     # ------------------------------------------------------------------ public
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Final normed hidden states [sum(len), hidden] (BF16) of the packed `sequences` (token ids)."""
-        seq_lens = [len(s) for s in sequences]
+        batch = PackedBatch.from_lengths([len(s) for s in sequences], self.device)
         ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
         inner = self.model.model
         h = F.embedding(ids, inner.embed_tokens.weight)
         residual = None
         for index, layer in enumerate(inner.layers):
-            h, residual = self._layer(index, layer, h, residual, positions, seq_lens)
+            h, residual = self._layer(index, layer, h, residual, batch)
         return self._norm(h, inner.norm, residual)[0]
 
     def token_logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], chunk_rows: int = 2048) -> list[torch.Tensor]:
