@@ -115,7 +115,7 @@ class GRPOPolicy:
         self.bitwise: BitwiseForward | None = None
         if fp8 is not None and fp8.on_policy == "bitwise":
             self.bitwise = BitwiseForward(self.model, fp8)
-            self.fp8_layers = sorted(self.bitwise.fp8)
+            self.fp8_layers = sorted(self.bitwise.fp8_names)
         else:
             self.fp8_layers = apply_fp8_training(self.model, fp8) if fp8 is not None else []
         self.params = [p for p in self.model.parameters() if p.requires_grad]
