@@ -96,6 +96,32 @@ def test_cpu_engine_refuses_bitwise_at_start(tiny_llama: Path, monkeypatch: pyte
 
 
 # --------------------------------------------------------------------------- operators
+def test_fixed_tile_gemm_plan_depends_on_the_shape_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bitwise engine's (and trainer's) GEMM calls per layer (`fixed_tile_calls`), planned on
+    CPU with vLLM's CUTLASS capability query stood in for (it needs the CUDA build): one CUTLASS call
+    for a stacked layer of whole 128-blocks with K <= 3N on SM90, per-shard Triton calls for partial
+    blocks, Triton where vLLM's dispatch would turn to Stream-K (K > 3N), for a bias, and off SM90.
+    The same plan on the H100/H200 (CUTLASS queried for real): tests/test_gpu_bitwise.py."""
+    from fp8_align.vllm_plugin.kernels import fixed_tile
+
+    monkeypatch.setattr(fixed_tile, "cutlass_scaled_mm_supports_block_fp8", lambda capability: capability >= 90)
+    fixed_tile.fixed_tile_calls.cache_clear()
+    plan = fixed_tile.fixed_tile_calls
+    sm90 = (9, 0)
+    [(rows, scale_rows, gemm)] = plan((4096, 1024, 1024), 4096, sm90, False)
+    assert (rows, scale_rows, gemm) == (slice(0, 6144), slice(0, 48), fixed_tile.CUTLASS)
+    assert [gemm for _, _, gemm in plan((4096,), 12288, sm90, False)] == [fixed_tile.CUTLASS]  # K = 3N
+    assert [gemm for _, _, gemm in plan((4096,), 14336, sm90, False)] == [fixed_tile.TRITON]  # K > 3N: Stream-K there
+    partial = plan((576, 192, 192), 576, sm90, False)
+    assert [(r, sr, g) for r, sr, g in partial] == [
+        (slice(0, 576), slice(0, 5), fixed_tile.TRITON), (slice(576, 768), slice(5, 7), fixed_tile.TRITON),
+        (slice(768, 960), slice(7, 9), fixed_tile.TRITON),
+    ]  # fmt: skip
+    assert [gemm for _, _, gemm in plan((4096, 1024, 1024), 4096, sm90, True)] == [fixed_tile.TRITON]
+    assert [gemm for _, _, gemm in plan((4096, 1024, 1024), 4096, (10, 0), False)] == [fixed_tile.TRITON]
+    fixed_tile.fixed_tile_calls.cache_clear()
+
+
 def test_rope_table_matches_transformers() -> None:
     """Independent reference: transformers' own inverse frequencies (default and llama3 scaling,
     FP32 there, float64 here); the table is cos | sin of float64 angles, rounded once to FP32."""
