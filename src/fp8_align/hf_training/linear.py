@@ -15,7 +15,9 @@ runs through the block-FP8 GEMM backend the plugin selects for the engine's laye
 CUTLASS, cuBLASLt or Triton, `vllm_plugin.kernels.select_kernel`) with the plugin's activation
 quantizer. vLLM stacks q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; the backend is
 chosen for that stacked shape (shard sizes included) and run on this projection's shard, whose
-rows are the same dot products (no backend splits K by N). Only the attention, norms and the
+rows are the same dot products, except where vLLM's CUTLASS dispatch turns to Stream-K for the
+shard alone (K > 3 x its rows, e.g. Qwen3-8B's k/v_proj): there the order of the K sum, and so the
+bits, may differ from the engine's stacked call. `BitwiseForward` stacks its projections instead. Only the attention, norms and the
 rest of the model still run HF's code. Default "emulation": the pure-torch reference (`fp8_align.quant`).
 """
 
