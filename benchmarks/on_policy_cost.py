@@ -9,9 +9,11 @@ out), long = 512 x (512 in, 2048 out); output tokens per second. Variants: bf16 
 BF16 engine), fp8_fast (fp8_align's default recipe with CUTLASS GEMMs, `use_deep_gemm=False`, no
 JIT compile at start), fp8_bitwise (`FP8Config(on_policy="bitwise")`), bf16_bitwise
 (`FP8Config(on_policy="bitwise", precision="bf16")`).
-Trainer: forward + backward of the summed token log-probs of 8 sequences x 512 tokens on the
-Qwen3-8B shape cut to 4 decoder layers: HF's BF16 model, BitwiseForward (bf16 and fp8), and the
-pure-torch FP8 emulation (`apply_fp8_training(forward_kernel="emulation")`); median of 3 after a warm-up.
+Trainer: forward + backward of the summed token log-probs of 8 sequences x `--trainer-lengths`
+tokens (default 512 and 2048) on the Qwen3-8B shape cut to 4 decoder layers: HF's BF16 model,
+BitwiseForward (bf16 and fp8, built once outside the timed steps, as a trainer builds it), and the
+pure-torch FP8 emulation (`apply_fp8_training(forward_kernel="emulation")`, at the first length
+only); median of 3 after a warm-up.
 """
 
 from __future__ import annotations
@@ -74,9 +76,10 @@ def rollout_one(variant: str, shape: str, work: Path) -> dict[str, Any]:
             "output_tok_per_s": round(tokens / seconds, 1), "engine_start_s": round(start_s, 1)}  # fmt: skip
 
 
-def trainer_times(repeats: int = 3, profile_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Forward + backward seconds per trainer variant on the 4-layer Qwen3-8B shape; with
-    `profile_dir`, one more profiled step per variant writes its CUDA-time table there."""
+def trainer_times(lengths: tuple[int, ...] = (512, 2048), repeats: int = 3, profile_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Forward + backward seconds per trainer variant on the 4-layer Qwen3-8B shape, 8 sequences of
+    each of `lengths` tokens; with `profile_dir`, one more profiled step per variant at the first
+    length writes its CUDA-time and host-time tables there."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -88,41 +91,52 @@ def trainer_times(repeats: int = 3, profile_dir: Path | None = None) -> list[dic
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    sequences = [torch.randint(1000, 100000, (512,)).tolist() for _ in range(8)]
-    prompt_lens = [64] * len(sequences)
-    ids = torch.tensor(sequences, device="cuda")
-
-    def hf_loss(m: torch.nn.Module) -> torch.Tensor:
-        logprobs = m(ids).logits[:, 63:-1].float().log_softmax(-1)
-        return logprobs.gather(-1, ids[:, 64:, None]).sum()
-
     emulated = copy.deepcopy(model)
     apply_fp8_training(emulated, FP8Config(), forward_kernel="emulation")
-    runs = {
-        "hf_bf16": lambda: hf_loss(model),
-        "bitwise_bf16": lambda: torch.cat(BitwiseForward(model, FP8Config(on_policy="bitwise", precision="bf16")).token_logprobs(sequences, prompt_lens)).sum(),
-        "bitwise_fp8": lambda: torch.cat(BitwiseForward(model, FP8Config(on_policy="bitwise")).token_logprobs(sequences, prompt_lens)).sum(),
-        "emulation_fp8": lambda: hf_loss(emulated),
-    }
+    # built once, as a trainer builds them (RoPE table, kernel choice); each step is token_logprobs + backward
+    bitwise_bf16 = BitwiseForward(model, FP8Config(on_policy="bitwise", precision="bf16"))
+    bitwise_fp8 = BitwiseForward(model, FP8Config(on_policy="bitwise"))
     rows = []
-    for name, loss_fn in runs.items():
-        times = []
-        for i in range(repeats + 1):
-            model.zero_grad(set_to_none=True)
-            emulated.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss_fn().backward()
-            torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - start)
-        rows.append({"trainer": name, "tokens": 8 * 512, "median_s": round(statistics.median(times), 4), "times_s": [round(t, 4) for t in times]})
-        print(json.dumps(rows[-1]), flush=True)
-        if profile_dir is not None:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+    for length in lengths:
+        sequences = [torch.randint(1000, 100000, (length,)).tolist() for _ in range(8)]
+        prompt_lens = [64] * len(sequences)
+        ids = torch.tensor(sequences, device="cuda")
+
+        def hf_loss(m: torch.nn.Module, ids: torch.Tensor = ids) -> torch.Tensor:
+            logprobs = m(ids).logits[:, 63:-1].float().log_softmax(-1)
+            return logprobs.gather(-1, ids[:, 64:, None]).sum()
+
+        runs = {
+            "hf_bf16": lambda: hf_loss(model),
+            "bitwise_bf16": lambda: torch.cat(bitwise_bf16.token_logprobs(sequences, prompt_lens)).sum(),
+            "bitwise_fp8": lambda: torch.cat(bitwise_fp8.token_logprobs(sequences, prompt_lens)).sum(),
+        }
+        if length == lengths[0]:
+            runs["emulation_fp8"] = lambda: hf_loss(emulated)
+        for name, loss_fn in runs.items():
+            times = []
+            for i in range(repeats + 1):
+                model.zero_grad(set_to_none=True)
+                emulated.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
                 loss_fn().backward()
                 torch.cuda.synchronize()
-            (profile_dir / f"trainer_{name}.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45))
+                if i:
+                    times.append(time.perf_counter() - start)
+            rows.append({"trainer": name, "tokens": 8 * length, "sequence_length": length, "median_s": round(statistics.median(times), 4),
+                         "times_s": [round(t, 4) for t in times]})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+            if profile_dir is not None and length == lengths[0]:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+                    loss_fn().backward()
+                    torch.cuda.synchronize()
+                table = prof.key_averages()
+                (profile_dir / f"trainer_{name}.txt").write_text(
+                    table.table(sort_by="self_cuda_time_total", row_limit=45) + "\n\nBy host time:\n" + table.table(sort_by="self_cpu_time_total", row_limit=30)
+                )
+        del runs
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="bf16,fp8_fast,fp8_bitwise")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_cost"))
     parser.add_argument("--profile-trainer", type=Path, help="write each trainer variant's profiler table into this folder")
+    parser.add_argument("--trainer-lengths", default="512,2048", help="tokens per sequence of the trainer steps (8 sequences each)")
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "SHAPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if "trainer" in args.parts:
         if args.profile_trainer:
             args.profile_trainer.mkdir(parents=True, exist_ok=True)
-        report["trainer"] = trainer_times(profile_dir=args.profile_trainer)
+        report["trainer"] = trainer_times(tuple(int(n) for n in args.trainer_lengths.split(",")), profile_dir=args.profile_trainer)
         args.out.write_text(json.dumps(report, indent=1))
     if "rollout" in args.parts:
         for shape in args.shapes.split(","):

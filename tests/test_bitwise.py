@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -243,24 +244,70 @@ def test_a_sequence_scores_the_same_alone_and_packed(precision: str) -> None:
         assert torch.equal(forward.token_logprobs([seq], [PROMPT_LENS[i]])[0], packed[i])
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_gradients_are_the_reference_gradients(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each op's backward is the gradient of its pure-torch reference: plain autograd through the
-    references (the engine kernels swapped out) gives the same gradients, bit for bit on CPU."""
+def _gradients(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss().backward()
+    return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert got.keys() == want.keys()
+    return {name: ((got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-12)).item() for name in got}
+
+
+def test_bf16_gradients_are_the_models_own() -> None:
+    """BitwiseForward's backward is the standard BF16 gradient: against transformers' own autograd
+    of the same loss, every parameter's gradient is within 5% (relative Frobenius norm). Measured
+    here: at most 1.8%, the two forwards rounding intermediate results differently; a wrong
+    backward (a missing term, a transposed weight, a wrong RoPE direction) is off by O(1)."""
     model = _tiny_model("qwen3")
-    cfg = FP8Config(on_policy="bitwise", precision=precision)
+    forward = BitwiseForward(model, FP8Config(on_policy="bitwise", precision="bf16"))
 
-    def gradients() -> dict[str, torch.Tensor]:
-        model.zero_grad()
-        torch.cat(BitwiseForward(model, cfg).token_logprobs(SEQUENCES, PROMPT_LENS)).sum().backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    def hf_loss() -> torch.Tensor:
+        total = torch.zeros(())
+        for seq, prompt in zip(SEQUENCES, PROMPT_LENS):
+            logprobs = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+            total = total + logprobs[torch.arange(prompt - 1, len(seq) - 1), torch.tensor(seq[prompt:])].sum()
+        return total
 
-    engine = gradients()
-    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, reference_fn, *inputs, **_: reference_fn(*inputs))
-    reference = gradients()
-    assert engine.keys() == reference.keys() and len(engine) == len(list(model.parameters()))
-    for name in engine:
-        assert torch.equal(engine[name], reference[name]), name
+    errors = _relative_errors(_gradients(model, lambda: torch.cat(forward.token_logprobs(SEQUENCES, PROMPT_LENS)).sum()), _gradients(model, hf_loss))
+    assert len(errors) == len(list(model.parameters()))
+    assert max(errors.values()) < 0.05, errors
+
+
+def test_fp8_gradients_follow_plain_autograd_of_the_standard_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8: the engine-kernel forward with its backward against plain autograd through each op's
+    `gradient_fn` (BF16 torch ops, FP8 projections straight-through): within 20% per parameter.
+    Measured here: at most 7.2%, BF16 rounding differences re-rounded by the FP8 quantizers."""
+    model = _tiny_model("qwen3")
+    cfg = FP8Config(on_policy="bitwise", precision="fp8")
+
+    def loss() -> torch.Tensor:
+        return torch.cat(BitwiseForward(model, cfg).token_logprobs(SEQUENCES, PROMPT_LENS)).sum()
+
+    engine = _gradients(model, loss)
+    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
+    errors = _relative_errors(engine, _gradients(model, loss))
+    assert len(errors) == len(list(model.parameters()))
+    assert max(errors.values()) < 0.2, errors
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rope_backward_is_the_exact_inverse_rotation(rotary_dim: int) -> None:
+    """The RoPE backward (the kernel with the inverse table) equals autograd of the FP32 rotation
+    `apply_rope` bit for bit: both round g1 cos + g2 sin (and g2 cos - g1 sin) once from FP32 products."""
+    spec = RopeSpec(head_size=64, rotary_dim=rotary_dim, theta=10000.0, max_positions=128)
+    table = rope_table(spec)
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 128, (9,), generator=g)
+    q = torch.randn(9, 4 * 64, generator=g).to(torch.bfloat16).requires_grad_()
+    k = torch.randn(9, 2 * 64, generator=g).to(torch.bfloat16).requires_grad_()
+    grad_q = torch.randn(9, 4 * 64, generator=g).to(torch.bfloat16)
+    grad_k = torch.randn(9, 2 * 64, generator=g).to(torch.bfloat16)
+    want = torch.autograd.grad([apply_rope(positions, q, table, 64, rotary_dim), apply_rope(positions, k, table, 64, rotary_dim)], [q, k], [grad_q, grad_k])
+    inverse = bitwise_training.inverse_rope_table(table)
+    got = (apply_rope(positions, grad_q, inverse, 64, rotary_dim), apply_rope(positions, grad_k, inverse, 64, rotary_dim))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_other_families_and_modes_are_refused() -> None:

@@ -25,7 +25,7 @@ curl -sSfL -o "$work/wheels/$sdist" "https://files.pythonhosted.org/packages/3d/
 echo "$sdist_sha  $work/wheels/$sdist" | sha256sum -c --quiet
 mkdir -p "$out" && rm -f "$out"/te.part_* "$out"/ID  # a prebuilt transformer_engine_torch wheel there stays
 tar -C "$work" -cf "$work/te.tar" wheels
-split -b 57M -d -a 2 "$work/te.tar" "$out/te.part_"
+split -b 48M -d -a 2 "$work/te.tar" "$out/te.part_"
 sha256sum "$work/te.tar" | cut -c1-16 > "$out/ID"
 grep -qx '/.gpute/' .git/info/exclude 2>/dev/null || echo '/.gpute/' >> .git/info/exclude
 ls -l "$out" && (cd "$work/wheels" && ls -1)

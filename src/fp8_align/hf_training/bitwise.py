@@ -8,10 +8,11 @@ the same GEMM calls as the engine; block FP8 through the plugin's fixed-tile bac
 the recipe quantizes, vLLM's batch-invariant matmul for BF16 ones), RMSNorm of q/k per head (Qwen3),
 RoPE with the FP32 table, attention with vLLM's TRITON_ATTN kernel over a paged copy of K/V,
 SiLU-and-mul, the final norm, lm_head and the log-softmax of the sampler. Each op is an autograd
-function whose forward is the engine's kernel and whose backward is the gradient of the op's
-pure-torch reference at the same inputs: in closed form for the linears and the log-softmax (no
-second forward), by autograd through the reference otherwise; FP8 projections: BF16
-straight-through. So training runs.
+function whose forward is the engine's kernel and whose backward is the standard gradient of the
+op at the model's precision (BF16), as a BF16 trainer computes it: in closed form for the linears,
+the log-softmax and RoPE (the inverse rotation, no second forward); by autograd through torch's
+fused BF16 op at the same inputs for RMSNorm, SiLU-and-mul and attention (SDPA, flash on CUDA);
+FP8 projections: BF16 straight-through. So training runs at a BF16 trainer's cost.
 
 On CUDA the kernels are the engine's (fp8_align's Triton operators and vLLM's, via
 `vllm_plugin.compat.batch_invariant_kernels`); on CPU every op runs its pure-torch reference, which
@@ -32,18 +33,14 @@ from torch import nn
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align.bitwise import MODEL_TYPES
-from fp8_align.bitwise.reference import (
-    RopeSpec,
-    apply_rope,
-    fused_add_rms_norm_reference,
-    rms_norm_reference,
-    rope_table,
-    silu_and_mul_reference,
-)
+from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
-from fp8_align.quant.shards import quantize_shards
+from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
+from fp8_align.quant.dispatch import quantize_weights_into
+from fp8_align.quant.scales import FP8_DTYPE
+from fp8_align.quant.shards import shard_slices
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
@@ -56,19 +53,19 @@ class UnsupportedModelError(ValueError):
     """A model family whose forward `BitwiseForward` does not reproduce."""
 
 
-#: A closed-form backward: (inputs, forward output or None, output gradient) -> one gradient per input.
-Vjp = Callable[[tuple[torch.Tensor, ...], torch.Tensor | None, torch.Tensor], tuple[torch.Tensor | None, ...]]
+#: A closed-form backward: (inputs, forward output or None, output gradients) -> one gradient per input.
+Vjp = Callable[[tuple[torch.Tensor, ...], torch.Tensor | None, tuple[torch.Tensor, ...]], tuple[torch.Tensor | None, ...]]
 
 
 class _EngineOp(torch.autograd.Function):
     """Forward: `engine_fn(*inputs)`; backward: `vjp` when given (with the output when
-    `save_output`), else autograd of `reference_fn` at the same inputs."""
+    `save_output`), else autograd of `gradient_fn` at the same inputs."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, engine_fn: Callable[..., Any], reference_fn: Callable[..., Any], vjp: Vjp | None, save_output: bool, *inputs: torch.Tensor
+        ctx: Any, engine_fn: Callable[..., Any], gradient_fn: Callable[..., Any], vjp: Vjp | None, save_output: bool, *inputs: torch.Tensor
     ) -> Any:
-        ctx.reference_fn, ctx.vjp, ctx.save_output = reference_fn, vjp, save_output
+        ctx.gradient_fn, ctx.vjp, ctx.save_output = gradient_fn, vjp, save_output
         output = engine_fn(*inputs)
         ctx.save_for_backward(*inputs, *((output,) if save_output else ()))
         return output
@@ -79,11 +76,11 @@ class _EngineOp(torch.autograd.Function):
         if ctx.vjp is not None:
             saved = ctx.saved_tensors
             inputs, output = (saved[:-1], saved[-1]) if ctx.save_output else (saved, None)
-            found = ctx.vjp(tuple(inputs), output, grads[0])
+            found = ctx.vjp(tuple(inputs), output, grads)
             return (None, None, None, None, *(g if need else None for g, need in zip(found, needs)))
         inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(ctx.saved_tensors, needs)]
         with torch.enable_grad():
-            outputs = ctx.reference_fn(*inputs)
+            outputs = ctx.gradient_fn(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         wanted = [t for t in inputs if t.requires_grad]
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
@@ -92,25 +89,51 @@ class _EngineOp(torch.autograd.Function):
 
 
 def engine_op(
-    engine_fn: Callable[..., Any], reference_fn: Callable[..., Any], *inputs: torch.Tensor, vjp: Vjp | None = None, save_output: bool = False
+    engine_fn: Callable[..., Any], gradient_fn: Callable[..., Any], *inputs: torch.Tensor, vjp: Vjp | None = None, save_output: bool = False
 ) -> Any:
-    """`engine_fn(*inputs)` with the backward of `reference_fn` (the same contract, pure torch):
-    `vjp`, its gradient in closed form (one output; given the output when `save_output`), if given."""
-    return _EngineOp.apply(engine_fn, reference_fn, vjp, save_output, *inputs)
+    """`engine_fn(*inputs)` with the backward of `gradient_fn` (the same contract in plain torch at
+    the inputs' precision: the op a standard trainer differentiates): `vjp`, that gradient in
+    closed form (given the output when `save_output`), if given, else autograd of `gradient_fn`."""
+    return _EngineOp.apply(engine_fn, gradient_fn, vjp, save_output, *inputs)
 
 
-def linear_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def linear_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
     """Gradients of `F.linear(x, weight[, bias])` for 2-D x [T, K], weight [N, K], grad [T, N],
     computed as autograd computes them (`grad @ weight`, `grad.T @ x`, `grad.sum(0)`)."""
+    (grad,) = grads
     x, weight = inputs[0], inputs[1]
-    grads = (grad.mm(weight), grad.t().mm(x))
-    return (*grads, grad.sum(0)) if len(inputs) == 3 else grads
+    found = (grad.mm(weight), grad.t().mm(x))
+    return (*found, grad.sum(0)) if len(inputs) == 3 else found
 
 
-def log_softmax_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def log_softmax_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
     """Gradient of `torch.log_softmax(x, -1)` from its output (`save_output=True`), with autograd's own formula."""
     assert output is not None
-    return (torch.ops.aten._log_softmax_backward_data(grad, output, -1, inputs[0].dtype),)
+    return (torch.ops.aten._log_softmax_backward_data(grads[0], output, -1, inputs[0].dtype),)
+
+
+def rms_norm_gradient_fn(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm at x's precision (torch's fused `rms_norm`): the op whose gradient the trainer's RMSNorm backward is."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def fused_add_rms_norm_gradient_fn(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) at x's precision: the gradient of the fused residual add and norm."""
+    summed = x + residual
+    return rms_norm_gradient_fn(summed, weight, eps), summed
+
+
+def silu_and_mul_gradient_fn(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d] `silu(gate) * up` at x's precision, as HF's MLP computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def inverse_rope_table(table: torch.Tensor) -> torch.Tensor:
+    """The [max_pos, rotary_dim] table (cos | -sin) of the inverse rotation: RoPE with it maps an
+    output gradient to the input gradient of RoPE with `table` (the exact transpose, in FP32, rounded once)."""
+    cos, sin = table.chunk(2, dim=-1)
+    return torch.cat((cos, -sin), dim=-1)
 
 
 #: A block-FP8 product of a quantized layer (codes, scale grids, shard sizes) with x [T, K], + bias.
@@ -118,14 +141,15 @@ Fp8Gemm = Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class _StackedFp8Linear(torch.autograd.Function):
-    """x [T, K] times the stacked BF16 weight [sum(shards), K] quantized shard by shard, through
-    `gemm` with the engine layer's shard sizes; BF16 straight-through backward."""
+    """x [T, K] times the stacked BF16 weight [sum(shards), K], whose shard-by-shard block-FP8
+    `codes` and stacked `scales` are given, through `gemm` with the engine layer's shard sizes;
+    BF16 straight-through backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...], gemm: Fp8Gemm, cfg: FP8Config
-    ) -> torch.Tensor:
-        codes, scales = quantize_shards(weight.detach(), list(shard_sizes), cfg.use_weight_pow2_scale, cfg.scale_rule)
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...], gemm: Fp8Gemm,
+        codes: torch.Tensor, scales: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
         layer = SimpleNamespace(
             weight=codes, weight_scale_inv=scales, bias=bias, params_dtype=x.dtype,
             fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", shard_sizes=list(shard_sizes)),
@@ -136,7 +160,16 @@ class _StackedFp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*bf16_straight_through(ctx, grad_out), None, None, None)
+        return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory without waiting for queued device
+    work (a pageable copy would stall the host until the stream drains)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -177,28 +210,53 @@ class PackedBatch:
         length_tensor = torch.tensor(lengths, dtype=torch.int32)
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), length_tensor.cumsum(0, dtype=torch.int32)])
         return cls(
-            tuple(lengths), torch.cat(rows).to(device), torch.cat(positions).to(device), torch.cat(slots).to(device),
-            block_table.to(device), cu_seqlens.to(device), length_tensor.to(device),
+            tuple(lengths), host_to_device(torch.cat(rows), device), host_to_device(torch.cat(positions), device),
+            host_to_device(torch.cat(slots), device), host_to_device(block_table, device), host_to_device(cu_seqlens, device),
+            host_to_device(length_tensor, device),
         )  # fmt: skip
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, head_size: int) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, head_size: int, compute_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Causal attention of packed sequences: q [T, Hq * D], k/v [T, Hk * D] (grouped heads) ->
-    [T, Hq * D] in q's dtype, in FP32 with scale D ** -0.5. The sequences are padded at their ends
-    into one [B, H, L, D] batch for torch's scaled-dot-product attention (one fused kernel, forward
-    and backward); a query never sees a padded key, every key it may see comes before it."""
+    [T, Hq * D] in q's dtype, computed in `compute_dtype` (FP32: the reference; q's dtype: the
+    standard attention whose gradient the trainer's backward is) with scale D ** -0.5. The sequences
+    are padded at their ends into one [B, H, L, D] batch for torch's scaled-dot-product attention
+    (one fused kernel, forward and backward: flash on CUDA in BF16); a query never sees a padded
+    key, every key it may see comes before it."""
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
     count, longest = len(batch.seq_lens), max(batch.seq_lens)
 
     def padded(x: torch.Tensor, num_heads: int) -> torch.Tensor:
         grid = x.new_zeros(count, longest, num_heads, head_size).index_put((batch.row, batch.position), x.reshape(-1, num_heads, head_size))
-        return grid.transpose(1, 2).float()  # [B, H, L, D]
+        return grid.transpose(1, 2).to(compute_dtype)  # [B, H, L, D]
 
     qs = padded(q, heads)
     ks = padded(k, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
     vs = padded(v, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
     out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=head_size**-0.5)
     return out.transpose(1, 2)[batch.row, batch.position].reshape(q.shape[0], heads * head_size).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class StackedLinear:
+    """One stacked layer of the engine (q|k|v, o, gate|up, down of a decoder layer): its HF
+    linears in stacking order, their output sizes, and whether the recipe quantizes it to FP8."""
+
+    modules: tuple[nn.Linear, ...]
+    sizes: tuple[int, ...]
+    fp8: bool
+
+    def weight(self) -> torch.Tensor:
+        """The stacked [sum(sizes), K] weight (a view of the one module's, else a new tensor)."""
+        return self.modules[0].weight if len(self.modules) == 1 else torch.cat([m.weight for m in self.modules])
+
+    def bias(self) -> torch.Tensor | None:
+        """The stacked [sum(sizes)] bias, or None."""
+        if self.modules[0].bias is None:
+            return None
+        return self.modules[0].bias if len(self.modules) == 1 else torch.cat([m.bias for m in self.modules])
 
 
 @dataclass(frozen=True)
@@ -271,8 +329,46 @@ class BitwiseForward:
         self.device = next(model.parameters()).device
         self.kernels = _engine_kernels() if self.device.type == "cuda" else _reference_kernels()
         self.table = rope_table(self.rope, self.device)
+        self.inverse_table = inverse_rope_table(self.table)
         self.fp8_names = {name for name, _ in (recipe_fp8_modules(model, cfg, config.num_hidden_layers) if cfg.precision == "fp8" else [])}
+        self.stacked = {
+            f"model.layers.{index}.{part}.{names[0]}": self._stacked_linear(f"model.layers.{index}.{part}", names)
+            for index in range(len(model.model.layers))
+            for part, names in (("self_attn", STACKED_PROJECTIONS[0]), ("self_attn", ("o_proj",)), ("mlp", STACKED_PROJECTIONS[1]), ("mlp", ("down_proj",)))
+        }  # fmt: skip
         self.fp8_gemm = self._fp8_gemm()
+
+    def _stacked_linear(self, prefix: str, names: Sequence[str]) -> StackedLinear:
+        fp8 = {f"{prefix}.{name}" in self.fp8_names for name in names}
+        if len(fp8) > 1:
+            raise ValueError(f"{prefix}: {list(names)} are one layer in vLLM; the recipe quantizes only some of them")
+        modules = tuple(self.model.get_submodule(f"{prefix}.{name}") for name in names)
+        return StackedLinear(modules, tuple(m.out_features for m in modules), fp8.pop())
+
+    def _fp8_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per FP8 stacked layer: (codes [N, K] e4m3, stacked scale grids) of its current weights,
+        each shard quantized on its own as the engine quantizes it, all in one grouped launch on
+        CUDA (`quantize_weights_into`). No finiteness check (a device sync): on CUDA a NaN/Inf weight
+        gives NaN log-probs."""
+        weights: list[torch.Tensor] = []
+        codes_out: list[torch.Tensor] = []
+        scales_out: list[torch.Tensor] = []
+        found = {}
+        for key, layer in self.stacked.items():
+            if not layer.fp8:
+                continue
+            slices = shard_slices(list(layer.sizes))
+            k = layer.modules[0].in_features
+            codes = torch.empty((sum(layer.sizes), k), dtype=FP8_DTYPE, device=self.device)
+            scales = torch.empty((slices[-1][1].stop, -(-k // DEFAULT_BLOCK_SIZE[1])), dtype=torch.float32, device=self.device)
+            for module, (rows, scale_rows) in zip(layer.modules, slices):
+                weights.append(module.weight.detach())
+                codes_out.append(codes[rows])
+                scales_out.append(scales[scale_rows])
+            found[key] = (codes, scales)
+        if weights:
+            quantize_weights_into(weights, codes_out, scales_out, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule)
+        return found
 
     def _fp8_gemm(self) -> Fp8Gemm:
         """The engine's block-FP8 backend on CUDA (`select_kernel` for this config), the emulated
@@ -285,49 +381,49 @@ class BitwiseForward:
         return lambda layer, x, bias: kernel.apply(layer, x, bias, pow2, rule)
 
     # ------------------------------------------------------------------ ops
-    def _stacked(self, prefix: str, names: Sequence[str], x: torch.Tensor) -> torch.Tensor:
-        """The outputs of the linears `prefix.<name>` on x [T, K], side by side [T, sum(N)]: one
-        product of their stacked weights, as the engine's stacked layer (q|k|v, gate|up) computes it."""
-        modules = [self.model.get_submodule(f"{prefix}.{name}") for name in names]
-        fp8 = {f"{prefix}.{name}" in self.fp8_names for name in names}
-        if len(fp8) > 1:
-            raise ValueError(f"{prefix}: {list(names)} are one layer in vLLM; the recipe quantizes only some of them")
-        sizes = tuple(m.out_features for m in modules)
-        weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
-        bias = None
-        if modules[0].bias is not None:
-            bias = modules[0].bias if len(modules) == 1 else torch.cat([m.bias for m in modules])
-        if fp8.pop():
-            return _StackedFp8Linear.apply(x, weight, bias, sizes, self.fp8_gemm, self.cfg)
+    def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The outputs of the stacked layer `key` on x [T, K], side by side [T, sum(N)]: one product
+        of the stacked weight, as the engine's stacked layer (q|k|v, gate|up) computes it."""
+        layer = self.stacked[key]
+        weight, bias = layer.weight(), layer.bias()
+        if layer.fp8:
+            return _StackedFp8Linear.apply(x, weight, bias, layer.sizes, self.fp8_gemm, *fp8_weights[key])
         return engine_op(self.kernels.linear, F.linear, *((x, weight) if bias is None else (x, weight, bias)), vjp=linear_vjp)
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", self.config.rms_norm_eps)))
         if residual is None:
-            return engine_op(functools.partial(torch.ops.fp8_align.bitwise_rms_norm, eps=eps), functools.partial(rms_norm_reference, eps=eps), x, norm.weight)
+            return engine_op(functools.partial(torch.ops.fp8_align.bitwise_rms_norm, eps=eps), functools.partial(rms_norm_gradient_fn, eps=eps), x, norm.weight)
         return engine_op(
             functools.partial(torch.ops.fp8_align.bitwise_fused_add_rms_norm, eps=eps),
-            functools.partial(fused_add_rms_norm_reference, eps=eps), x, residual, norm.weight,
+            functools.partial(fused_add_rms_norm_gradient_fn, eps=eps), x, residual, norm.weight,
         )  # fmt: skip
 
     def _rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         size, rotary = self.head_size, self.rope.rotary_dim
 
-        def reference(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def rotation(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return apply_rope(positions, q, self.table, size, rotary), apply_rope(positions, k, self.table, size, rotary)
 
         def kernel(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return torch.ops.fp8_align.bitwise_rope(positions, q, k, self.table, size, rotary)
 
-        return engine_op(kernel, reference, q, k)
+        def vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+            grad_q, grad_k = (g.contiguous() for g in grads)
+            return torch.ops.fp8_align.bitwise_rope(positions, grad_q, grad_k, self.inverse_table, size, rotary)
+
+        return engine_op(kernel, rotation, q, k, vjp=vjp)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         return engine_op(
             functools.partial(self.kernels.attention, batch=batch, head_size=self.head_size),
-            functools.partial(attention_reference, batch=batch, head_size=self.head_size), q, k, v,
+            functools.partial(attention_reference, batch=batch, head_size=self.head_size, compute_dtype=q.dtype), q, k, v,
         )  # fmt: skip
 
-    def _layer(self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(
+        self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, batch: PackedBatch,
+        fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         prefix = f"model.layers.{index}"
         if residual is None:
             residual, x = h, self._norm(h, layer.input_layernorm)
@@ -335,33 +431,33 @@ class BitwiseForward:
             x, residual = self._norm(h, layer.input_layernorm, residual)
         attn = layer.self_attn
         q_size, kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        q, k, v = self._stacked(f"{prefix}.self_attn", STACKED_PROJECTIONS[0], x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self._stacked(f"{prefix}.self_attn.q_proj", x, fp8_weights).split([q_size, kv_size, kv_size], dim=-1)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of every head before RoPE
             q = self._norm(q.reshape(q.shape[0], -1, self.head_size), attn.q_norm).reshape(q.shape)
             k = self._norm(k.reshape(k.shape[0], -1, self.head_size), attn.k_norm).reshape(k.shape)
         q, k = self._rope(batch.position, q, k)
-        h = self._stacked(f"{prefix}.self_attn", ("o_proj",), self._attention(q, k, v, batch))
+        h = self._stacked(f"{prefix}.self_attn.o_proj", self._attention(q, k, v, batch), fp8_weights)
         x, residual = self._norm(h, layer.post_attention_layernorm, residual)
-        act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_reference, self._stacked(f"{prefix}.mlp", STACKED_PROJECTIONS[1], x))
-        return self._stacked(f"{prefix}.mlp", ("down_proj",), act), residual
+        act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, self._stacked(f"{prefix}.mlp.gate_proj", x, fp8_weights))
+        return self._stacked(f"{prefix}.mlp.down_proj", act, fp8_weights), residual
 
     # ------------------------------------------------------------------ public
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Final normed hidden states [sum(len), hidden] (BF16) of the packed `sequences` (token ids)."""
         batch = PackedBatch.from_lengths([len(s) for s in sequences], self.device)
-        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=self.device)
+        ids = host_to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long), self.device)
         inner = self.model.model
+        fp8_weights = self._fp8_weights()
         h = F.embedding(ids, inner.embed_tokens.weight)
         residual = None
         for index, layer in enumerate(inner.layers):
-            h, residual = self._layer(index, layer, h, residual, batch)
+            h, residual = self._layer(index, layer, h, residual, batch, fp8_weights)
         return self._norm(h, inner.norm, residual)[0]
 
     def token_logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], chunk_rows: int = 2048) -> list[torch.Tensor]:
         """Per sequence, FP32 [len - prompt_len] log-probs of its tokens after the prompt, each given
         its prefix, as the engine's sampler returns them (`logprobs` of the sampled tokens).
         lm_head and log-softmax run on `chunk_rows` rows at a time."""
-        hidden = self.hidden_states(sequences)
         rows, targets, start = [], [], 0
         for seq, prompt in zip(sequences, prompt_lens):
             if not 0 < prompt <= len(seq):
@@ -369,8 +465,9 @@ class BitwiseForward:
             rows.append(torch.arange(start + prompt - 1, start + len(seq) - 1))
             targets.extend(seq[prompt:])
             start += len(seq)
-        row_index = torch.cat(rows).to(self.device)
-        target = torch.tensor(targets, dtype=torch.long, device=self.device)
+        row_index = host_to_device(torch.cat(rows), self.device)
+        target = host_to_device(torch.tensor(targets, dtype=torch.long), self.device)
+        hidden = self.hidden_states(sequences)
         head = self.model.lm_head
         picked = []
         for chunk in range(0, row_index.numel(), chunk_rows):

@@ -25,19 +25,23 @@ def shard_slices(shard_sizes: list[int]) -> list[tuple[slice, slice]]:
 
 
 def quantize_shards(
-    weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bool, scale_rule: str = "amax_over_max"
+    weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bool, scale_rule: str = "amax_over_max", check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a merged [sum(shard_sizes), K] weight shard by shard (q|k|v, gate|up) with
     `pow2_scale` and `scale_rule`.
 
     Each shard gets its own 128x128 block grid, exactly as if the checkpoint's separate
     projections were quantized one by one. Returns (codes [N, K] e4m3, scales [sum_s ceil(n_s/128),
-    ceil(K/128)] float32, the shards' grids stacked in order), via `quantize_weight_into`
-    (the Triton kernel on CUDA, the torch reference elsewhere; same bits).
+    ceil(K/128)] float32, the shards' grids stacked in order), via `quantize_weight_into` (the
+    Triton kernel on CUDA, the torch reference elsewhere; same bits). check_finite: raise
+    ValueError when the weight holds NaN/Inf (one device sync); with False, on CUDA, such a block's
+    scale is NaN (the CPU reference always raises).
     """
     slices = shard_slices(shard_sizes)
     codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
     scales = torch.empty((slices[-1][1].stop, -(-weight.shape[1] // DEFAULT_BLOCK_SIZE[1])), dtype=torch.float32, device=weight.device)
     for rows, scale_rows in slices:
-        quantize_weight_into(weight[rows], pow2_scale, codes[rows], scales[scale_rows], scale_rule=scale_rule)
+        quantize_weight_into(weight[rows], pow2_scale, codes[rows], scales[scale_rows], check_finite=False, scale_rule=scale_rule)
+    if check_finite and not bool(torch.isfinite(scales).all()):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} contains NaN or Inf; FP8 scales would be invalid")
     return codes, scales
