@@ -34,11 +34,11 @@ from benchmarks.rollout.checkpoints import QWEN3_8B, ensure_bf16_checkpoint  # n
 from benchmarks.rollout.report import device_and_versions  # noqa: E402
 
 #: FP8Config fields of each variant (None: stock BF16): fp8_align's fast mode with a BF16 or FP8 KV
-#: cache (CUTLASS GEMMs), and `on_policy="bitwise"`.
+#: cache (CUTLASS GEMMs; FA3 decode, as profiled before XQA became the default), and `on_policy="bitwise"`.
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "bf16": None,
     "fp8_align": {"use_deep_gemm": False},
-    "fp8_align_kv": {"use_deep_gemm": False, "kv_cache_dtype": "fp8"},
+    "fp8_align_kv": {"use_deep_gemm": False, "kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"},
     "fp8_bitwise": {"on_policy": "bitwise"},
 }
 #: Kernel-name patterns -> family (first match wins; the rest is "other").

@@ -20,7 +20,8 @@ skip_tokenizer_init):
                quantization_config quant_method fp8, weight_block_size [128, 128]), with
                VLLM_USE_DEEP_GEMM=0: vLLM's CUTLASS block-FP8 kernel, FP32 scales
     fp8_align_kv   fp8_align + kv_cache_dtype="fp8": FP8 KV cache and, on Hopper with
-               FlashAttention 3, FP8 attention (vLLM quantizes the query too). After the
+               FlashAttention 3, FP8 attention (vLLM quantizes the query too), decoded by FA3
+               (FP8Config(kv_decode_kernel="backend"): the default "auto" would take XQA). After the
                warm-up the K/V scales are calibrated by the engine
                (`fp8_align.vllm_plugin.calibrate_kv_scales`, 8 prompts of the
                benchmark's prompt length; K and V: with an FP8 KV cache vLLM quantizes the query

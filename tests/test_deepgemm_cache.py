@@ -1,17 +1,20 @@
-"""`fp8-align prepare-deepgemm`: the shapes it compiles for and how it splits the work (CPU).
+"""`fp8-align prepare-deepgemm`: the shapes it compiles for and how it splits the work, and the
+engine warm-up's check of the cache (CPU, DeepGEMM stood in for).
 
-The compile itself needs an SM90 GPU and DeepGEMM: tests/test_gpu_kernels.py runs it on the box.
+The compile itself needs an SM90 GPU and DeepGEMM: tests/test_gpu_deepgemm_cache.py runs it on the box.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from fp8_align.cli import main
-from fp8_align.vllm_plugin.kernels.deepgemm_cache import LinearShape, dense_linear_shapes, parse_shapes, split_work
+from fp8_align.vllm_plugin.kernels.deepgemm_cache import split_work
+from fp8_align.vllm_plugin.kernels.deepgemm_inventory import LinearShape, dense_linear_shapes, parse_shapes
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip
@@ -79,3 +82,54 @@ def test_cli_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "--shapes" in capsys.readouterr().err
     assert main(["prepare-deepgemm", "--model", str(tmp_path / "missing")]) == 2
     assert main(["prepare-deepgemm", "--shapes", "12x"]) == 2
+
+
+def test_engine_warm_up_warns_before_compiling_into_a_cold_cache_and_marks_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`DeepGemmBlockFp8Kernel.warm_up` in an engine (its config, DeepGEMM and the GPU stood in for):
+    a cache without marks for the model gets one warning before the first compile, with the number
+    of kernels of every cold shape of the dense model and the prepare-deepgemm command; each shape is
+    marked once warmed up, so a later engine start (a new process) finds it prepared and warns not."""
+    import torch
+
+    from fp8_align.vllm_plugin.kernels import deepgemm_inventory, gpu
+
+    cache, checkpoint = (tmp_path / "dg").resolve(), tmp_path / "qwen3"
+    checkpoint.mkdir()
+    monkeypatch.setenv(deepgemm_inventory.JIT_CACHE_ENV_VAR, str(cache))
+    engine = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        model_config=SimpleNamespace(model=str(checkpoint), hf_text_config=SimpleNamespace(to_dict=lambda: QWEN3_8B)),
+    )
+    monkeypatch.setattr(gpu, "get_current_vllm_config_or_none", lambda: engine)
+    monkeypatch.setattr(gpu, "deepgemm_warmup_m_values", lambda n, max_tokens, device: [1, 2, 4, 8][: 3 + (n == 24576)])
+    monkeypatch.setattr(gpu.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    compiled: list[tuple[int, int]] = []
+    monkeypatch.setattr(gpu.DeepGemmBlockFp8Kernel, "run_for_m_values", lambda self, layer, m: compiled.append(tuple(layer.weight.shape)))
+    logged: dict[str, list[str]] = {"info": [], "warning": []}
+    for level in logged:
+        monkeypatch.setattr(gpu.logger, level, lambda message, *args, _level=level: logged[_level].append(message % args))
+
+    def start_engine(*shapes: tuple[int, int]) -> None:
+        """Warm up one layer per shape in a fresh process (no warm-ups or warnings of its own yet)."""
+        monkeypatch.setattr(deepgemm_inventory, "_warmups", {})
+        monkeypatch.setattr(gpu, "_COLD_CACHES_WARNED", set())
+        for n, k in shapes:
+            gpu.DeepGemmBlockFp8Kernel().warm_up(SimpleNamespace(weight=torch.empty(n, k, device="meta")))
+
+    start_engine((6144, 4096), (6144, 4096), (4096, 4096))
+    assert compiled == [(6144, 4096), (4096, 4096)]  # once per shape
+    assert logged["warning"] == [
+        f"fp8_align: DeepGEMM's JIT cache {cache} is not marked prepared for this engine (4 layer shapes: N=6144 K=4096, "
+        "N=4096 K=4096, N=24576 K=4096, N=4096 K=12288, up to 256 batched tokens): this start compiles up to 13 DeepGEMM "
+        "kernels one after another (~0.8 s each on an H100, ~0 min) before the engine serves. DeepGEMM stays the GEMM. Next time, "
+        "fill the cache ahead in parallel (once per GPU model and vLLM version): `fp8-align prepare-deepgemm --model "
+        f"{checkpoint} --cache-dir {cache} --max-num-batched-tokens 256` and start the engine with DG_JIT_CACHE_DIR={cache}"
+    ]
+    assert [w.prepared for w in deepgemm_inventory.warmups()] == [False, False]
+    assert logged["info"][0].startswith("fp8_align: DeepGEMM warm-up N=6144 K=4096: 3 M values in ") and logged["info"][0].endswith("(not marked prepared: compiled where missing)")
+
+    logged["warning"].clear()
+    start_engine((6144, 4096), (4096, 4096))
+    assert logged["warning"] == [] and [w.prepared for w in deepgemm_inventory.warmups()] == [True, True]
+    assert logged["info"][-1].endswith("(JIT cache marked prepared)")

@@ -170,3 +170,17 @@ def test_engine_log_names_kernel_per_layer(engine: Any, tmp_path_factory: pytest
     assert len(lines) == SMALL["num_hidden_layers"] * len(MERGED_SHARDS)
     assert {kernel for kernel, _ in lines} == {"deepgemm", "triton", "triton_per_shard"}
     assert all("deepgemm:" in passed for kernel, passed in lines if kernel != "deepgemm")
+
+
+def test_engine_log_has_one_plan_line(engine: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One INFO line sums the engine up (`vllm_plugin.engine_plan`): its GEMM backends, DeepGEMM with
+    its JIT-cache state and the others with why DeepGEMM was passed, and its decode kernel: a BF16
+    KV cache here, so FLASH_ATTN's own, with the reason."""
+    engine("fp8_odd_shapes")
+    log = next(Path(tmp_path_factory.getbasetemp()).glob("engines*/fp8_odd_shapes.log")).read_text()
+    plans = re.findall(r"fp8_align: engine plan: (.*)", log)
+    assert len(plans) == 1, plans
+    gemm, _, decode = plans[0].partition("; decode ")
+    assert re.search(r"deepgemm x\d+ \((JIT cache .* shapes prepared ahead|no warm-up ran)", gemm), gemm
+    assert re.search(r"triton x\d+ \(not deepgemm: ", gemm) and re.search(r"triton_per_shard x\d+ \(not deepgemm: ", gemm), gemm
+    assert decode.startswith("FLASH_ATTN (kv_decode_kernel='auto': the KV cache is not FP8"), decode

@@ -160,7 +160,7 @@ def _decode_diffs(tokens: list[list[int]], logprobs: list[list[float]], referenc
 @pytest.mark.slow
 def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_path, vllm_runner) -> None:
     """vLLM 0.22 engine with FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa") (CUDA graphs on),
-    against FA3 engines (kv_decode_kernel="auto") on the same model and prompts, greedy:
+    against FA3 engines (kv_decode_kernel="backend") on the same model and prompts, greedy:
     - decode runs XQA (the route counts its Python calls: CUDA-graph captures included), prefill
       stays on FA3: the first generated token's log-prob (from prefill) equals FA3's bit for bit;
     - decode log-probs differ from FA3's by less than FA3's FP8 cache differs from a BF16 cache:
@@ -189,8 +189,9 @@ def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_p
         return run_generation(spec, tmp_path / f"{name}.pt", timeout_s=600)["outputs"]
 
     bf16_kv = reference({}, None, "bf16_kv")
-    fa3_default = reference({"kv_cache_dtype": "fp8"}, None, "fa3")
-    fa3_pushed = reference({"kv_cache_dtype": "fp8"}, pushed, "fa3_pushed")
+    fa3_config = {"kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"}  # "auto", the default, would decode with XQA
+    fa3_default = reference(fa3_config, None, "fa3")
+    fa3_pushed = reference(fa3_config, pushed, "fa3_pushed")
     fp8_kv_effect = _decode_diffs([r["token_ids"] for r in fa3_default], [r["logprobs"] for r in fa3_default], bf16_kv)
 
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the worker runs here: read its counter

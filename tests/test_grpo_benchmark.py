@@ -120,6 +120,7 @@ def test_arms_and_their_engine_configs() -> None:
     assert settings.fp8_config(ARMS["bf16"]) is None
     cfg = settings.fp8_config(ARMS["fp8kv_aligned_tis"])
     assert cfg.kv_cache_dtype == "fp8" and not cfg.use_weight_pow2_scale and not cfg.use_deep_gemm
+    assert cfg.kv_decode_kernel == "backend"  # FA3 decode on Hopper, as the arms were measured
     assert settings.fp8_config(ARMS["fp8_tis"]).kv_cache_dtype == "auto"
     assert settings.fp8_config(ARMS["fp8_bitwise"]).on_policy == "bitwise" and not ARMS["fp8_bitwise"].tis
     assert all(settings.fp8_config(arm).on_policy == "off" for arm in ARMS.values() if arm.generation_fp8 and not arm.bitwise)

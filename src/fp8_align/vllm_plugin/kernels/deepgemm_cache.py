@@ -9,9 +9,11 @@ its generated source and compiler, so a cache that the same calls filled on the 
 with the same vLLM turns the engine's warm-up into loads.
 
 `prepare_deepgemm_cache` makes those calls (`DeepGemmBlockFp8Kernel.run_for_m_values`, the
-engine's own) split over `jobs` processes; `fp8-align prepare-deepgemm` is its command line.
-`dense_linear_shapes` lists the [N, K] of a dense decoder's FP8 linears per tensor-parallel rank
-from its Hugging Face config; the engine logs the shapes it warmed up (`DeepGEMM warm-up N= K=`).
+engine's own) split over `jobs` processes and marks each shape prepared
+(`deepgemm_inventory.mark_prepared`), which the engine checks before its warm-up; `fp8-align
+prepare-deepgemm` is its command line. The shapes come from `deepgemm_inventory`
+(`dense_linear_shapes`, `parse_shapes`); the engine logs the shapes it warmed up
+(`DeepGEMM warm-up N= K=`).
 """
 
 from __future__ import annotations
@@ -23,70 +25,17 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8_align.vllm_plugin.kernels.base import BLOCK, LayerShape
-
-#: vLLM 0.22's max_num_batched_tokens for `LLM(...)` on GPUs of 70 GiB or more (H100, H200).
-DEFAULT_MAX_BATCHED_TOKENS = 16384
-#: Config keys of architectures whose FP8 layers `dense_linear_shapes` does not describe.
-_NOT_DENSE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank", "q_lora_rank")
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    """One FP8 linear per tensor-parallel rank: [n, k] weight codes made of stacked `shards`."""
-
-    name: str
-    n: int
-    k: int
-    shards: tuple[int, ...]
-
-    @property
-    def runs_on_deepgemm(self) -> bool:
-        """K and every shard are multiples of 128 (`LayerShape.full_blocks`, the rule of `DeepGemmBlockFp8Kernel`)."""
-        return LayerShape(self.n, self.k, self.shards).full_blocks
-
-
-def dense_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> list[LinearShape]:
-    """The merged linears of a dense decoder layer (Llama / Qwen / Mistral family) on one rank:
-    qkv_proj, o_proj, gate_up_proj, down_proj, as vLLM stacks and splits them.
-
-    `config` is the checkpoint's config.json. Mixture-of-Experts and MLA configs are refused: their
-    expert GEMMs are not these kernels; pass their shapes explicitly (`--shapes`).
-    """
-    found = [key for key in _NOT_DENSE_KEYS if config.get(key)]
-    if found:
-        raise ValueError(f"{config.get('model_type', 'this model')} is not a dense decoder ({', '.join(found)} set): pass --shapes NxK[,NxK...]")
-    tp = tensor_parallel_size
-    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    if heads % tp or inter % tp or (kv_heads % tp and tp % kv_heads):
-        raise ValueError(f"tensor_parallel_size {tp} does not split {heads} heads / {kv_heads} KV heads / intermediate {inter}")
-    q, kv = heads // tp * head_dim, max(kv_heads // tp, 1) * head_dim
-    shapes = [
-        LinearShape("qkv_proj", q + 2 * kv, hidden, (q, kv, kv)),
-        LinearShape("o_proj", hidden, q, (hidden,)),
-        LinearShape("gate_up_proj", 2 * inter // tp, hidden, (inter // tp, inter // tp)),
-        LinearShape("down_proj", hidden, inter // tp, (hidden,)),
-    ]
-    return list({(s.n, s.k): s for s in shapes}.values())
-
-
-def parse_shapes(text: str) -> list[LinearShape]:
-    """"6144x4096,4096x4096" -> one single-shard LinearShape per NxK."""
-    shapes = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        n, sep, k = item.lower().partition("x")
-        if not sep or not n.isdigit() or not k.isdigit():
-            raise ValueError(f"shape {item!r} is not NxK (e.g. 6144x4096)")
-        shapes.append(LinearShape(item, int(n), int(k), (int(n),)))
-    if not shapes:
-        raise ValueError("no shapes given")
-    return shapes
+from fp8_align.vllm_plugin.kernels.base import BLOCK
+from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    JIT_CACHE_ENV_VAR,
+    LinearShape,
+    jit_cache_dir,
+    mark_prepared,
+)
 
 
 def split_work(m_values: Mapping[tuple[int, int], list[int]], jobs: int) -> list[dict[str, list[int]]]:
@@ -109,30 +58,31 @@ def prepare_deepgemm_cache(
 ) -> dict[str, Any]:
     """Compile DeepGEMM's kernels for `shapes` at every warm-up M up to `max_tokens`, in `jobs`
     processes on CUDA device `device_index`, into `cache_dir` (default: DG_JIT_CACHE_DIR, else
-    vLLM's $VLLM_CACHE_ROOT/deep_gemm).
+    vLLM's $VLLM_CACHE_ROOT/deep_gemm), then mark each shape prepared there for this GPU model,
+    vLLM and VLLM_DEEP_GEMM_WARMUP (what an engine with at most `max_tokens` batched tokens checks).
 
     Returns a report: cache_dir, shapes, kernels (calls made), wall_s, and compile_s_sum (the
     workers' summed per-call seconds: what an engine's serial warm-up spends on a cold cache).
-    Raises RuntimeError with a worker's output when one fails, ValueError when no shape can run
-    on DeepGEMM.
+    Raises RuntimeError with a worker's output when one fails (nothing is marked then),
+    ValueError when no shape can run on DeepGEMM.
     """
     import torch
     from tqdm.auto import tqdm
     from vllm import envs
 
     # imported here: kernels.gpu loads vLLM's CUDA kernels (shape parsing runs anywhere)
-    from fp8_align.vllm_plugin.kernels.gpu import deepgemm_warmup_m_values
+    from fp8_align.vllm_plugin.kernels.gpu import deepgemm_cache_setup, deepgemm_warmup_m_values
 
     eligible = [s for s in shapes if s.runs_on_deepgemm]
     if not eligible:
         raise ValueError(f"no shape runs on DeepGEMM (K and every shard multiples of {BLOCK}): {shapes}")
-    cache = Path(cache_dir or os.environ.get("DG_JIT_CACHE_DIR") or Path(envs.VLLM_CACHE_ROOT) / "deep_gemm").resolve()
+    cache = Path(cache_dir).resolve() if cache_dir is not None else jit_cache_dir(envs.VLLM_CACHE_ROOT)
     cache.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", device_index)
     m_values = {(s.n, s.k): deepgemm_warmup_m_values(s.n, max_tokens, device) for s in eligible}
     total = sum(map(len, m_values.values()))
     work = split_work(m_values, jobs or os.cpu_count() or 1)
-    env = {**os.environ, "DG_JIT_CACHE_DIR": str(cache)}
+    env = {**os.environ, JIT_CACHE_ENV_VAR: str(cache)}
     start = time.perf_counter()
     bar = tqdm(total=total, desc=f"DeepGEMM kernels ({len(work)} processes)", unit="kernel")
     lock, outputs, seconds = threading.Lock(), [[] for _ in work], [0.0 for _ in work]
@@ -164,6 +114,9 @@ def prepare_deepgemm_cache(
     if failed:
         i = failed[0]
         raise RuntimeError(f"DeepGEMM compile worker {i} exited with {codes[i]}:\n{''.join(outputs[i])[-4000:]}")
+    setup = deepgemm_cache_setup(device)
+    for shape in eligible:
+        mark_prepared(cache, setup, shape.n, shape.k, max_tokens)
     return {
         "cache_dir": str(cache),
         "shapes": [{"name": s.name, "n": s.n, "k": s.k, "m_values": len(m_values[(s.n, s.k)])} for s in eligible],

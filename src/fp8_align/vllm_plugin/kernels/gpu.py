@@ -25,15 +25,17 @@ scale grids (`layer.weight_scale_inv`, [sum ceil(n_s/128), ceil(K/128)]) equal t
 [N/128, K/128] grid a one-shot kernel expects.
 
 DeepGEMM kernels are JIT-compiled per shape and M tiling; `DeepGemmBlockFp8Kernel.warm_up`
-compiles them while the engine loads, as vLLM does for its own FP8 layers.
+compiles them while the engine loads, as vLLM does for its own FP8 layers, or loads them from a
+JIT cache `fp8-align prepare-deepgemm` filled ahead (`deepgemm_inventory` says which); a cold
+cache is warned about, with that command, before the first compile. It never changes the backend.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -45,16 +47,28 @@ import vllm.model_executor.kernels.linear.scaled_mm.deep_gemm  # noqa: F401
 import vllm.model_executor.kernels.linear.scaled_mm.triton  # noqa: F401
 from vllm import envs
 from vllm._custom_ops import cutlass_scaled_mm_supports_block_fp8
-from vllm.config import get_current_vllm_config_or_none
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.triton_utils import HAS_TRITON
 from vllm.utils.deep_gemm import is_deep_gemm_supported
 
 from fp8_align.config import FP8Config
 from fp8_align.quant.shards import shard_slices
 from fp8_align.quant.triton_groupwise import ScaleLayout, empty_scales  # registers fp8_align::quantize_activation_groupwise
+from fp8_align.versions import installed_vllm_version
 from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.vllm_plugin.kernels.base import BLOCK, BlockFp8Kernel, LayerShape
 from fp8_align.vllm_plugin.kernels.cublas import cublas_probe_error  # registers fp8_align::cublas_block_scaled_mm
+from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
+    JIT_CACHE_ENV_VAR,
+    Warmup,
+    cache_setup,
+    dense_linear_shapes,
+    is_prepared,
+    jit_cache_dir,
+    mark_prepared,
+    note_warmup,
+    was_warmed_up,
+)
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 
 logger = logging.getLogger("vllm.fp8_align")
@@ -79,6 +93,8 @@ def _full_blocks_reason(shape: LayerShape) -> str | None:
 
 #: A DeepGEMM warm-up slower than this (seconds per [N, K]) compiled rather than loaded its kernels.
 DEEPGEMM_COLD_WARMUP_S = 20.0
+#: Seconds DeepGEMM takes to compile one kernel on an H100 (what a cold warm-up costs per M value).
+DEEPGEMM_COMPILE_S = 0.8
 
 
 def deepgemm_warmup_m_values(n: int, max_tokens: int, device: torch.device) -> list[int]:
@@ -92,11 +108,50 @@ def deepgemm_warmup_m_values(n: int, max_tokens: int, device: torch.device) -> l
     return list(range(1, max_tokens + 1))
 
 
+def deepgemm_cache_setup(device: torch.device) -> str:
+    """`deepgemm_inventory.cache_setup` of this GPU model, vLLM release and VLLM_DEEP_GEMM_WARMUP."""
+    return cache_setup(torch.cuda.get_device_name(device), installed_vllm_version(), envs.VLLM_DEEP_GEMM_WARMUP)
+
+
+#: (cache directory, model, max_num_batched_tokens) a cold-cache warning was logged for in this process.
+_COLD_CACHES_WARNED: set[tuple[str, str, int]] = set()
+
+
+def _warn_cold_cache(vllm_config: VllmConfig, cache: Path, setup: str, n: int, k: int, kernels: int, device: torch.device) -> None:
+    """Warn, once per engine setting and process, that the engine's warm-up is about to compile
+    DeepGEMM kernels one after another, how many (every [N, K] of a dense model not marked
+    prepared, else this shape's), and the `fp8-align prepare-deepgemm` command that avoids it."""
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    model = str(vllm_config.model_config.model)
+    if (str(cache), model, max_tokens) in _COLD_CACHES_WARNED:
+        return
+    _COLD_CACHES_WARNED.add((str(cache), model, max_tokens))
+    try:
+        shapes = [s for s in dense_linear_shapes(vllm_config.model_config.hf_text_config.to_dict(), tp) if s.runs_on_deepgemm]
+    except (ValueError, KeyError):  # not a dense decoder: this shape is all that is known
+        shapes = []
+    cold = [s for s in shapes if not is_prepared(cache, setup, s.n, s.k, max_tokens)]
+    if cold:
+        kernels = sum(len(deepgemm_warmup_m_values(s.n, max_tokens, device)) for s in cold)
+        what = f"{len(cold)} layer shapes: {', '.join(f'N={s.n} K={s.k}' for s in cold)}"
+        shapes_arg = ",".join(f"{s.n}x{s.k}" for s in cold)
+    else:
+        what = f"N={n} K={k}, and as many again for each other shape of this model not prepared"
+        shapes_arg = f"{n}x{k},... (each `DeepGEMM warm-up N= K=` this engine logs)"
+    source = f"--model {model}" if Path(model).is_dir() else f"--shapes {shapes_arg}"
+    logger.warning(
+        "fp8_align: DeepGEMM's JIT cache %s is not marked prepared for this engine (%s, up to %d batched tokens): "
+        "this start compiles up to %d DeepGEMM kernels one after another (~%.1f s each on an H100, ~%.0f min) before "
+        "the engine serves. DeepGEMM stays the GEMM. Next time, fill the cache ahead in parallel (once per GPU model and "
+        "vLLM version): `fp8-align prepare-deepgemm %s --cache-dir %s --max-num-batched-tokens %d%s` and start the "
+        "engine with %s=%s",
+        cache, what, max_tokens, kernels, DEEPGEMM_COMPILE_S, kernels * DEEPGEMM_COMPILE_S / 60, source, cache,
+        max_tokens, f" --tensor-parallel-size {tp}" if tp > 1 else "", JIT_CACHE_ENV_VAR, cache,
+    )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- backends
-#: [N, K] shapes DeepGEMM was already JIT-compiled for in this process.
-_DEEPGEMM_WARM_SHAPES: set[tuple[int, int]] = set()
-
-
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -186,25 +241,40 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
         engine's config (max_num_batched_tokens): outside an engine (unit tests, weight reload,
         which reuses the compiled kernels) nothing is compiled ahead. Kernels already in
         DeepGEMM's JIT cache (DG_JIT_CACHE_DIR) are loaded, not compiled: `fp8-align
-        prepare-deepgemm` fills it ahead, in parallel.
+        prepare-deepgemm` fills it ahead, in parallel. A shape the cache is not marked prepared
+        for (`deepgemm_inventory.is_prepared`) gets a warning naming that command before it
+        compiles; once compiled it is marked, so the next engine start with that cache loads it.
         """
         n, k = layer.weight.shape
         vllm_config = get_current_vllm_config_or_none()
-        if vllm_config is None or envs.VLLM_DEEP_GEMM_WARMUP == "skip" or (n, k) in _DEEPGEMM_WARM_SHAPES:
+        if vllm_config is None or envs.VLLM_DEEP_GEMM_WARMUP == "skip" or was_warmed_up(n, k):
             return
-        start = time.perf_counter()
+        device = layer.weight.device
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        m_values = deepgemm_warmup_m_values(n, max_tokens, layer.weight.device)
+        cache, setup = jit_cache_dir(envs.VLLM_CACHE_ROOT), deepgemm_cache_setup(device)
+        prepared = is_prepared(cache, setup, n, k, max_tokens)
+        m_values = deepgemm_warmup_m_values(n, max_tokens, device)
+        if not prepared:
+            _warn_cold_cache(vllm_config, cache, setup, n, k, len(m_values), device)
+        start = time.perf_counter()
         self.run_for_m_values(layer, m_values)
-        _DEEPGEMM_WARM_SHAPES.add((n, k))
         seconds = time.perf_counter() - start
-        logger.info("fp8_align: DeepGEMM warm-up N=%d K=%d: %d M values in %.1f s", n, k, len(m_values), seconds)
-        if seconds > DEEPGEMM_COLD_WARMUP_S:
+        if not prepared:
+            try:
+                mark_prepared(cache, setup, n, k, max_tokens)
+            except OSError as exc:  # a read-only cache: the engine runs, the next start warns again
+                logger.warning("fp8_align: could not mark N=%d K=%d prepared in DeepGEMM's JIT cache %s: %s", n, k, cache, exc)
+        note_warmup(Warmup(n, k, len(m_values), prepared, seconds, str(cache)))
+        logger.info(
+            "fp8_align: DeepGEMM warm-up N=%d K=%d: %d M values in %.1f s (%s)",
+            n, k, len(m_values), seconds, "JIT cache marked prepared" if prepared else "not marked prepared: compiled where missing",
+        )  # fmt: skip
+        if prepared and seconds > DEEPGEMM_COLD_WARMUP_S:
             logger.warning(
-                "fp8_align: DeepGEMM compiled its kernels for N=%d K=%d at engine start (%.1f s): fill its JIT cache "
-                "ahead with `fp8-align prepare-deepgemm --model <checkpoint> --max-num-batched-tokens %d` "
-                "(DG_JIT_CACHE_DIR=%s, same GPU model and software)",
-                n, k, seconds, max_tokens, os.environ.get("DG_JIT_CACHE_DIR", "$VLLM_CACHE_ROOT/deep_gemm"),
+                "fp8_align: DeepGEMM's JIT cache %s was marked prepared for N=%d K=%d but its warm-up took %.1f s: its "
+                "kernels were compiled again (cache files removed, or another DeepGEMM or CUDA build); run "
+                "`fp8-align prepare-deepgemm` into it again",
+                cache, n, k, seconds,
             )  # fmt: skip
 
     def run_for_m_values(self, layer: torch.nn.Module, m_values: list[int]) -> None:

@@ -3,11 +3,14 @@
 vLLM 0.22's FLASH_ATTN backend decodes an FP8 KV cache with FA3, which reads the cache at
 ~2.2 TB/s on an H100; TensorRT-LLM's XQA kernel (shipped in FlashInfer as
 `flashinfer.xqa.xqa`, `mha_sm90.cu` for a 16-bit query over an E4M3 cache) reads the same cache
-faster at large decode batches (docs/xqa_decode.md). `FP8Config(kv_decode_kernel="xqa")` makes
-the patch `fp8_kv_decode_with_xqa` (fp8_align.vllm_plugin.patches) send every pure-decode batch
-(one query token per sequence) of `FlashAttentionImpl.forward` here; prefill and mixed batches
-stay on FA3. Both kernels read the same paged cache in place ([blocks, block_size, kv_heads,
-head_dim] views of FA's `(2, blocks, block_size, kv_heads, head_dim)` tensor; XQA takes strides).
+faster at large decode batches (docs/xqa_decode.md). Where the engine plan chose XQA
+(`vllm_plugin.engine_plan`: `kv_decode_kernel` "auto", the default, or "xqa"), each attention
+layer's implementation is marked (`route_decode_to_xqa`) and the patch `fp8_kv_decode_with_xqa`
+(fp8_align.vllm_plugin.patches) sends every pure-decode batch (one query token per sequence) of a
+marked `FlashAttentionImpl.forward` here; prefill and mixed batches, and unmarked engines of the
+same process, stay on FA3. Both kernels read the same paged cache in place ([blocks, block_size,
+kv_heads, head_dim] views of FA's `(2, blocks, block_size, kv_heads, head_dim)` tensor; XQA takes
+strides).
 
 Numerics, matched to FA3's FP8 path: vLLM's attention layer has already quantized the query to
 E4M3 codes with `_q_scale` (FA3 consumes FP8 queries). XQA gets those codes widened to BF16
@@ -29,6 +32,15 @@ import torch
 XQA_WORKSPACE_BYTES = 256 << 20
 #: Compute capability XQA's FP8-KV kernel (`mha_sm90.cu`) is built for.
 XQA_CAPABILITY = (9, 0)
+#: vLLM series whose FlashAttentionImpl.forward(layer, query, key, value, kv_cache, attn_metadata,
+#: output, output_scale, output_block_scale) and FlashAttentionMetadata (max_query_len, seq_lens,
+#: block_table, use_cascade) were checked for this route: 0.22.0 (CUDA) and 0.22.1.
+#: vLLM 0.25+ routes SM90 FP8-KV decode to XQA itself (its FLASHINFER backend).
+XQA_SERIES = ((0, 22),)
+#: vLLM `kv_cache_dtype` values of an E4M3 cache, the one XQA's FP8 kernel reads.
+XQA_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+#: Attribute set on an attention implementation whose decode batches go to XQA.
+XQA_ROUTE_ATTR = "fp8_align_xqa"
 
 _workspaces: dict[int, torch.Tensor] = {}
 _lock = threading.Lock()
@@ -64,14 +76,25 @@ def xqa_kernel_scales(bmm1: torch.Tensor, bmm2: torch.Tensor, head_dim: int) -> 
     return bmm1 / bmm2 * head_dim**0.5, bmm2
 
 
+def route_decode_to_xqa(impl: Any) -> None:
+    """Mark the attention implementation `impl` (a FlashAttentionImpl) so that its pure-decode
+    batches go to XQA wherever the patch `fp8_kv_decode_with_xqa` is applied."""
+    setattr(impl, XQA_ROUTE_ATTR, True)
+
+
+def routes_to_xqa(impl: Any) -> bool:
+    """True when `route_decode_to_xqa(impl)` was called."""
+    return bool(getattr(impl, XQA_ROUTE_ATTR, False))
+
+
 def is_pure_decode(impl: Any, attn_metadata: Any) -> bool:
-    """Whether this FLASH_ATTN call is a batch XQA takes: one new token per sequence, FP8 cache,
+    """Whether this FLASH_ATTN call is a batch XQA takes: one new token per sequence, E4M3 cache,
     decoder self-attention without cascade, sliding window, sinks, ALiBi, soft-cap or DCP."""
     return (
         attn_metadata is not None
         and attn_metadata.max_query_len == 1
         and not attn_metadata.use_cascade
-        and str(impl.kv_cache_dtype).startswith("fp8")
+        and str(impl.kv_cache_dtype) in XQA_KV_CACHE_DTYPES
         and impl.attn_type == "decoder"
         and impl.sliding_window in (None, (-1, -1))
         and impl.sinks is None
@@ -81,30 +104,28 @@ def is_pure_decode(impl: Any, attn_metadata: Any) -> bool:
     )
 
 
-def check_xqa_device(device: torch.device) -> None:
-    """Raise XqaDecodeError unless `device` is a CUDA device of compute capability 9.0 with FlashInfer."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != XQA_CAPABILITY:
-        raise XqaDecodeError(
-            f"kv_decode_kernel='xqa' needs an SM90 (Hopper) GPU; this engine runs on {device}"
-            + (f" (capability {torch.cuda.get_device_capability(device)})" if device.type == "cuda" else "")
-        )
+def xqa_module_error(head_dim: int, head_group_ratio: int, page_size: int) -> str | None:
+    """None when FlashInfer's XQA module for a BF16 query and output over an E4M3 cache with these
+    head dim, query heads per KV head and page size loads in this process, else why not and how to
+    build it.
+
+    Loads it the way the first decode call would (`flashinfer.xqa.get_xqa_module`, cached by
+    FlashInfer, so that call reuses it; arguments as in flashinfer-python 0.6.11.post2, vLLM 0.22's
+    pin): from FlashInfer's AOT directory or JIT cache, or compiled now where FlashInfer may JIT
+    (nvcc present, FLASHINFER_DISABLE_JIT unset). Needs a CUDA device; imports FlashInfer.
+    """
     try:
-        import flashinfer.xqa  # noqa: F401
-    except ImportError as exc:
-        raise XqaDecodeError(f"kv_decode_kernel='xqa' needs flashinfer-python (vLLM's pinned version): {exc}") from exc
+        from flashinfer.xqa import get_xqa_module
 
-
-def check_xqa_backend(model: torch.nn.Module) -> int:
-    """Number of attention layers of `model` whose decode XQA takes over; raises XqaDecodeError when
-    a layer runs another backend than FLASH_ATTN (the patch would silently not apply to it)."""
-    impls = [m.impl for m in model.modules() if hasattr(m, "impl") and hasattr(m, "kv_cache_dtype")]
-    others = sorted({type(impl).__name__ for impl in impls if type(impl).__name__ != "FlashAttentionImpl"})
-    if others or not impls:
-        raise XqaDecodeError(
-            f"kv_decode_kernel='xqa' replaces the decode of vLLM's FLASH_ATTN backend, but this engine's attention "
-            f"runs {others or 'no attention layers'}; start it with attention_backend='FLASH_ATTN' (the default on Hopper)"
+        get_xqa_module(torch.bfloat16, torch.float8_e4m3fn, page_size, head_dim, head_group_ratio, False, torch.bfloat16, 1)
+    except Exception as exc:  # any failure means XQA cannot run here; the reason is reported
+        return (
+            f"FlashInfer's XQA module for head_dim {head_dim}, {head_group_ratio} query heads per KV head, pages of "
+            f"{page_size} does not load ({type(exc).__name__}: {exc}). Where FlashInfer cannot compile it (no nvcc), "
+            f"prebuild it with benchmarks/box/build_flashinfer_aot.sh {head_dim}:{head_group_ratio}:{page_size} and "
+            "install it as docs/xqa_decode.md describes"
         )
-    return len(impls)
+    return None
 
 
 def _workspace(device: torch.device) -> torch.Tensor:

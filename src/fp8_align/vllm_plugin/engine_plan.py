@@ -1,0 +1,243 @@
+"""What an fp8_align engine runs, and why: the GEMM backends of its FP8 linears and the kernel that
+decodes its KV cache, reported in one INFO line at engine start.
+
+`plan_engine` runs in each worker once the model is loaded (from the patch
+`weight_sync_on_loaded_models`), before the KV cache exists and before any warm-up or CUDA-graph
+capture. The GEMM backends are chosen per layer by then (`kernels.registry.select_kernel`, each
+logged; a DeepGEMM JIT cache without this engine's kernels is warned about before they compile,
+`kernels.gpu`). The decode kernel is chosen here, by `choose_decode_kernel`, one pure function of
+`DecodeFacts` and the requested `FP8Config.kv_decode_kernel`:
+
+    fp8_align: engine plan: GEMM deepgemm x144 (JIT cache /root/.cache/vllm/deep_gemm: 4 of 4
+    shapes prepared ahead); decode XQA (kv_decode_kernel='auto': FP8 KV cache on SM90 with ...)
+
+(one line). A WARNING follows where a faster decode was possible on this machine but is not taken
+(FP8 KV cache on Hopper with vLLM 0.22's FLASH_ATTN, but FlashInfer's XQA module does not load),
+saying what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8_align.config import FP8Config
+from fp8_align.versions import installed_vllm_version, vllm_series
+from fp8_align.vllm_plugin.compat import attention_backend_name
+from fp8_align.vllm_plugin.kernels.deepgemm_inventory import warmups
+from fp8_align.vllm_plugin.kv.xqa_decode import (
+    XQA_CAPABILITY,
+    XQA_KV_CACHE_DTYPES,
+    XQA_SERIES,
+    XqaDecodeError,
+    route_decode_to_xqa,
+    xqa_module_error,
+)
+from fp8_align.vllm_plugin.layer_state import fp8_align_layers
+
+logger = logging.getLogger("vllm.fp8_align")
+
+#: The attention backend whose decode the XQA route replaces (`FlashAttentionImpl`).
+XQA_BACKEND = "FLASH_ATTN"
+#: Where the decode choice is kept on a planned model (so it is planned once).
+_PLAN_ATTR = "fp8_align_decode_plan"
+
+
+@dataclass(frozen=True)
+class DecodeFacts:
+    """What the decode choice depends on, all known once the engine's model is built.
+
+    vllm_version: the installed vLLM (None: not found). capability: the engine's CUDA device
+    capability, None off CUDA. kv_cache_dtype: vLLM's `cache_config.cache_dtype` ("auto", "fp8",
+    "fp8_e4m3", "fp8_e5m2", ...). attention_backend: `get_name()` of the model's attention layers'
+    backend, several joined by "+", "none" without attention layers. activation_dtype: the model
+    dtype ("bfloat16", "float16", ...). on_policy: `FP8Config.on_policy`.
+    """
+
+    vllm_version: str | None
+    capability: tuple[int, int] | None
+    kv_cache_dtype: str
+    attention_backend: str
+    activation_dtype: str
+    on_policy: str
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """`kernel` ("XQA" or the attention backend's name) decodes the engine's KV cache because of
+    `reason`; `warning` (or None) says which faster choice this machine missed and what to do."""
+
+    kernel: str
+    reason: str
+    warning: str | None = None
+
+    @property
+    def xqa(self) -> bool:
+        """True when XQA decodes (the route must be applied)."""
+        return self.kernel == "XQA"
+
+
+def _why_not_xqa(facts: DecodeFacts) -> str | None:
+    """The first reason the XQA route cannot decode this engine, from the facts alone, or None."""
+    if facts.kv_cache_dtype not in XQA_KV_CACHE_DTYPES:
+        if facts.kv_cache_dtype.startswith("fp8"):
+            return f"the KV cache is {facts.kv_cache_dtype}; XQA reads an E4M3 cache (kv_cache_dtype='fp8')"
+        return f"the KV cache is not FP8 (kv_cache_dtype={facts.kv_cache_dtype!r}); XQA decodes an FP8 (E4M3) cache"
+    if facts.on_policy == "bitwise":
+        return "on_policy='bitwise' decodes with TRITON_ATTN's batch-invariant kernel"
+    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
+    if series not in XQA_SERIES:
+        return (
+            f"fp8_align's XQA route is implemented for vLLM 0.22 (installed: {facts.vllm_version}); vLLM 0.25+ decodes "
+            "an FP8 KV cache with XQA on Hopper itself with attention_backend='FLASHINFER'"
+        )
+    if facts.capability is None:
+        return "the engine runs on no CUDA GPU; XQA's FP8-KV kernel needs SM90 (Hopper)"
+    if facts.capability != XQA_CAPABILITY:
+        return f"the GPU is sm{facts.capability[0]}{facts.capability[1]}; XQA's FP8-KV kernel (mha_sm90) is for SM90 (Hopper)"
+    if facts.attention_backend != XQA_BACKEND:
+        return (
+            f"the attention backend is {facts.attention_backend}; the XQA route replaces {XQA_BACKEND}'s decode "
+            f"(attention_backend='{XQA_BACKEND}', the default on Hopper)"
+        )
+    if facts.activation_dtype != "bfloat16":
+        return f"the model runs in {facts.activation_dtype}; the XQA route passes it a BF16 query and output"
+    return None
+
+
+def choose_decode_kernel(requested: str, facts: DecodeFacts, xqa_module: Callable[[], str | None]) -> DecodeChoice:
+    """The kernel that decodes the engine's KV cache, and why.
+
+    requested: `FP8Config.kv_decode_kernel`. "backend": the attention backend's own decode,
+    always. "auto": XQA wherever fp8_align implements it and it can run (an FP8 E4M3 KV cache,
+    on_policy off, vLLM 0.22, an SM90 GPU, every attention layer on FLASH_ATTN, a BF16 model, and
+    FlashInfer's XQA module loads), else the backend's own, with the reason; a WARNING text when
+    only the XQA module was missing (the one thing to fix on this machine). "xqa": XQA, or
+    XqaDecodeError with the reason and what to set instead.
+    `xqa_module` returns None when the XQA module loads, else why not and how to build it; it is
+    called only when everything else allows XQA (it may compile the module).
+    """
+    if requested == "backend":
+        return DecodeChoice(facts.attention_backend, "kv_decode_kernel='backend': the attention backend's own decode")
+    if requested not in ("auto", "xqa"):
+        raise ValueError(f"kv_decode_kernel must be 'auto', 'backend' or 'xqa', got {requested!r}")
+    reason = _why_not_xqa(facts)
+    missing_module = None if reason is not None else xqa_module()
+    if reason is None and missing_module is None:
+        return DecodeChoice(
+            "XQA",
+            f"kv_decode_kernel={requested!r}: FP8 KV cache on SM90 with vLLM {facts.vllm_version}'s {XQA_BACKEND}: "
+            f"FlashInfer's XQA kernel decodes it faster than FA3 (docs/xqa_decode.md); prefill stays on {XQA_BACKEND}",
+        )
+    reason = reason or str(missing_module)
+    if requested == "xqa":
+        raise XqaDecodeError(
+            f"kv_decode_kernel='xqa' cannot run in this engine: {reason}. Set kv_decode_kernel='auto' (XQA where it can "
+            "run, else the attention backend's decode) or 'backend'."
+        )
+    warning = None
+    if missing_module is not None:
+        warning = (
+            f"this engine could decode its FP8 KV cache with XQA (faster than FA3 on Hopper, docs/xqa_decode.md), but "
+            f"{missing_module}. It decodes with {facts.attention_backend} (FA3) instead."
+        )
+    return DecodeChoice(facts.attention_backend, f"kv_decode_kernel='auto': {reason}", warning)
+
+
+def _attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if attention_backend_name(module) is not None]
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def decode_facts(model: torch.nn.Module, cfg: FP8Config, vllm_config: Any) -> DecodeFacts:
+    """The `DecodeFacts` of a loaded engine model and its `VllmConfig`."""
+    device = _device(model)
+    backends = sorted({str(attention_backend_name(layer)) for layer in _attention_layers(model)})
+    return DecodeFacts(
+        vllm_version=installed_vllm_version(),
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        attention_backend="+".join(backends) or "none",
+        activation_dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+        on_policy=cfg.on_policy,
+    )
+
+
+def _xqa_module_error(model: torch.nn.Module, page_size: int | None) -> str | None:
+    """`xqa_module_error` for every (head dim, query heads per KV head) of the model's attention
+    layers with the engine's KV-cache page size; the first failure, or None."""
+    if page_size is None:
+        return "the KV-cache block size is not set when the model is loaded, so the XQA module to load is not known"
+    heads = sorted({(layer.impl.head_size, layer.impl.num_heads // layer.impl.num_kv_heads) for layer in _attention_layers(model)})
+    for head_dim, group_ratio in heads:
+        error = xqa_module_error(head_dim, group_ratio, page_size)
+        if error is not None:
+            return error
+    return None
+
+
+def _deepgemm_state() -> str:
+    """DeepGEMM's JIT-cache state from this process's warm-ups (`deepgemm_inventory.warmups`)."""
+    runs = warmups()
+    if not runs:
+        return "no warm-up ran in this process (VLLM_DEEP_GEMM_WARMUP=skip): kernels compile at first use"
+    cold = [run for run in runs if not run.prepared]
+    text = f"JIT cache {runs[-1].cache_dir}: {len(runs) - len(cold)} of {len(runs)} shapes prepared ahead"
+    if cold:
+        seconds = sum(run.seconds for run in cold)
+        text += f"; the others' {sum(run.kernels for run in cold)} kernels compiled where missing at this start, {seconds:.0f} s"
+    return text
+
+
+def gemm_summary(model: torch.nn.Module) -> str:
+    """The GEMM backends of `model`'s FP8 linears, most used first, as "name xCOUNT (why)": why
+    the fastest backend was passed (the first reason the layer's selection recorded), DeepGEMM's
+    JIT-cache state, or the CPU; FP8 routed-expert layers counted after them."""
+    kernels = [layer.fp8_align.kernel for layer in fp8_align_layers(model, "linear")]
+    on_cpu = _device(model).type == "cpu"
+    parts = []
+    for name, count in Counter(kernel.name for kernel in kernels).most_common():
+        passed = next(getattr(kernel, "passed", ()) for kernel in kernels if kernel.name == name)
+        if name == "deepgemm":
+            why = _deepgemm_state()
+        elif passed:
+            why = f"not {passed[0]}"
+        else:
+            why = "CPU: fp8_align's reference block-FP8 GEMM" if on_cpu else ""
+        parts.append(f"{name} x{count}" + (f" ({why})" if why else ""))
+    experts = len(fp8_align_layers(model, "experts"))
+    if experts:
+        where = "fp8_align's reference block-FP8 MoE" if on_cpu else "vLLM's block-FP8 fused-MoE kernel"
+        parts.append(f"routed experts x{experts} ({where})")
+    return ", ".join(parts) or "no FP8 layers"
+
+
+def plan_engine(model: torch.nn.Module, cfg: FP8Config, vllm_config: Any) -> DecodeChoice:
+    """Choose the decode kernel of a loaded engine model (`choose_decode_kernel` with
+    `cfg.kv_decode_kernel`), mark its FLASH_ATTN layers for the XQA route when XQA is chosen, and
+    log the engine's one INFO line (GEMM and decode, with reasons) and the choice's warning.
+    Raises XqaDecodeError where "xqa" was requested and cannot run. Planned once per model: a
+    second call returns the first choice and logs nothing."""
+    planned: DecodeChoice | None = model.__dict__.get(_PLAN_ATTR)
+    if planned is not None:
+        return planned
+    facts = decode_facts(model, cfg, vllm_config)
+    choice = choose_decode_kernel(
+        cfg.kv_decode_kernel, facts, lambda: _xqa_module_error(model, vllm_config.cache_config.block_size)
+    )
+    if choice.xqa:
+        for layer in _attention_layers(model):
+            route_decode_to_xqa(layer.impl)
+    model.__dict__[_PLAN_ATTR] = choice
+    logger.info("fp8_align: engine plan: GEMM %s; decode %s (%s)", gemm_summary(model), choice.kernel, choice.reason)
+    if choice.warning:
+        logger.warning("fp8_align: %s", choice.warning)
+    return choice
