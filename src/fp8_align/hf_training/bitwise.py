@@ -37,10 +37,8 @@ from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
-from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
 from fp8_align.quant.dispatch import quantize_weights_into
-from fp8_align.quant.scales import FP8_DTYPE
-from fp8_align.quant.shards import shard_slices
+from fp8_align.quant.shards import empty_shard_outputs, shard_slices
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
@@ -357,11 +355,8 @@ class BitwiseForward:
         for key, layer in self.stacked.items():
             if not layer.fp8:
                 continue
-            slices = shard_slices(list(layer.sizes))
-            k = layer.modules[0].in_features
-            codes = torch.empty((sum(layer.sizes), k), dtype=FP8_DTYPE, device=self.device)
-            scales = torch.empty((slices[-1][1].stop, -(-k // DEFAULT_BLOCK_SIZE[1])), dtype=torch.float32, device=self.device)
-            for module, (rows, scale_rows) in zip(layer.modules, slices):
+            codes, scales = empty_shard_outputs(list(layer.sizes), layer.modules[0].in_features, self.device)
+            for module, (rows, scale_rows) in zip(layer.modules, shard_slices(list(layer.sizes))):
                 weights.append(module.weight.detach())
                 codes_out.append(codes[rows])
                 scales_out.append(scales[scale_rows])
