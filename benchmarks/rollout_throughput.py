@@ -35,7 +35,12 @@ skip_tokenizer_init):
     fp8_align_dg, fp8_align_kv_xqa_dg   the same with DeepGEMM linears: FP8Config(use_deep_gemm=True),
                VLLM_USE_DEEP_GEMM=1 in the engine process, and DG_JIT_CACHE_DIR=--deepgemm-cache
                when given (a cache filled ahead by `fp8-align prepare-deepgemm`; without it each
-               engine compiles its ~1,700 kernels cold, one by one)
+               engine compiles its ~1,700 kernels cold, one by one). On an MoE model the routed
+               experts run DeepGEMM's grouped GEMM too (moe_backend="deep_gemm", vLLM's
+               TritonOrDeepGemmExperts: Triton below 128 tokens), its kernels compiled by vLLM's
+               own warm-up into the same cache
+    vllm_fp8_dg, vllm_fp8_kv_dg   vllm_fp8 / vllm_fp8_kv on DeepGEMM the same way (vLLM's block-FP8
+               linears and, on an MoE model, experts); FA3 decodes the FP8 cache
 
 fp8_align and vllm_fp8 both use CUTLASS so that they differ only in where the weights are
 quantized: DeepGEMM JIT-compiles a kernel per warm-up M value at engine start, minutes for an

@@ -48,19 +48,21 @@ def make_tiny_tokenizer(path: Path, vocab_size: int = 512) -> Path:
 
 
 def make_tiny_qwen3_moe(path: Path, seed: int = 0, **overrides: int) -> Path:
-    """A 3-layer BF16 Qwen3-MoE: hidden 256, 8 experts of intermediate 128, top-2, vocab 512.
+    """A 3-layer BF16 Qwen3-MoE: hidden 256, 8 experts of intermediate 128, top-2, vocab 512
+    (`overrides`: config fields that replace these).
 
     Saved with transformers' per-expert tensor names (`mlp.experts.<e>.{gate,up,down}_proj.weight`)
     and the router `mlp.gate.weight` [8, 256]. std 0.2 as `make_tiny_llama`.
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
+    fields = dict(
         hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
         max_position_embeddings=512, initializer_range=0.2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], tie_word_embeddings=False, **overrides,
+        mlp_only_layers=[], tie_word_embeddings=False,
     )  # fmt: skip
+    config = Qwen3MoeConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)

@@ -321,6 +321,25 @@ def test_gpu_moe_refuses_the_transformer_engine_scale_rule():
         Fp8AlignMoEMethod(FP8Config(scale_rule="transformer_engine"), None, "model.layers.0.mlp.experts")
 
 
+@pytest.mark.parametrize(
+    ("backend", "device_major", "e8m0", "in_place"),
+    [
+        ("TRITON", 9, False, True), ("TRITON", 10, True, True), ("BATCHED_TRITON", 9, False, True),
+        ("DEEPGEMM", 9, False, True),
+        ("DEEPGEMM", 10, False, False),  # SM100: DeepGEMM packs the FP32 scales into UE8M0 copies
+        ("DEEPGEMM", 9, True, False),  # E8M0 rounding: vLLM re-quantizes the codes once, at load
+        ("BATCHED_DEEPGEMM", 9, False, False), ("FLASHINFER_CUTLASS", 9, False, False), ("VLLM_CUTLASS", 9, False, False),
+    ],
+)  # fmt: skip
+def test_gpu_moe_takes_only_backends_that_read_the_codes_in_place(backend: str, device_major: int, e8m0: bool, in_place: bool):
+    """The experts' method accepts vLLM's MoE backend only where the kernel computes with the codes
+    and FP32 scale grids fp8_align rewrites every step (moe/gpu.py's docstring says why each is
+    in or out); every other backend is refused at engine start."""
+    from fp8_align.vllm_plugin.moe.gpu import moe_backend_reads_in_place
+
+    assert moe_backend_reads_in_place(backend, device_major, e8m0) is in_place
+
+
 def test_weight_sync_shard_indices_follow_vllm_loader_shard_ids():
     """vLLM's loaders name a shard 'q'/'k'/'v' (QKVParallelLinear), an int or a tuple of ints
     (MergedColumnParallelLinear), or None for a weight fused on disk (all shards)."""

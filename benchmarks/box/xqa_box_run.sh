@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
-#   STAGE: setup | dg-prepare | tests | rollout-VARIANT[,VARIANT...]
+#   STAGE: setup | dg-prepare | dg-prepare-moe | dg-probe | tests | tests-moe | probe-nvcc | rollout-VARIANT[,VARIANT...]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
 # dg-prepare fills DeepGEMM's JIT cache /root/dg_cache for the Qwen3-8B shape's linears
 # (`fp8-align prepare-deepgemm`, 16 processes); the _dg rollout variants start with it.
+# dg-prepare-moe does the same for Qwen3-30B-A3B's attention linears (its experts' grouped kernels
+# are compiled by vLLM's own warm-up, into the same cache); dg-probe times DeepGEMM's grouped GEMM
+# per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
+# GPU tests (Triton and DeepGEMM experts); probe-nvcc says whether the box has a CUDA compiler.
 # Rollouts: Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
 # calls). Output: $OUT/xqa_results.tgz.
@@ -26,6 +30,19 @@ for stage in "$@"; do
       python3 -m fp8_align.cli prepare-deepgemm --model /root/dg_config --cache-dir /root/dg_cache \
         --json "$out/deepgemm_prepare.json" > "$out/deepgemm_prepare.log" 2>&1
       tail -c 1500 "$out/deepgemm_prepare.log"; du -sh /root/dg_cache ;;
+    dg-prepare-moe)
+      python3 -m fp8_align.cli prepare-deepgemm --shapes 5120x2048,2048x4096 --cache-dir /root/dg_cache \
+        --json "$out/deepgemm_prepare_moe.json" > "$out/deepgemm_prepare_moe.log" 2>&1
+      tail -c 800 "$out/deepgemm_prepare_moe.log" ;;
+    dg-probe)
+      DG_JIT_CACHE_DIR=/root/dg_probe_cache python3 benchmarks/box/deepgemm_grouped_probe.py "$out/deepgemm_grouped_probe.json" \
+        > "$out/deepgemm_grouped_probe.log" 2>&1; tail -20 "$out/deepgemm_grouped_probe.log" ;;
+    tests-moe)
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_moe_deepgemm.py tests/test_gpu_moe.py \
+        > "$out/pytest_moe.txt" 2>&1
+      grep -E "reference|passed|failed|Error|error" "$out/pytest_moe.txt" | tail -25 ;;
+    probe-nvcc)
+      { which nvcc; ls -d /usr/local/cuda*/bin/nvcc; nvcc --version; python3 -c "import torch.utils.cpp_extension as c; print('CUDA_HOME', c.CUDA_HOME)"; } 2>&1 | tail -8 ;;
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_xqa.py tests/test_gpu_deepgemm_cache.py \
         > "$out/pytest_xqa_dg.txt" 2>&1

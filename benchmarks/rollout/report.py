@@ -65,7 +65,8 @@ def report_header(model: str, shape_names: list[str], repeats: dict[str, int], s
     gemm = ("CUTLASS in every FP8 variant (VLLM_USE_DEEP_GEMM=0, FP8Config(use_deep_gemm=False)) but the _dg ones: "
             "DeepGEMM (VLLM_USE_DEEP_GEMM=1, FP8Config(use_deep_gemm=True))")
     if "num_experts" in shape.config:
-        gemm += "; routed experts: vLLM's Triton block-FP8 fused MoE (each variant's moe_backend), VLLM_USE_DEEP_GEMM_E8M0=0"
+        gemm += ("; routed experts: vLLM's Triton block-FP8 fused MoE (moe_backend triton) but in the _dg variants: "
+                 "DeepGEMM's grouped GEMM (moe_backend deep_gemm); VLLM_USE_DEEP_GEMM_E8M0=0")
     header = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": utc_now(),
@@ -126,7 +127,8 @@ def add_ratios(report: dict[str, Any]) -> None:
                 ratios[f"{name}_vs_bf16"] = value / tok_s["bf16"]
         for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv"), ("fp8_align_kv_xqa", "vllm_fp8_kv"),
                              ("fp8_align_kv_xqa", "fp8_align_kv"), ("fp8_align_dg", "fp8_align"), ("fp8_align_dg", "vllm_fp8"),
-                             ("fp8_align_kv_xqa_dg", "vllm_fp8_kv"), ("fp8_align_kv_xqa_dg", "fp8_align_kv_xqa")):
+                             ("fp8_align_kv_xqa_dg", "vllm_fp8_kv"), ("fp8_align_kv_xqa_dg", "fp8_align_kv_xqa"),
+                             ("fp8_align_dg", "vllm_fp8_dg"), ("fp8_align_kv_xqa_dg", "vllm_fp8_kv_dg")):
             if ours in tok_s and theirs in tok_s:
                 ratios[f"{ours}_vs_{theirs}"] = tok_s[ours] / tok_s[theirs]
         report["ratios"][shape] = ratios

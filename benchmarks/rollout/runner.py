@@ -16,7 +16,8 @@ from benchmarks.rollout.checkpoints import MODELS
 
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
-VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa", "fp8_align_dg", "fp8_align_kv_xqa_dg")
+VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa", "fp8_align_dg", "fp8_align_kv_xqa_dg",
+            "vllm_fp8_dg", "vllm_fp8_kv_dg")  # fmt: skip
 #: Prompts in the engine-side KV-scale calibration batch of `fp8_align_kv`.
 CALIBRATION_PROMPTS = 8
 #: The benchmark's command line; its hidden `--worker SPEC RESULT` runs `run_engine` in a fresh process.
@@ -172,20 +173,24 @@ def variant_spec(
     deepgemm_cache: Path | None = None,
 ) -> dict[str, Any]:
     """What one variant's engine process runs (its spec file, read by run_engine and run_variant).
-    `_dg` variants run DeepGEMM linears with DG_JIT_CACHE_DIR=`deepgemm_cache` (None: cold)."""
+    `_dg` variants run DeepGEMM linears with DG_JIT_CACHE_DIR=`deepgemm_cache` (None: cold), and
+    on an MoE model DeepGEMM's grouped GEMM for the routed experts (moe_backend "deep_gemm")."""
     deep_gemm = variant.endswith("_dg")
     env = variant_env(model, variant)
+    llm_kwargs = dict(MODELS[model].llm_kwargs)
     if deep_gemm:
         env["VLLM_USE_DEEP_GEMM"] = "1"
         if deepgemm_cache is not None:
             env["DG_JIT_CACHE_DIR"] = str(deepgemm_cache)
+        if "num_experts" in MODELS[model].config:
+            llm_kwargs["moe_backend"] = "deep_gemm"
     return {
         "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
         "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
         "fp8_config": {"use_deep_gemm": deep_gemm,
                        **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if "_xqa" in variant else {"kv_decode_kernel": "backend"})},
         "calibrate_kv": variant.startswith("fp8_align_kv"), "env": env, "shapes": shapes,
-        "llm_kwargs": MODELS[model].llm_kwargs, **settings,
+        "llm_kwargs": llm_kwargs, **settings,
     }  # fmt: skip
 
 

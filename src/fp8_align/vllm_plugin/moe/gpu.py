@@ -6,10 +6,16 @@ a block-FP8 checkpoint with dynamic activations, so vLLM's backend oracle, modul
 loader, unchanged), and after loading `fp8_align.quant.moe` quantizes every expert's gate, up and
 down shard (one grouped Triton launch per layer) before `Fp8MoEMethod._setup_kernel` takes them.
 
-Backends: vLLM's Triton fused-MoE kernel with block_shape [128, 128] (`TRITON`, its default on
-Hopper with one expert-parallel rank, and `BATCHED_TRITON`) reads the codes and scales as they
-are, so an in-place refit is seen by the next forward. Others are refused: DeepGEMM re-quantizes
-FP32 weight scales to UE8M0 and changes the scale layout, FlashInfer shuffles the weights.
+Backends (`moe_backend_reads_in_place`): vLLM's Triton fused-MoE kernel with block_shape
+[128, 128] (`TRITON`, its default on Hopper with one expert-parallel rank, and `BATCHED_TRITON`)
+reads the codes and scales as they are, so an in-place refit is seen by the next forward. So does
+DeepGEMM's grouped GEMM (`DEEPGEMM`: vLLM's `TritonOrDeepGemmExperts`, chosen by
+`moe_backend="deep_gemm"` or VLLM_USE_DEEP_GEMM=1) on Hopper (SM90) with FP32 activation scales:
+there DeepGEMM takes [E, N/128, K/128] FP32 weight scales as they are (its
+`transform_sf_into_required_layout` only checks them), and vLLM re-quantizes nothing while
+VLLM_USE_DEEP_GEMM_E8M0 is 0. Refused: DeepGEMM elsewhere (SM100 packs the scales into UE8M0
+copies) or under E8M0 rounding (vLLM re-quantizes the codes to UE8M0 scales once at load, which a
+refit would not repeat), FlashInfer (it shuffles the weights).
 
 Activations are quantized by vLLM inside its MoE kernel (`per_token_group_quant_fp8`, 1x128
 groups, `scale = max(amax, 1e-10) / 448`, rounded to a power of two when
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import DEFAULT_BLOCK_SIZE
@@ -40,8 +47,10 @@ from fp8_align.vllm_plugin.moe.experts import (
     quantize_loaded_experts,
 )
 
-#: vLLM MoE backends that read fp8_align's codes and scales in place.
+#: vLLM MoE backends that read fp8_align's codes and scales in place on any GPU.
 IN_PLACE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+#: ... and only on Hopper (SM90) with FP32 activation scales (see the module docstring).
+IN_PLACE_ON_SM90_FP32_SCALES = ("DEEPGEMM",)
 
 
 class Fp8AlignMoEError(ValueError):
@@ -63,8 +72,17 @@ def check_scale_rule_supported(cfg: FP8Config, prefix: str) -> None:
         )
 
 
+def moe_backend_reads_in_place(backend: str, device_major: int, e8m0_rounding: bool) -> bool:
+    """Whether vLLM's FP8 MoE `backend` (an `Fp8MoeBackend` name) computes with fp8_align's codes
+    and FP32 scale grids where they lie, on a GPU of compute capability `device_major`.x with
+    vLLM's DeepGEMM E8M0 rounding on or off: then a refit written in place is what it reads."""
+    if backend in IN_PLACE_BACKENDS:
+        return True
+    return backend in IN_PLACE_ON_SM90_FP32_SCALES and device_major == 9 and not e8m0_rounding
+
+
 class Fp8AlignMoEMethod(Fp8MoEMethod):
-    """Block-FP8 routed experts on vLLM's Triton block-FP8 MoE kernel (see the module docstring)."""
+    """Block-FP8 routed experts on vLLM's Triton or (Hopper) DeepGEMM block-FP8 MoE kernels (see the module docstring)."""
 
     def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
         check_scale_rule_supported(cfg, prefix)
@@ -75,11 +93,15 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         backend = getattr(self.fp8_backend, "name", str(self.fp8_backend))
-        if backend not in IN_PLACE_BACKENDS:
+        device_major = torch.cuda.get_device_capability()[0]
+        if not moe_backend_reads_in_place(backend, device_major, is_deep_gemm_e8m0_used()):
             raise Fp8AlignMoEError(
-                f"{prefix}: vLLM chose the {backend} MoE backend; fp8_align runs routed experts on vLLM's Triton "
-                "block-FP8 MoE kernel, whose weights it can re-quantize in place every step. Unset "
-                "VLLM_USE_DEEP_GEMM / VLLM_MOE_USE_DEEP_GEMM and moe_backend, or use one expert-parallel rank."
+                f"{prefix}: vLLM chose the {backend} MoE backend (SM{device_major}x, DeepGEMM E8M0 rounding "
+                f"{'on' if is_deep_gemm_e8m0_used() else 'off'}); fp8_align runs routed experts only on backends "
+                "that read its codes and scales in place, so that every step's re-quantization is what they "
+                "compute with: vLLM's Triton block-FP8 MoE kernel (moe_backend='triton'), or DeepGEMM "
+                "(moe_backend='deep_gemm') on Hopper with FP32 scales. Set moe_backend, or unset "
+                "VLLM_USE_DEEP_GEMM / VLLM_MOE_USE_DEEP_GEMM, or use one expert-parallel rank."
             )
 
     @property
@@ -123,4 +145,4 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
         attach_requantizing_loaders(layer)  # _setup_kernel re-registered the codes Parameters
 
     def weights_written(self, layer: torch.nn.Module) -> None:
-        """Nothing to refresh: the Triton kernel reads the codes and scale Parameters in place."""
+        """Nothing to refresh: the Triton and DeepGEMM kernels read the codes and scale Parameters in place."""
