@@ -32,9 +32,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 NUM_EXPERTS, INTER, HIDDEN, NUM_LAYERS = 8, 768, 256, 3
 #: fp8_align's linears on CUTLASS (no DeepGEMM JIT for them): this module is about the experts.
 FP8_CONFIG = FP8Config(use_deep_gemm=False)
-LLM_KWARGS = {**IN_PROCESS_LLM_KWARGS, "moe_backend": "deep_gemm"}
 #: Tokens of the batch the layer checks run: >= 128 so vLLM picks DeepGEMM over its Triton fallback.
 TOKENS = 256
+#: max_num_batched_tokens sizes vLLM's MoE workspace, which is locked after start: TOKENS must fit.
+LLM_KWARGS = {**IN_PROCESS_LLM_KWARGS, "max_num_batched_tokens": TOKENS, "moe_backend": "deep_gemm"}
 
 
 @pytest.fixture(scope="module")
