@@ -40,7 +40,9 @@ skip_tokenizer_init):
                TritonOrDeepGemmExperts: Triton below 128 tokens), its kernels compiled by vLLM's
                own warm-up into the same cache
     vllm_fp8_dg, vllm_fp8_kv_dg   vllm_fp8 / vllm_fp8_kv on DeepGEMM the same way (vLLM's block-FP8
-               linears and, on an MoE model, experts); FA3 decodes the FP8 cache
+               linears and, on an MoE model, experts) for every M (VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0:
+               vLLM would send small M to FlashInfer's block-scale GEMM, a JIT-compiled module);
+               FA3 decodes the FP8 cache
 
 fp8_align and vllm_fp8 both use CUTLASS so that they differ only in where the weights are
 quantized: DeepGEMM JIT-compiles a kernel per warm-up M value at engine start, minutes for an

@@ -69,8 +69,10 @@ def test_variant_specs(tmp_path: Path, variant: str) -> None:
     deep_gemm = variant.endswith("_dg")
     assert moe["load_format"] == "dummy" and dense["load_format"] == "auto"
     assert moe["model"] == dense["model"] == str(fp8_dir if variant.startswith("vllm_fp8") else bf16_dir)
-    assert moe["env"] == {**({} if variant == "bf16" else {"VLLM_USE_DEEP_GEMM_E8M0": "0"}), **({"VLLM_USE_DEEP_GEMM": "1"} if deep_gemm else {})}
-    assert dense["env"] == ({"VLLM_USE_DEEP_GEMM": "1", "DG_JIT_CACHE_DIR": str(cache)} if deep_gemm else {})
+    vllm_dg = {"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"} if deep_gemm and variant.startswith("vllm_fp8") else {}
+    assert moe["env"] == {**({} if variant == "bf16" else {"VLLM_USE_DEEP_GEMM_E8M0": "0"}), **({"VLLM_USE_DEEP_GEMM": "1"} if deep_gemm else {}),
+                          **vllm_dg}  # fmt: skip
+    assert dense["env"] == ({"VLLM_USE_DEEP_GEMM": "1", "DG_JIT_CACHE_DIR": str(cache), **vllm_dg} if deep_gemm else {})
     assert moe["llm_kwargs"] == {"moe_backend": "deep_gemm" if deep_gemm else "triton"}  # routed experts
     assert dense["llm_kwargs"] == {}
     assert moe["fp8_align"] == variant.startswith("fp8_align")

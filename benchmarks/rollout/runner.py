@@ -184,6 +184,10 @@ def variant_spec(
             env["DG_JIT_CACHE_DIR"] = str(deepgemm_cache)
         if "num_experts" in MODELS[model].config:
             llm_kwargs["moe_backend"] = "deep_gemm"
+        if variant.startswith("vllm_fp8"):
+            # vLLM's block-FP8 linears would send small M to FlashInfer's SM90 block-scale GEMM, a
+            # module FlashInfer JIT-compiles (not in the box's prebuilt set): DeepGEMM for every M.
+            env["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] = "0"
     return {
         "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
         "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
