@@ -84,12 +84,13 @@ def layer_vs_reference(model: torch.nn.Module, tokens: int, top_k: int) -> dict[
             "experts_impl": type(picked).__name__}  # fmt: skip
 
 
-def assert_within_moe_tolerance(result: dict[str, Any]) -> None:
+def assert_within_moe_tolerance(result: dict[str, Any], mean_bound: float = 0.01) -> None:
     """The kernel and the reference share the weight codes and scales; the activation codes can
     differ by one E4M3 step where vLLM's quantizer (division by the scale, eps 1e-10, fused
     SiLU-and-multiply before the second quantization) rounds a value the other way (2**-3 relative
-    at most, rare), and the GEMMs accumulate in a different order (FP32, ~1e-6). The mean error must
-    stay below 1% of the mean magnitude and the largest below 10% of the largest (session 8
-    measured 0.96% and 2.0% on vLLM's Triton kernel)."""
-    assert result["mean_abs_diff"] <= 0.01 * result["mean_abs_ref"], result
+    at most, rare), and the GEMMs accumulate in a different order. The mean error must stay below
+    `mean_bound` of the mean magnitude and the largest below 10% of the largest. Default 1%: vLLM's
+    Triton kernel measured 0.96% and 2.0% (sessions 8 and 16). A kernel reading other weights than
+    the reference's (a stale copy after a refit) is off by about 100%."""
+    assert result["mean_abs_diff"] <= mean_bound * result["mean_abs_ref"], result
     assert result["max_abs_diff"] <= 0.10 * result["max_abs_ref"], result
