@@ -2,6 +2,9 @@
 
     python benchmarks/decode_profile.py --results DIR [--context 1536] [--steps 20]
         [--batch bf16=140,fp8_align_kv=320]        # or fp8_align=140,fp8_bitwise=140: what bitwise costs
+        [--deepgemm-cache DIR] [--model-runner v1|v2]
+    # the rollout's best configuration at batch 512 (issue #26):
+    python benchmarks/decode_profile.py --results DIR --batch fp8_align_kv_xqa_dg=512 --deepgemm-cache /root/dg_cache --model-runner v2
 
 Per variant (own process): the engine of `rollout_throughput.py` (same checkpoint and settings),
 `batch` prompts of `context` random tokens each, generating 64 tokens, with vLLM's torch profiler
@@ -11,7 +14,14 @@ rollout shape's mean context (512 prompt + 1024 of 2048 generated tokens). Write
 DIR/decode_profile.json: per variant the GPU time of a decode step (sum of its kernels), output
 tokens per second at that batch and step time, and the GPU time per kernel family (attention,
 GEMM, activation quantization, ...) per step, from the profiler's self-CUDA-time table (saved
-next to it; `kernel_families` reads it).
+next to it; `kernel_families` reads it). Before profiling, the wall time of a decode step is
+measured without the profiler (two generates of fresh prompts, 1 and 1 + `DECODE_TOKENS` output
+tokens, the difference over `DECODE_TOKENS`); a step's wall time less its GPU time is what the GPU
+waits on the host (launches, scheduling, sampling's host work): `launch_gap_ms_per_step`.
+
+Variants whose FP8Config has use_deep_gemm run with VLLM_USE_DEEP_GEMM=1 and, given
+`--deepgemm-cache`, DG_JIT_CACHE_DIR (filled by `fp8-align prepare-deepgemm`); `--model-runner`
+sets VLLM_USE_V2_MODEL_RUNNER for every variant (session 15's best rollout used v2).
 """
 
 from __future__ import annotations
@@ -40,7 +50,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "fp8_align": {"use_deep_gemm": False},
     "fp8_align_kv": {"use_deep_gemm": False, "kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"},
     "fp8_bitwise": {"on_policy": "bitwise"},
+    # the best rollout configuration (session 15): DeepGEMM linears, FP8 KV cache, XQA decode
+    "fp8_align_kv_xqa_dg": {"use_deep_gemm": True, "kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"},
 }
+#: Output tokens of the longer of the two unprofiled generates that time one decode step.
+DECODE_TOKENS = 32
 #: Kernel-name patterns -> family (first match wins; the rest is "other").
 FAMILIES = (
     ("kv_cache_write", r"reshape_and_cache|concat_and_cache"),
@@ -83,16 +97,24 @@ def run_engine(variant: str, model: str, batch: int, context: int, steps: int, p
         kwargs.update(engine_kwargs(FP8Config(**fields)))
     llm = LLM(**kwargs)
     g = torch.Generator().manual_seed(0)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in torch.randint(0, QWEN3_8B["vocab_size"], (batch, context), generator=g).tolist()]
+    prompt_sets = [[TokensPrompt(prompt_token_ids=ids) for ids in torch.randint(0, QWEN3_8B["vocab_size"], (batch, context), generator=g).tolist()]
+                   for _ in range(3)]  # fresh prompts per generate: no prefix-cache hits
+    prompts = prompt_sets[0]
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=1.0)
     llm.generate(prompts[:16], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm-up
+    timed = []
+    for prompt_set, new_tokens in ((prompt_sets[1], 1), (prompt_sets[2], 1 + DECODE_TOKENS)):
+        start = time.perf_counter()
+        llm.generate(prompt_set, SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0), use_tqdm=False)
+        timed.append(time.perf_counter() - start)
+    step_wall_ms = (timed[1] - timed[0]) / DECODE_TOKENS * 1e3
     llm.start_profile()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - start
     llm.stop_profile()
     return {"engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"}, "prefill_steps": prefill_steps,
-            "generate_s": generate_s}  # fmt: skip
+            "generate_s": generate_s, "step_wall_ms": step_wall_ms}  # fmt: skip
 
 
 def _to_ms(value: str, unit: str) -> float:
@@ -120,10 +142,23 @@ def summarize(measured: dict[str, Any], table: str, batch: int, steps: int) -> d
     """One variant's report entry: the engine's measurements plus the kernel-time breakdown of `table`."""
     families, rows = kernel_families(table, steps)
     gpu_ms = sum(families.values())
+    gap = {"launch_gap_ms_per_step": measured["step_wall_ms"] - gpu_ms} if "step_wall_ms" in measured else {}
     return {
-        **measured, "batch": batch, "gpu_ms_per_step": gpu_ms, "tok_per_s_at_gpu_time": batch / gpu_ms * 1e3,
+        **measured, "batch": batch, "gpu_ms_per_step": gpu_ms, "tok_per_s_at_gpu_time": batch / gpu_ms * 1e3, **gap,
         "families_ms_per_step": families, "top_kernels": sorted(rows, key=lambda r: -r["ms_per_step"])[:25],
     }  # fmt: skip
+
+
+def variant_env(fields: dict[str, Any] | None, deepgemm_cache: Path | None, model_runner: str | None) -> dict[str, str]:
+    """Environment of one variant's engine process on top of this process's: DeepGEMM on for
+    FP8Config(use_deep_gemm=True) (with its prepared JIT cache when given), else off; the model runner."""
+    deep_gemm = bool(fields and fields.get("use_deep_gemm"))
+    env = {"VLLM_USE_DEEP_GEMM": "1" if deep_gemm else "0"}
+    if deep_gemm and deepgemm_cache is not None:
+        env["DG_JIT_CACHE_DIR"] = str(deepgemm_cache)
+    if model_runner is not None:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="bf16=140,fp8_align_kv=320")
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--deepgemm-cache", type=Path, default=None, help="DG_JIT_CACHE_DIR of the DeepGEMM variants")
+    parser.add_argument("--model-runner", choices=("v1", "v2"), default=None, help="vLLM's model runner for every variant")
     parser.add_argument("--summarize", action="store_true",
                         help="only recompute DIR/decode_profile.json's breakdowns from the saved tables")  # fmt: skip
     parser.add_argument("--worker", nargs=4, metavar=("VARIANT", "BATCH", "PROFDIR", "RESULT"), help=argparse.SUPPRESS)
@@ -147,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(path.read_text())
         for variant, entry in report["variants"].items():
             table = (args.results / f"decode_profile_{variant}" / "profiler_out_0.txt").read_text()
-            measured = {k: entry[k] for k in ("engine_kwargs", "prefill_steps", "generate_s")}
+            measured = {k: entry[k] for k in ("engine_kwargs", "prefill_steps", "generate_s", "step_wall_ms") if k in entry}
             report["variants"][variant] = summarize(measured, table, entry["batch"], report["steps"])
         path.write_text(json.dumps(report, indent=2))
         return 0
@@ -160,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **device_and_versions(), "context": args.context, "steps": args.steps,
+        "model_runner": args.model_runner, "deepgemm_cache": str(args.deepgemm_cache) if args.deepgemm_cache else None,
         "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir), "variants": {},
     }  # fmt: skip
     for variant, batch in batches.items():
         prof_dir = args.results / f"decode_profile_{variant}"
         prof_dir.mkdir(exist_ok=True)
         result_path, log_path = Path(f"/tmp/decode_{variant}.json"), args.results / f"decode_profile_{variant}.log"
-        env = {**os.environ, "VLLM_USE_DEEP_GEMM": "0", "VLLM_CACHE_ROOT": f"/root/rollout_work/{variant}/cache/vllm"}
+        env = {**os.environ, "VLLM_CACHE_ROOT": f"/root/rollout_work/{variant}/cache/vllm",
+               **variant_env(VARIANTS[variant], args.deepgemm_cache, args.model_runner)}  # fmt: skip
         with open(log_path, "w") as log:
             cmd = [sys.executable, __file__, "--context", str(args.context), "--steps", str(args.steps), "--models", str(args.models),
                    "--worker", variant, batch, str(prof_dir), str(result_path)]  # fmt: skip

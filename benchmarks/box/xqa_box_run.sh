@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
-#   STAGE: setup | dg-prepare | dg-prepare-moe | dg-probe | tests | tests-moe | probe-nvcc | rollout-VARIANT[,VARIANT...]
+#   STAGE: setup | dg-prepare | dg-prepare-moe | dg-probe | tests | tests-moe | probe-nvcc | profile | rollout-VARIANT[,VARIANT...]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -10,7 +10,8 @@
 # dg-prepare-moe does the same for Qwen3-30B-A3B's attention linears (its experts' grouped kernels
 # are compiled by vLLM's own warm-up, into the same cache); dg-probe times DeepGEMM's grouped GEMM
 # per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
-# GPU tests (Triton and DeepGEMM experts); probe-nvcc says whether the box has a CUDA compiler.
+# GPU tests (Triton and DeepGEMM experts); probe-nvcc says whether the box has a CUDA compiler;
+# profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare).
 # Rollouts: Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
 # calls). Output: $OUT/xqa_results.tgz.
@@ -41,6 +42,10 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_moe_deepgemm.py tests/test_gpu_moe.py \
         > "$out/pytest_moe.txt" 2>&1
       grep -E "reference|passed|failed|Error|error" "$out/pytest_moe.txt" | tail -25 ;;
+    profile)
+      python3 benchmarks/decode_profile.py --results "$out/profile" --batch fp8_align_kv_xqa_dg=512 \
+        --deepgemm-cache /root/dg_cache --model-runner v2 > "$out/decode_profile.log" 2>&1
+      tail -5 "$out/decode_profile.log" ;;
     probe-nvcc)
       { which nvcc; ls -d /usr/local/cuda*/bin/nvcc; nvcc --version; python3 -c "import torch.utils.cpp_extension as c; print('CUDA_HOME', c.CUDA_HOME)"; } 2>&1 | tail -8 ;;
     tests)
