@@ -1,7 +1,7 @@
 """Rollout throughput on a random Qwen3-8B- or Qwen3-30B-A3B-shaped model: BF16 vs fp8_align vs vLLM's block FP8.
 
     python benchmarks/rollout_throughput.py --shapes short,long [--variants a,b] [--repeats short=3,long=1] --results DIR
-        [--model qwen3-8b|qwen3-30b-a3b] [--merge REPORT.json]
+        [--model qwen3-8b|qwen3-30b-a3b|moonlight-16b-a3b] [--merge REPORT.json]
         [--gpu-memory-utilization F] [--max-num-seqs N] [--attention-backend NAME] [--model-runner v1|v2]
 
 This file is the command line; benchmarks/rollout/ holds the models and their checkpoints
@@ -73,6 +73,11 @@ Models (`--model`):
                    activation-scale rounding is process-global, fp8_align with FP32 scales
                    refuses to start under E8M0 rounding, and vLLM's own path is given the same
                    rounding. Each variant's `moe_backend` is read from vLLM's log.
+    moonlight-16b-a3b  DeepseekV3ForCausalLM with Moonlight-16B-A3B's shape (MLA without q LoRA,
+                   kv_lora_rank 512 + rope 64, 27 layers, layer 0 dense, 64 routed experts of
+                   1408 + 2 shared, top-6; 15.96 B parameters), dummy weights and MoE settings as
+                   qwen3-30b-a3b; vLLM picks the MLA attention backend. fp8_align's FP8 KV and
+                   XQA variants do not apply to MLA (run bf16, fp8_align[_dg], vllm_fp8[_dg]).
 
 Per variant one engine serves every requested shape: it is sized for the largest (max_num_seqs =
 most prompts, max_model_len = longest prompt + output), so each variant starts once. Engine

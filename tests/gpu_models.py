@@ -77,14 +77,15 @@ def vllm_logprobs(result: dict[str, Any]) -> torch.Tensor:
 
 @functools.cache
 def hf_logprobs(model_dir: str, fp8_fields_json: str | None, completions_key: tuple) -> torch.Tensor:
-    """Teacher-forced logprobs of the given completions under HF (BF16, or FP8-emulated)."""
+    """Teacher-forced logprobs of the given completions under HF (BF16, or FP8-emulated), the
+    checkpoint's own architecture (Qwen3, DeepSeek-V3 / Moonlight, ...)."""
     import json
 
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from fp8_align.hf_emulation import apply_fp8_emulation
 
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
     if fp8_fields_json is not None:
         apply_fp8_emulation(model, FP8Config.from_kwargs(**json.loads(fp8_fields_json)))
     values = []

@@ -46,6 +46,24 @@ def test_moe_checkpoints_are_qwen3_30b_a3b_configs(tmp_path: Path) -> None:
     assert routers == ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(48))]
 
 
+def test_moonlight_checkpoints_are_deepseek_v3_configs_of_16b(tmp_path: Path) -> None:
+    """Moonlight-16B-A3B's shape: DeepSeek-V3 with MLA (no q LoRA), 64 routed experts of 1408 and 2
+    shared, top-6, layer 0 dense; 15.96 B parameters. Its FP8 folder keeps lm_head and the routers BF16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    bf16_dir, fp8_dir = checkpoints.checkpoint_dirs("moonlight-16b-a3b", tmp_path)
+    assert checkpoints.prepare_checkpoints("moonlight-16b-a3b", bf16_dir, fp8_dir) == {}
+    config = AutoConfig.from_pretrained(bf16_dir)
+    assert config.architectures == ["DeepseekV3ForCausalLM"] and config.q_lora_rank is None
+    assert (config.kv_lora_rank, config.qk_rope_head_dim, config.n_routed_experts, config.num_experts_per_tok) == (512, 64, 64, 6)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert 15.9e9 < params < 16.0e9
+    quantization = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
+    assert quantization["modules_to_not_convert"] == ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(27))]
+    assert checkpoints.is_moe(config.to_dict()) and not checkpoints.is_moe(checkpoints.QWEN3_8B)
+
+
 def test_default_model_keeps_its_names_and_fp8_config(tmp_path: Path) -> None:
     settings = {"attention_backend": None, "gpu_memory_utilization": 0.85, "max_num_seqs": None, "model_runner": None}
     assert report.results_name("qwen3-8b", ["short", "long"], settings) == "rollout_throughput_short_long.json"

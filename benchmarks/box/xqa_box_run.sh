@@ -10,7 +10,7 @@
 # dg-prepare-moe does the same for Qwen3-30B-A3B's attention linears (its experts' grouped kernels
 # are compiled by vLLM's own warm-up, into the same cache); dg-probe times DeepGEMM's grouped GEMM
 # per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
-# GPU tests (Triton and DeepGEMM experts); probe-nvcc says whether the box has a CUDA compiler;
+# and MLA GPU tests (Triton and DeepGEMM experts, the tiny Moonlight); probe-nvcc says whether the box has a CUDA compiler;
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare).
 # Rollouts: Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
@@ -39,7 +39,7 @@ for stage in "$@"; do
       DG_JIT_CACHE_DIR=/root/dg_probe_cache python3 benchmarks/box/deepgemm_grouped_probe.py "$out/deepgemm_grouped_probe.json" \
         > "$out/deepgemm_grouped_probe.log" 2>&1; tail -20 "$out/deepgemm_grouped_probe.log" ;;
     tests-moe)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_moe_deepgemm.py tests/test_gpu_moe.py \
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_moe_deepgemm.py tests/test_gpu_moe.py tests/test_gpu_mla.py \
         > "$out/pytest_moe.txt" 2>&1
       grep -E "reference|passed|failed|Error|error" "$out/pytest_moe.txt" | tail -25 ;;
     profile)

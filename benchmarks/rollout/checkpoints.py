@@ -23,6 +23,23 @@ QWEN3_30B_A3B = dict(
     torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936,
 )  # fmt: skip
 
+#: The shape- and routing-setting fields of moonshotai/Moonlight-16B-A3B's config.json (DeepSeek-V3
+#: architecture: MLA without q LoRA, layer 0 dense, 64 routed experts of 1408 + 2 shared, top-6).
+MOONLIGHT_16B_A3B = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=2048, intermediate_size=11264,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+    scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446, hidden_act="silu", attention_bias=False,
+    max_position_embeddings=8192, rope_theta=50000.0, rope_scaling=None, rms_norm_eps=1e-5, vocab_size=163840,
+    tie_word_embeddings=False, torch_dtype="bfloat16",
+)  # fmt: skip
+
+
+def is_moe(config: dict[str, Any]) -> bool:
+    """Whether a config.json describes a mixture of experts (Qwen's `num_experts`, DeepSeek's `n_routed_experts`)."""
+    return bool(config.get("num_experts") or config.get("n_routed_experts"))
+
 
 class ModelShape(NamedTuple):
     """A model the benchmark runs: its Hugging Face config and where vLLM gets the weights."""
@@ -43,6 +60,10 @@ MODELS = {
         # Every variant runs vLLM's Triton fused MoE: vLLM 0.22's own choice for BF16 experts on
         # Hopper, FlashInfer CUTLASS, JIT-compiles with nvcc (benchmarks/results_log.md, session 8).
         {"moe_backend": "triton"},
+    ),
+    "moonlight-16b-a3b": ModelShape(
+        MOONLIGHT_16B_A3B, "dummy", "vLLM dummy weights: every parameter uniform(-1e-3, 1e-3) (FP8 ones drawn in fp16, cast)",
+        {"moe_backend": "triton"},  # as for qwen3-30b-a3b; MLA attention is vLLM's choice
     ),
 }
 #: quantization_config of vLLM's offline block-FP8 checkpoints.
@@ -110,7 +131,7 @@ def ensure_vllm_fp8_checkpoint(bf16_path: Path, fp8_path: Path) -> float | None:
 def vllm_fp8_quantization_config(config: dict[str, Any]) -> dict[str, Any]:
     """vLLM block-FP8 quantization_config for `config`; an MoE keeps lm_head and its routers BF16
     (`modules_to_not_convert`, as Qwen's FP8 releases do and fp8_align does)."""
-    if "num_experts" not in config:
+    if not is_moe(config):
         return VLLM_FP8_QUANTIZATION
     routers = [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
     return {**VLLM_FP8_QUANTIZATION, "modules_to_not_convert": ["lm_head", *routers]}

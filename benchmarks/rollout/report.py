@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.rollout.checkpoints import DEFAULT_MODEL, MODELS
+from benchmarks.rollout.checkpoints import DEFAULT_MODEL, MODELS, is_moe
 from benchmarks.rollout.runner import SHAPES
 
 #: Report fields that must be equal for variants measured in different calls to share a report.
@@ -64,7 +64,7 @@ def report_header(model: str, shape_names: list[str], repeats: dict[str, int], s
     shape = MODELS[model]
     gemm = ("CUTLASS in every FP8 variant (VLLM_USE_DEEP_GEMM=0, FP8Config(use_deep_gemm=False)) but the _dg ones: "
             "DeepGEMM (VLLM_USE_DEEP_GEMM=1, FP8Config(use_deep_gemm=True))")
-    if "num_experts" in shape.config:
+    if is_moe(shape.config):
         gemm += ("; routed experts: vLLM's Triton block-FP8 fused MoE (moe_backend triton) but in the _dg variants: "
                  "DeepGEMM's grouped GEMM (moe_backend deep_gemm); VLLM_USE_DEEP_GEMM_E8M0=0")
     header = {

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.rollout.checkpoints import MODELS
+from benchmarks.rollout.checkpoints import MODELS, is_moe
 
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
@@ -163,7 +163,7 @@ def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
 def variant_env(model: str, variant: str) -> dict[str, str]:
     """Environment of one variant's engine process on top of run_variant's common one: FP32
     activation-scale rounding for both FP8 paths of an MoE (VLLM_USE_DEEP_GEMM_E8M0=0)."""
-    if "num_experts" in MODELS[model].config and variant != "bf16":
+    if is_moe(MODELS[model].config) and variant != "bf16":
         return {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
     return {}
 
@@ -182,7 +182,7 @@ def variant_spec(
         env["VLLM_USE_DEEP_GEMM"] = "1"
         if deepgemm_cache is not None:
             env["DG_JIT_CACHE_DIR"] = str(deepgemm_cache)
-        if "num_experts" in MODELS[model].config:
+        if is_moe(MODELS[model].config):
             llm_kwargs["moe_backend"] = "deep_gemm"
         if variant.startswith("vllm_fp8"):
             # vLLM's block-FP8 linears would send small M to FlashInfer's SM90 block-scale GEMM, a

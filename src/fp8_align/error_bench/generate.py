@@ -16,7 +16,7 @@ at once and on which CPU cores. The spec is a JSON-able dict:
     sampling: list[dict]            several settings in one engine run, each
                                     {"name": str, "temperature": float, "seed": int}; every
                                     prompt is generated once per setting, all in one batch
-    inspect: bool                   also return each linear layer's state and the load's BF16 peak from the worker
+    inspect: bool                   also return each linear and routed-experts layer's state and the load's BF16 peak from the worker
     report_kernels: bool            also return each linear layer's method and kernel (no tensors)
     llm_kwargs: dict                extra `vllm.LLM` keyword arguments
     kv_scales: dict                 {layer: {"k_scale", "v_scale"[, "q_scale"]}} pushed with
@@ -27,7 +27,9 @@ The output (torch.save) holds `outputs_by_sampling` ({setting name: per prompt `
 `token_ids`, `logprobs` of the sampled tokens}), `outputs` (the outputs of the top-level
 setting, present when `sampling` is absent), `layers` (when inspect), `linear_kernels` (when
 report_kernels), `layers_by_worker` (when inspect: one `layers` per worker, in rank order),
-`load_memory_by_worker` (when inspect: `load_memory.load_memory_state` per worker), `logprobs_mode`, `vllm_version`, `engine_start_s`, `generate_s`.
+`experts` (when inspect: `read_expert_layers` of the first worker), `load_memory_by_worker` (when
+inspect: `load_memory.load_memory_state` per worker), `logprobs_mode`, `vllm_version`,
+`engine_start_s`, `generate_s`.
 """
 
 from __future__ import annotations
@@ -262,7 +264,7 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     # imports vLLM (through vllm_plugin.compat): only in this engine process, never in the parent
-    from fp8_align.vllm_plugin.inspection import read_linear_layers
+    from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
 
     kwargs: dict[str, Any] = {**DEFAULT_LLM_KWARGS, "skip_tokenizer_init": True, **spec.get("llm_kwargs", {})}
     if spec.get("fp8_config") is not None:
@@ -309,6 +311,7 @@ def _generate(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("inspect"):
         out["layers_by_worker"] = read_linear_layers(llm)
         out["layers"] = out["layers_by_worker"][0]
+        out["experts"] = read_expert_layers(llm)[0]
         out["load_memory_by_worker"] = llm.apply_model(load_memory_state)
     if spec.get("report_kernels"):
         # This file runs as __main__; vLLM pickles functions by module name, so pass the copy
