@@ -82,7 +82,7 @@ def moe_backend_reads_in_place(backend: str, device_major: int, e8m0_rounding: b
 
 
 class Fp8AlignMoEMethod(Fp8MoEMethod):
-    """Block-FP8 routed experts on vLLM's Triton or (Hopper) DeepGEMM block-FP8 MoE kernels (see the module docstring)."""
+    """Block-FP8 routed experts on vLLM's Triton or (Hopper) DeepGEMM MoE kernels (module docstring)."""
 
     def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
         check_scale_rule_supported(cfg, prefix)
@@ -93,11 +93,11 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         backend = getattr(self.fp8_backend, "name", str(self.fp8_backend))
-        device_major = torch.cuda.get_device_capability()[0]
-        if not moe_backend_reads_in_place(backend, device_major, is_deep_gemm_e8m0_used()):
+        device_major, e8m0 = torch.cuda.get_device_capability()[0], is_deep_gemm_e8m0_used()
+        if not moe_backend_reads_in_place(backend, device_major, e8m0):
             raise Fp8AlignMoEError(
                 f"{prefix}: vLLM chose the {backend} MoE backend (SM{device_major}x, DeepGEMM E8M0 rounding "
-                f"{'on' if is_deep_gemm_e8m0_used() else 'off'}); fp8_align runs routed experts only on backends "
+                f"{'on' if e8m0 else 'off'}); fp8_align runs routed experts only on backends "
                 "that read its codes and scales in place, so that every step's re-quantization is what they "
                 "compute with: vLLM's Triton block-FP8 MoE kernel (moe_backend='triton'), or DeepGEMM "
                 "(moe_backend='deep_gemm') on Hopper with FP32 scales. Set moe_backend, or unset "
