@@ -27,13 +27,12 @@ from typing import Any
 import pytest
 import torch
 
-from fp8_align.quant import quantize_weight_blockwise
 from tests.gpu_models import LLM_KWARGS, hf_logprobs, vllm_logprobs
 from tests.gpu_moe_checks import assert_experts_hold, checkpoint_weights
+from tests.mla_checks import assert_mla_projections_hold
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-MLA_PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLA_LLM_KWARGS = {**LLM_KWARGS, "attention_backend": "TRITON_MLA", "moe_backend": "triton"}
 NUM_EXPERTS, INTER, HIDDEN, VOCAB = 8, 128, 256, 512
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 24, 24
@@ -72,13 +71,7 @@ def test_mla_projections_experts_and_shared_expert_hold_the_recipe(engine: Any, 
     result = engine("fp8")
     weights = checkpoint_weights(model_dir)
     layers = result["layers"]
-    for layer in (0, 1):
-        for projection in MLA_PROJECTIONS:
-            entry = layers[f"model.layers.{layer}.self_attn.{projection}"]
-            assert entry["method"] == "Fp8AlignLinearMethod", (layer, projection)
-            codes, scales = quantize_weight_blockwise(weights[f"model.layers.{layer}.self_attn.{projection}.weight"])
-            assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (layer, projection)
-            assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (layer, projection)
+    assert_mla_projections_hold(layers, weights, num_layers=2)
     assert layers["model.layers.1.mlp.shared_experts.gate_up_proj"]["method"] == "Fp8AlignLinearMethod"
     assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "Fp8AlignLinearMethod"
     assert not any(name.endswith("mlp.gate") and entry["method"] == "Fp8AlignLinearMethod" for name, entry in layers.items())

