@@ -40,9 +40,14 @@ skip_tokenizer_init):
                TritonOrDeepGemmExperts: Triton below 128 tokens), its kernels compiled by vLLM's
                own warm-up into the same cache
     vllm_fp8_dg, vllm_fp8_kv_dg   vllm_fp8 / vllm_fp8_kv on DeepGEMM the same way (vLLM's block-FP8
-               linears and, on an MoE model, experts) for every M (VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0:
+               linears and, on an MoE model, experts); where FlashInfer may not JIT-compile
+               (FLASHINFER_DISABLE_JIT set) for every M (VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0:
                vLLM would send small M to FlashInfer's block-scale GEMM, a JIT-compiled module);
-               FA3 decodes the FP8 cache
+               the backend (FA3 by default) decodes the FP8 cache
+    fp8_align_kv_dg   fp8_align_kv on DeepGEMM: the attention backend decodes the FP8 cache (with
+               --attention-backend FLASHINFER on vLLM 0.25+, FlashInfer's XQA on Hopper)
+    vllm_fp8_online_kv_dg   vLLM's online block FP8 (quantization="fp8_per_block", vLLM 0.25+, the
+               BF16 checkpoint quantized at load) + FP8 KV, on DeepGEMM as vllm_fp8_kv_dg
 
 fp8_align and vllm_fp8 both use CUTLASS so that they differ only in where the weights are
 quantized: DeepGEMM JIT-compiles a kernel per warm-up M value at engine start, minutes for an
@@ -106,6 +111,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -180,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     shape_names, variants, repeats = _checked_names(parser, args)
+    if any(v.startswith("vllm_fp8_online") for v in variants):
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        if runner.VLLM_ONLINE_BLOCK_FP8 not in QUANTIZATION_METHODS:
+            parser.error(f"the vllm_fp8_online variants need vLLM's quantization={runner.VLLM_ONLINE_BLOCK_FP8!r} (vLLM 0.25+); "
+                         "this vLLM does not have it")  # fmt: skip
     settings = {"attention_backend": args.attention_backend, "gpu_memory_utilization": args.gpu_memory_utilization,
                 "max_num_seqs": args.max_num_seqs, "model_runner": args.model_runner}  # fmt: skip
     name = report.results_name(args.model, shape_names, settings)
@@ -206,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant}: kept from {earlier}", flush=True)
             continue
         run = report.run_info(results["device"])
-        spec = runner.variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache)
+        spec = runner.variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache,
+                                   flashinfer_jit=not os.environ.get("FLASHINFER_DISABLE_JIT"))  # fmt: skip
         try:
             result = runner.run_variant(variant, spec, args.work / variant)
         except runner.VariantError as exc:  # recorded in the report and in the exit status

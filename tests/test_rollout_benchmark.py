@@ -80,19 +80,23 @@ def test_default_model_keeps_its_names_and_fp8_config(tmp_path: Path) -> None:
 def test_variant_specs(tmp_path: Path, variant: str) -> None:
     """MoE: every variant loads dummy weights; both FP8 paths get E8M0 rounding off. 8B: as before.
     _dg variants: DeepGEMM in the config and the process, with the prepared JIT cache when given,
-    and (MoE) DeepGEMM's grouped GEMM for the routed experts."""
+    and (MoE) DeepGEMM's grouped GEMM for the routed experts; vllm_fp8_online: the BF16 checkpoint
+    with vLLM's online block FP8."""
     bf16_dir, fp8_dir, cache = tmp_path / "bf16", tmp_path / "fp8", tmp_path / "dg"
     moe = runner.variant_spec(variant, MOE, bf16_dir, fp8_dir, [], {"model_runner": None})
     dense = runner.variant_spec(variant, "qwen3-8b", bf16_dir, fp8_dir, [], {"model_runner": None}, deepgemm_cache=cache)
-    deep_gemm = variant.endswith("_dg")
+    deep_gemm, online = variant.endswith("_dg"), variant.startswith("vllm_fp8_online")
     assert moe["load_format"] == "dummy" and dense["load_format"] == "auto"
-    assert moe["model"] == dense["model"] == str(fp8_dir if variant.startswith("vllm_fp8") else bf16_dir)
+    assert moe["model"] == dense["model"] == str(fp8_dir if variant.startswith("vllm_fp8") and not online else bf16_dir)
     vllm_dg = {"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"} if deep_gemm and variant.startswith("vllm_fp8") else {}
     assert moe["env"] == {**({} if variant == "bf16" else {"VLLM_USE_DEEP_GEMM_E8M0": "0"}), **({"VLLM_USE_DEEP_GEMM": "1"} if deep_gemm else {}),
                           **vllm_dg}  # fmt: skip
     assert dense["env"] == ({"VLLM_USE_DEEP_GEMM": "1", "DG_JIT_CACHE_DIR": str(cache), **vllm_dg} if deep_gemm else {})
-    assert moe["llm_kwargs"] == {"moe_backend": "deep_gemm" if deep_gemm else "triton"}  # routed experts
-    assert dense["llm_kwargs"] == {}
+    quantization = {"quantization": "fp8_per_block"} if online else {}  # vLLM's online block FP8
+    assert moe["llm_kwargs"] == {"moe_backend": "deep_gemm" if deep_gemm else "triton", **quantization}  # routed experts
+    assert dense["llm_kwargs"] == quantization
+    jit = runner.variant_spec(variant, "qwen3-8b", bf16_dir, fp8_dir, [], {"model_runner": None}, flashinfer_jit=True)
+    assert "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER" not in jit["env"]  # where FlashInfer compiles, vLLM's own choice
     assert moe["fp8_align"] == variant.startswith("fp8_align")
     assert moe["kv_cache_dtype"] == ("fp8" if "_kv" in variant else "auto")
     if moe["fp8_align"]:

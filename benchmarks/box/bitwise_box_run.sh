@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The bitwise on-policy session on the GPU box (issue #24), stages per device call:
 #   bash benchmarks/box/bitwise_box_run.sh STAGE...
-#   STAGE: stage (copy the carried .gpukit/part_*, .gpumodel/smol.zst.part_* and .gpute/te.part_* to /root/stage)
+#   STAGE: stage (copy the carried .gpukit/part_* or .gpukit25/part_*, .gpumodel/smol.zst.part_* and .gpute/te.part_* to /root/stage)
 #        | setup (kit + SmolLM2) | te-build (TransformerEngine, in the background) | te-wait
 #        | tests | proof[=MODELS] ($PROOF_ARGS: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
 #        | grpo (3 seeds of the bf16 and fp8_bitwise arms at once; $GRPO_ARGS: more arguments)
@@ -15,7 +15,7 @@ out="${OUT:-/tmp/out}"; mkdir -p "$out" /root/stage
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    stage) cp .gpukit/part_* .gpumodel/smol.zst.part_* .gpute/te.part_* /root/stage/ 2>/dev/null; ls -l /root/stage ;;
+    stage) cp .gpukit/part_* .gpukit25/part_* .gpumodel/smol.zst.part_* .gpute/te.part_* /root/stage/ 2>/dev/null; ls -l /root/stage ;;
     setup)
       source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
       source benchmarks/box/gpu_model_setup.sh || exit 1 ;;

@@ -15,16 +15,25 @@
 # Rollouts: Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
 # calls). Output: $OUT/xqa_results.tgz.
+# FLASHINFER_JIT=1: FlashInfer compiles its modules on the box (nvcc there since session 16)
+# instead of the carried prebuilt ones: no .flashinfer_aot, FLASHINFER_DISABLE_JIT unset. With
+# FP8_ALIGN_GPUKIT=.gpukit25 (the vLLM 0.25.1 bundle) and ROLLOUT_ARGS with --attention-backend
+# FLASHINFER this runs the vLLM 0.25.1 peer comparison (issue #26, item 2).
 set -uo pipefail
 out="${OUT:-/tmp/out}/xqa"; mkdir -p "$out"
 source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
-aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
-mkdir -p "$aot" && cp -r .flashinfer_aot/aot/* "$aot/" || exit 1
-export FLASHINFER_DISABLE_JIT=1 VLLM_LOGGING_LEVEL=INFO
+export VLLM_LOGGING_LEVEL=INFO
+if [ "${FLASHINFER_JIT:-0}" = 1 ]; then
+  unset FLASHINFER_DISABLE_JIT
+else
+  aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
+  mkdir -p "$aot" && cp -r .flashinfer_aot/aot/* "$aot/" || exit 1
+  export FLASHINFER_DISABLE_JIT=1
+fi
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    setup) ls "$aot" ;;
+    setup) [ "${FLASHINFER_JIT:-0}" = 1 ] && echo "FlashInfer JIT on: $(command -v nvcc)" || ls "$aot" ;;
     dg-prepare)
       mkdir -p /root/dg_config && echo '{"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}' > /root/dg_config/config.json

@@ -128,7 +128,8 @@ def add_ratios(report: dict[str, Any]) -> None:
         for ours, theirs in (("fp8_align", "vllm_fp8"), ("fp8_align_kv", "vllm_fp8_kv"), ("fp8_align_kv_xqa", "vllm_fp8_kv"),
                              ("fp8_align_kv_xqa", "fp8_align_kv"), ("fp8_align_dg", "fp8_align"), ("fp8_align_dg", "vllm_fp8"),
                              ("fp8_align_kv_xqa_dg", "vllm_fp8_kv"), ("fp8_align_kv_xqa_dg", "fp8_align_kv_xqa"),
-                             ("fp8_align_dg", "vllm_fp8_dg"), ("fp8_align_kv_xqa_dg", "vllm_fp8_kv_dg")):
+                             ("fp8_align_dg", "vllm_fp8_dg"), ("fp8_align_kv_xqa_dg", "vllm_fp8_kv_dg"),
+                             ("fp8_align_kv_dg", "vllm_fp8_kv_dg"), ("fp8_align_kv_dg", "vllm_fp8_online_kv_dg")):
             if ours in tok_s and theirs in tok_s:
                 ratios[f"{ours}_vs_{theirs}"] = tok_s[ours] / tok_s[theirs]
         report["ratios"][shape] = ratios

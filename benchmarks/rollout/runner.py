@@ -17,7 +17,9 @@ from benchmarks.rollout.checkpoints import MODELS, is_moe
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
 VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa", "fp8_align_dg", "fp8_align_kv_xqa_dg",
-            "vllm_fp8_dg", "vllm_fp8_kv_dg")  # fmt: skip
+            "vllm_fp8_dg", "vllm_fp8_kv_dg", "fp8_align_kv_dg", "vllm_fp8_online_kv_dg")  # fmt: skip
+#: vLLM's online block-FP8 method (BF16 checkpoint quantized at load), vLLM 0.25+.
+VLLM_ONLINE_BLOCK_FP8 = "fp8_per_block"
 #: Prompts in the engine-side KV-scale calibration batch of `fp8_align_kv`.
 CALIBRATION_PROMPTS = 8
 #: The benchmark's command line; its hidden `--worker SPEC RESULT` runs `run_engine` in a fresh process.
@@ -170,26 +172,32 @@ def variant_env(model: str, variant: str) -> dict[str, str]:
 
 def variant_spec(
     variant: str, model: str, bf16_path: Path, fp8_path: Path, shapes: list[dict[str, Any]], settings: dict[str, Any],
-    deepgemm_cache: Path | None = None,
+    deepgemm_cache: Path | None = None, flashinfer_jit: bool = False,
 ) -> dict[str, Any]:
     """What one variant's engine process runs (its spec file, read by run_engine and run_variant).
     `_dg` variants run DeepGEMM linears with DG_JIT_CACHE_DIR=`deepgemm_cache` (None: cold), and
-    on an MoE model DeepGEMM's grouped GEMM for the routed experts (moe_backend "deep_gemm")."""
+    on an MoE model DeepGEMM's grouped GEMM for the routed experts (moe_backend "deep_gemm").
+    `vllm_fp8_online*` load the BF16 checkpoint with quantization="fp8_per_block".
+    `flashinfer_jit`: FlashInfer may compile modules in the engine process (FLASHINFER_DISABLE_JIT
+    unset); without it vLLM's `_dg` variants run DeepGEMM for every M (see below)."""
     deep_gemm = variant.endswith("_dg")
+    online = variant.startswith("vllm_fp8_online")
     env = variant_env(model, variant)
     llm_kwargs = dict(MODELS[model].llm_kwargs)
+    if online:
+        llm_kwargs["quantization"] = VLLM_ONLINE_BLOCK_FP8
     if deep_gemm:
         env["VLLM_USE_DEEP_GEMM"] = "1"
         if deepgemm_cache is not None:
             env["DG_JIT_CACHE_DIR"] = str(deepgemm_cache)
         if is_moe(MODELS[model].config):
             llm_kwargs["moe_backend"] = "deep_gemm"
-        if variant.startswith("vllm_fp8"):
+        if variant.startswith("vllm_fp8") and not flashinfer_jit:
             # vLLM's block-FP8 linears would send small M to FlashInfer's SM90 block-scale GEMM, a
-            # module FlashInfer JIT-compiles (not in the box's prebuilt set): DeepGEMM for every M.
+            # module FlashInfer JIT-compiles: DeepGEMM for every M where FlashInfer cannot compile.
             env["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] = "0"
     return {
-        "model": str(fp8_path if variant.startswith("vllm_fp8") else bf16_path), "load_format": MODELS[model].load_format,
+        "model": str(fp8_path if variant.startswith("vllm_fp8") and not online else bf16_path), "load_format": MODELS[model].load_format,
         "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
         "fp8_config": {"use_deep_gemm": deep_gemm,
                        **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if "_xqa" in variant else {"kv_decode_kernel": "backend"})},
