@@ -99,6 +99,24 @@ def hf_logprobs(model_dir: str, fp8_fields_json: str | None, completions_key: tu
     return torch.cat(values).cpu()
 
 
+def hf_logprobs_of(model_dir: Path, fp8_fields: dict[str, Any] | None, result: dict[str, Any]) -> torch.Tensor:
+    """`hf_logprobs` of an engine run's completions (`run_generation` output: prompt and
+    generated ids per prompt) under the checkpoint in `model_dir`, BF16 (`fp8_fields` None) or
+    FP8-emulated with those FP8Config fields."""
+    import json
+
+    completions = tuple((tuple(o["prompt_ids"]), tuple(o["token_ids"])) for o in result["outputs"])
+    fields = None if fp8_fields is None else json.dumps(fp8_fields, sort_keys=True)
+    return hf_logprobs(str(model_dir), fields, completions)
+
+
+def mean_logprob_distance(label: str, a: torch.Tensor, b: torch.Tensor) -> float:
+    """mean |a - b| of two logprob vectors (printed under `label` with the largest difference)."""
+    diff = (a - b).abs()
+    print(f"\n{label}: mean |dlogprob| {diff.mean().item():.3e}, max {diff.max().item():.3e}")
+    return diff.mean().item()
+
+
 def cuda_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -20,14 +20,13 @@ Checked:
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.gpu_models import LLM_KWARGS, hf_logprobs, vllm_logprobs
+from tests.gpu_models import LLM_KWARGS, hf_logprobs_of, mean_logprob_distance, vllm_logprobs
 from tests.gpu_moe_checks import assert_experts_hold, checkpoint_weights
 from tests.mla_checks import assert_mla_projections_hold
 
@@ -82,24 +81,13 @@ def test_mla_projections_experts_and_shared_expert_hold_the_recipe(engine: Any, 
     assert_experts_hold(state, weights, NUM_EXPERTS, INTER, HIDDEN)
 
 
-def _report(label: str, a: torch.Tensor, b: torch.Tensor) -> float:
-    diff = (a - b).abs()
-    print(f"\n{label}: mean |dlogprob| {diff.mean().item():.3e}, max {diff.max().item():.3e}")
-    return diff.mean().item()
-
-
-def _hf(model_dir: Path, fp8_fields: dict[str, Any] | None, result: dict[str, Any]) -> torch.Tensor:
-    completions = tuple((tuple(o["prompt_ids"]), tuple(o["token_ids"])) for o in result["outputs"])
-    return hf_logprobs(str(model_dir), None if fp8_fields is None else json.dumps(fp8_fields, sort_keys=True), completions)
-
-
 def test_mla_logprobs_match_hf_fp8_emulation(engine: Any, model_dir: Path) -> None:
     baseline_result = engine("bf16")
-    baseline = _report("bf16 vLLM vs bf16 HF", vllm_logprobs(baseline_result), _hf(model_dir, None, baseline_result))
+    baseline = mean_logprob_distance("bf16 vLLM vs bf16 HF", vllm_logprobs(baseline_result), hf_logprobs_of(model_dir, None, baseline_result))
     result = engine("fp8")
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in result["outputs"])
     vllm_lp = vllm_logprobs(result)
-    aligned = _report("fp8: vLLM vs HF fp8 emulation", vllm_lp, _hf(model_dir, ENGINES["fp8"], result))
-    unaligned = _report("fp8: vLLM vs HF bf16", vllm_lp, _hf(model_dir, None, result))
+    aligned = mean_logprob_distance("fp8: vLLM vs HF fp8 emulation", vllm_lp, hf_logprobs_of(model_dir, ENGINES["fp8"], result))
+    unaligned = mean_logprob_distance("fp8: vLLM vs HF bf16", vllm_lp, hf_logprobs_of(model_dir, None, result))
     assert aligned <= 8 * baseline
     assert aligned < unaligned

@@ -20,7 +20,9 @@ import torch
 
 from fp8_align.config import FP8Config
 from tests.engines import MERGED_SHARDS
-from tests.gpu_models import LLM_KWARGS, SMALL, expected_codes, hf_logprobs, is_pow2, save_random_qwen3, vllm_logprobs
+from tests.gpu_models import (
+    LLM_KWARGS, SMALL, expected_codes, hf_logprobs_of, is_pow2, mean_logprob_distance, save_random_qwen3, vllm_logprobs,
+)  # fmt: skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -75,17 +77,6 @@ def engine(models: dict[str, Path], prompts: list[list[int]], tmp_path_factory: 
     return run
 
 
-def _completions(result: dict[str, Any]) -> tuple:
-    return tuple((tuple(o["prompt_ids"]), tuple(o["token_ids"])) for o in result["outputs"])
-
-
-def _hf(models: dict[str, Path], model: str, fp8_fields: dict[str, Any] | None, result: dict[str, Any]) -> torch.Tensor:
-    import json
-
-    fields = None if fp8_fields is None else json.dumps(fp8_fields, sort_keys=True)
-    return hf_logprobs(str(models[model]), fields, _completions(result))
-
-
 @pytest.mark.parametrize("name", ["fp8_fp32_scales", "fp8_pow2_scales", "fp8_odd_shapes"])
 def test_worker_weights_are_fp8_align_codes(engine: Any, models: dict[str, Path], name: str) -> None:
     model, fields = ENGINES[name]
@@ -125,12 +116,6 @@ def test_generation_works(engine: Any, name: str) -> None:
     print(f"\n{name}: engine start {result['engine_start_s']:.1f} s, generate {result['generate_s']:.2f} s")
 
 
-def _report(label: str, a: torch.Tensor, b: torch.Tensor) -> float:
-    diff = (a - b).abs()
-    print(f"\n{label}: mean |dlogprob| {diff.mean().item():.3e}, max {diff.max().item():.3e}")
-    return diff.mean().item()
-
-
 @pytest.mark.parametrize("name", ["fp8_fp32_scales", "fp8_pow2_scales"])
 def test_logprobs_match_hf_fp8_emulation(engine: Any, models: dict[str, Path], name: str) -> None:
     """Aligned FP8 (vLLM vs HF with the same FP8) agrees about as well as BF16 vLLM vs BF16 HF.
@@ -144,12 +129,13 @@ def test_logprobs_match_hf_fp8_emulation(engine: Any, models: dict[str, Path], n
     itself is small (near-uniform logits), so the second margin is modest; both are printed.
     """
     baseline_result = engine("bf16")
-    baseline = _report("bf16 vLLM vs bf16 HF", vllm_logprobs(baseline_result), _hf(models, "small", None, baseline_result))
+    baseline_hf = hf_logprobs_of(models["small"], None, baseline_result)
+    baseline = mean_logprob_distance("bf16 vLLM vs bf16 HF", vllm_logprobs(baseline_result), baseline_hf)
     result = engine(name)
     fields = ENGINES[name][1]
     vllm_lp = vllm_logprobs(result)
-    aligned = _report(f"{name}: vLLM vs HF fp8 emulation", vllm_lp, _hf(models, "small", fields, result))
-    unaligned = _report(f"{name}: vLLM vs HF bf16", vllm_lp, _hf(models, "small", None, result))
+    aligned = mean_logprob_distance(f"{name}: vLLM vs HF fp8 emulation", vllm_lp, hf_logprobs_of(models["small"], fields, result))
+    unaligned = mean_logprob_distance(f"{name}: vLLM vs HF bf16", vllm_lp, hf_logprobs_of(models["small"], None, result))
     assert aligned <= 8 * baseline
     assert aligned < unaligned
 
@@ -157,8 +143,8 @@ def test_logprobs_match_hf_fp8_emulation(engine: Any, models: dict[str, Path], n
 def test_odd_shapes_logprobs_match_hf_fp8_emulation(engine: Any, models: dict[str, Path]) -> None:
     result = engine("fp8_odd_shapes")
     vllm_lp = vllm_logprobs(result)
-    aligned = _report("odd shapes: vLLM vs HF fp8 emulation", vllm_lp, _hf(models, "odd", {}, result))
-    unaligned = _report("odd shapes: vLLM vs HF bf16", vllm_lp, _hf(models, "odd", None, result))
+    aligned = mean_logprob_distance("odd shapes: vLLM vs HF fp8 emulation", vllm_lp, hf_logprobs_of(models["odd"], {}, result))
+    unaligned = mean_logprob_distance("odd shapes: vLLM vs HF bf16", vllm_lp, hf_logprobs_of(models["odd"], None, result))
     assert aligned < unaligned
 
 
