@@ -2,9 +2,11 @@
 
     python benchmarks/decode_profile.py --results DIR [--context 1536] [--steps 20]
         [--batch bf16=140,fp8_align_kv=320]        # or fp8_align=140,fp8_bitwise=140: what bitwise costs
-        [--deepgemm-cache DIR] [--model-runner v1|v2]
+        [--deepgemm-cache DIR] [--model-runner v1|v2] [--attention-backend NAME]
     # the rollout's best configuration at batch 512 (issue #26):
     python benchmarks/decode_profile.py --results DIR --batch fp8_align_kv_xqa_dg=512 --deepgemm-cache /root/dg_cache --model-runner v2
+    # the same on vLLM 0.25.1 (FlashInfer's XQA decodes the FP8 cache):
+    python benchmarks/decode_profile.py --results DIR --batch fp8_align_kv_dg=512 --attention-backend FLASHINFER --deepgemm-cache /root/dg_cache --model-runner v2
 
 Per variant (own process): the engine of `rollout_throughput.py` (same checkpoint and settings),
 `batch` prompts of `context` random tokens each, generating 64 tokens, with vLLM's torch profiler
@@ -52,6 +54,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "fp8_bitwise": {"on_policy": "bitwise"},
     # the best rollout configuration (session 15): DeepGEMM linears, FP8 KV cache, XQA decode
     "fp8_align_kv_xqa_dg": {"use_deep_gemm": True, "kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"},
+    # the same on vLLM 0.25+, whose FLASHINFER backend decodes an FP8 cache with XQA itself
+    # (with --attention-backend FLASHINFER; fp8_align's own XQA route is vLLM 0.22's)
+    "fp8_align_kv_dg": {"use_deep_gemm": True, "kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"},
 }
 #: Output tokens of the longer of the two unprofiled generates that time one decode step.
 DECODE_TOKENS = 32
@@ -73,7 +78,7 @@ _WRAPPER = re.compile(r"^(execute_context|[\w.]+::\w+$|cuda[A-Z]\w*$|cu[A-Z]\w*$
 _ROW = re.compile(r"^(?P<name>.+?)\s{2,}.*?(?P<self_cuda>[\d.]+)(?P<unit>ms|us|s)\s+[\d.]+%\s+[\d.]+(?:ms|us|s)\s+[\d.]+(?:ms|us|s)\s+(?P<calls>\d+)\s*$")
 
 
-def run_engine(variant: str, model: str, batch: int, context: int, steps: int, prof_dir: str) -> dict[str, Any]:
+def run_engine(variant: str, model: str, batch: int, context: int, steps: int, prof_dir: str, attention_backend: str | None = None) -> dict[str, Any]:
     """Engine with the torch profiler armed for `steps` decode steps; timings (worker process)."""
     import torch
     from vllm import LLM, SamplingParams
@@ -92,6 +97,8 @@ def run_engine(variant: str, model: str, batch: int, context: int, steps: int, p
             "delay_iterations": prefill_steps + 8, "max_iterations": steps,
         },
     )  # fmt: skip
+    if attention_backend is not None:
+        kwargs["attention_backend"] = attention_backend
     fields = VARIANTS[variant]
     if fields is not None:
         kwargs.update(engine_kwargs(FP8Config(**fields)))
@@ -170,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--deepgemm-cache", type=Path, default=None, help="DG_JIT_CACHE_DIR of the DeepGEMM variants")
     parser.add_argument("--model-runner", choices=("v1", "v2"), default=None, help="vLLM's model runner for every variant")
+    parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend for every variant (e.g. FLASHINFER)")
     parser.add_argument("--summarize", action="store_true",
                         help="only recompute DIR/decode_profile.json's breakdowns from the saved tables")  # fmt: skip
     parser.add_argument("--worker", nargs=4, metavar=("VARIANT", "BATCH", "PROFDIR", "RESULT"), help=argparse.SUPPRESS)
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16_dir = args.models / "qwen3_8b_random_bf16"
     if args.worker:
         variant, batch, prof_dir, result = args.worker
-        Path(result).write_text(json.dumps(run_engine(variant, str(bf16_dir), int(batch), args.context, args.steps, prof_dir)))
+        Path(result).write_text(json.dumps(run_engine(variant, str(bf16_dir), int(batch), args.context, args.steps, prof_dir, args.attention_backend)))
         return 0
     if args.summarize:
         path = args.results / "decode_profile.json"
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **device_and_versions(), "context": args.context, "steps": args.steps,
-        "model_runner": args.model_runner, "deepgemm_cache": str(args.deepgemm_cache) if args.deepgemm_cache else None,
+        "model_runner": args.model_runner, "attention_backend": args.attention_backend, "deepgemm_cache": str(args.deepgemm_cache) if args.deepgemm_cache else None,
         "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir), "variants": {},
     }  # fmt: skip
     for variant, batch in batches.items():
@@ -208,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                **variant_env(VARIANTS[variant], args.deepgemm_cache, args.model_runner)}  # fmt: skip
         with open(log_path, "w") as log:
             cmd = [sys.executable, __file__, "--context", str(args.context), "--steps", str(args.steps), "--models", str(args.models),
+                   *(["--attention-backend", args.attention_backend] if args.attention_backend else []),
                    "--worker", variant, batch, str(prof_dir), str(result_path)]  # fmt: skip
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         table_path = prof_dir / "profiler_out_0.txt"

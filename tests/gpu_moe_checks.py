@@ -84,13 +84,15 @@ def layer_vs_reference(model: torch.nn.Module, tokens: int, top_k: int) -> dict[
             "experts_impl": type(picked).__name__}  # fmt: skip
 
 
-def assert_within_moe_tolerance(result: dict[str, Any], mean_bound: float = 0.01) -> None:
+def assert_within_moe_tolerance(result: dict[str, Any]) -> None:
     """The kernel and the reference share the weight codes and scales; the activation codes can
     differ by one E4M3 step where vLLM's quantizer (division by the scale, eps 1e-10, fused
     SiLU-and-multiply before the second quantization) rounds a value the other way (2**-3 relative
     at most, rare), and the GEMMs accumulate in a different order. The mean error must stay below
-    `mean_bound` of the mean magnitude and the largest below 10% of the largest. Default 1%: vLLM's
-    Triton kernel measured 0.96% and 2.0% (sessions 8 and 16). A kernel reading other weights than
-    the reference's (a stale copy after a refit) is off by about 100%."""
-    assert result["mean_abs_diff"] <= mean_bound * result["mean_abs_ref"], result
+    2% of the mean magnitude and the largest below 10% of the largest. Measured on an H200, mean:
+    vLLM's Triton kernel 0.96% (vLLM 0.22) and 1.03% (0.25.1) on 64 tokens, largest 2.0%;
+    DeepGEMM's grouped kernel 1.21% and 1.22% on 256 tokens (it also rounds partial sums in the
+    tensor cores' reduced precision before promoting them to FP32). A kernel reading other
+    weights than the reference's (a stale copy after a refit) is off by about 100%."""
+    assert result["mean_abs_diff"] <= 0.02 * result["mean_abs_ref"], result
     assert result["max_abs_diff"] <= 0.10 * result["max_abs_ref"], result

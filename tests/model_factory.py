@@ -77,14 +77,15 @@ def make_tiny_moonlight(path: Path, seed: int = 0, **overrides: int) -> Path:
     `make_tiny_llama`; hidden 256, vocab 512."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
+    fields = dict(
         hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
         v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
         n_group=1, topk_group=1, topk_method="noaux_tc", routed_scaling_factor=2.5, norm_topk_prob=True,
         vocab_size=512, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
-        rope_scaling=None, **overrides,
+        rope_scaling=None,
     )  # fmt: skip
+    config = DeepseekV3Config(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)

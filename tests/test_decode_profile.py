@@ -25,11 +25,14 @@ def test_variant_env_turns_deepgemm_on_only_where_the_config_asks(variant: str, 
 
 
 def test_best_rollout_configuration_is_a_variant() -> None:
-    """The configuration issue #26 profiles at batch 512: DeepGEMM linears, FP8 KV, XQA decode."""
+    """The configuration issue #26 profiles at batch 512: DeepGEMM linears, FP8 KV, XQA decode
+    (fp8_align's route on vLLM 0.22; on 0.25.1 the attention backend's, FLASHINFER's XQA)."""
     from fp8_align.config import FP8Config
 
     cfg = FP8Config(**decode_profile.VARIANTS["fp8_align_kv_xqa_dg"])
     assert (cfg.use_deep_gemm, cfg.kv_cache_dtype, cfg.kv_decode_kernel) == (True, "fp8", "xqa")
+    cfg = FP8Config(**decode_profile.VARIANTS["fp8_align_kv_dg"])
+    assert (cfg.use_deep_gemm, cfg.kv_cache_dtype, cfg.kv_decode_kernel) == (True, "fp8", "backend")
 
 
 def test_summary_of_a_saved_table_matches_its_report_and_adds_the_launch_gap() -> None:

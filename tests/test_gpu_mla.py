@@ -1,7 +1,8 @@
-"""MLA + MoE in block FP8 on CUDA (vLLM 0.22, Hopper): a tiny Moonlight-shaped DeepSeek-V3.
+"""MLA + MoE in block FP8 on CUDA (vLLM 0.22 or 0.25.1, Hopper): a tiny Moonlight-shaped DeepSeek-V3.
 
 The model of tests/test_mla_engine.py (2 layers: dense layer 0, MoE layer 1 with 8 routed experts
-of 128 and a shared expert; MLA without q LoRA, kv_lora_rank 512 + rope 64), saved once; engines
+of 128 and a shared expert; MLA without q LoRA, kv_lora_rank 512 + rope 64) with Moonlight's head
+dims (`MOONLIGHT_HEAD_DIMS`), saved once; engines
 run in subprocesses (`fp8_align.error_bench.generate`) with vLLM's TRITON_MLA attention (any head
 count; FlashMLA's kernels want more heads than this model has) and Triton routed experts
 (vLLM 0.22 would pick FlashInfer CUTLASS for the BF16 engine's experts, a JIT-compiled module).
@@ -37,13 +38,17 @@ NUM_EXPERTS, INTER, HIDDEN, VOCAB = 8, 128, 256, 512
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 24, 24
 #: name -> FP8Config fields (None: BF16 engine)
 ENGINES: dict[str, dict[str, Any] | None] = {"bf16": None, "fp8": {}}
+#: Moonlight's per-head dims (query/key 128 + 64 rope = 192, value 128). The CPU model's 64 + 64 and 64
+#: do not run on CUDA: vLLM's FlashAttention MLA prefill takes differing Q/K and V head dims only
+#: for Q/K in (128, 192] and V in (96, 128] (the engine failed at its first prefill, vLLM 0.25.1, H200).
+MOONLIGHT_HEAD_DIMS = {"qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.model_factory import make_tiny_moonlight
 
-    return make_tiny_moonlight(tmp_path_factory.mktemp("moonlight") / "w1", seed=0)
+    return make_tiny_moonlight(tmp_path_factory.mktemp("moonlight") / "w1", seed=0, **MOONLIGHT_HEAD_DIMS)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 # Source this on the GPU box from the repository root: `source benchmarks/box/gpu_box_setup.sh`.
 #
-# 1. Unpacks the vLLM 0.22.0 bundle into /root/kit (once per bundle; needs every .gpukit part
+# 1. Unpacks the vLLM bundle (0.22.0 by default) into /root/kit (once per bundle; needs every .gpukit part
 #    already copied to /root/stage and .gpukit/{ID,bin,unpack.sh} carried in this call, or an
 #    earlier call on this machine having done it).
 # 2. Registers fp8_align's `vllm.general_plugins` entry point without pip: a dist-info in
@@ -8,10 +8,14 @@
 # 3. Exports PYTHONPATH and the vLLM settings the box needs, and writes the versions to
 #    $OUT/env.txt when $OUT is set.
 #    FP8_ALIGN_GPUKIT names the bundle folder (default .gpukit; e.g. .gpukit25 for a vLLM 0.25.1
-#    bundle built with `bash ../shared/gpu-kit/build.sh .gpukit25 LIST ray==2.60.0`).
+#    bundle). Bundles come from `bash benchmarks/box/build_gpukit.sh VERSION`, whose VLLM_VERSION
+#    file (carried with ID, bin, unpack.sh) must name the vLLM unpacked, or setup fails.
 kit="${FP8_ALIGN_GPUKIT:-.gpukit}"
 if [ -f "$kit/unpack.sh" ]; then
+  [ -f "$kit/VLLM_VERSION" ] || { echo "gpu_box_setup: carry $kit/VLLM_VERSION (bundles come from benchmarks/box/build_gpukit.sh)"; return 1; }
   bash "$kit/unpack.sh" || return 1  # extracts only when /root/kit holds another bundle
+  unpacked=$(sed -n 's/^Version: //p' /root/kit/vllm-*.dist-info/METADATA)
+  [ "$unpacked" = "$(cat "$kit/VLLM_VERSION")" ] || { echo "gpu_box_setup: /root/kit holds vLLM $unpacked, $kit was built for $(cat "$kit/VLLM_VERSION")"; return 1; }
 elif [ ! -f /root/kit/.complete ]; then
   echo "gpu_box_setup: /root/kit missing and $kit not carried: stage the parts first"; return 1
 fi
