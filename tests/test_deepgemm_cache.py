@@ -14,7 +14,7 @@ import pytest
 
 from fp8_align.cli import main
 from fp8_align.vllm_plugin.kernels.deepgemm_cache import split_work
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import LinearShape, dense_linear_shapes, parse_shapes
+from fp8_align.vllm_plugin.kernels.deepgemm_inventory import LinearShape, decoder_linear_shapes, parse_shapes
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip
@@ -22,38 +22,72 @@ QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 122
 
 def test_dense_shapes_match_vllm_merged_layers() -> None:
     """qkv/o/gate_up/down as vLLM stacks them, per tensor-parallel rank."""
-    assert [(s.name, s.n, s.k, s.shards) for s in dense_linear_shapes(QWEN3_8B)] == [
+    assert [(s.name, s.n, s.k, s.shards) for s in decoder_linear_shapes(QWEN3_8B)] == [
         ("qkv_proj", 6144, 4096, (4096, 1024, 1024)),
         ("o_proj", 4096, 4096, (4096,)),
         ("gate_up_proj", 24576, 4096, (12288, 12288)),
         ("down_proj", 4096, 12288, (4096,)),
     ]
-    tp8 = {s.name: s for s in dense_linear_shapes(QWEN3_8B, tensor_parallel_size=8)}
+    tp8 = {s.name: s for s in decoder_linear_shapes(QWEN3_8B, tensor_parallel_size=8)}
     assert tp8["qkv_proj"].shards == (512, 128, 128) and tp8["down_proj"].k == 1536
     # 16 ranks over 8 KV heads: each rank holds one (replicated) KV head.
-    assert dense_linear_shapes(QWEN3_8B, tensor_parallel_size=16)[0].shards == (256, 128, 128)
+    assert decoder_linear_shapes(QWEN3_8B, tensor_parallel_size=16)[0].shards == (256, 128, 128)
 
 
 def test_smollm2_shapes_that_deepgemm_cannot_take() -> None:
     """SmolLM2-135M: head dim 64 x 3 KV heads gives 192-row K/V shards, off DeepGEMM's 128 grid."""
     smol = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
-    eligible = {s.name: s.runs_on_deepgemm for s in dense_linear_shapes(smol)}
+    eligible = {s.name: s.runs_on_deepgemm for s in decoder_linear_shapes(smol)}
     assert eligible == {"qkv_proj": False, "o_proj": False, "gate_up_proj": False, "down_proj": False}
     assert LinearShape("x", 256, 128, (128, 128)).runs_on_deepgemm
 
 
+#: Qwen3-30B-A3B's config.json fields the shapes depend on.
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+
+
+def test_moe_shapes_are_the_attention_linears() -> None:
+    """Qwen3-30B-A3B: every layer's MLP is routed experts (grouped GEMMs, not listed), so the
+    linears are qkv_proj and o_proj: the 5120x2048 and 2048x4096 session 16 prepared by hand."""
+    assert [(s.name, s.n, s.k, s.shards) for s in decoder_linear_shapes(QWEN3_30B_A3B)] == [
+        ("qkv_proj", 5120, 2048, (4096, 512, 512)),
+        ("o_proj", 2048, 4096, (2048,)),
+    ]
+    dense_layer = decoder_linear_shapes({**QWEN3_30B_A3B, "mlp_only_layers": [0]})
+    assert [(s.name, s.n, s.k) for s in dense_layer[2:]] == [("gate_up_proj", 12288, 2048), ("down_proj", 2048, 6144)]
+
+
+def test_mla_shapes_are_the_ones_vllm_built_for_moonlight() -> None:
+    """Moonlight-16B-A3B's config: the [N, K] and shards of every fp8_align linear a vLLM 0.25.1
+    engine of that shape logged on an H200 (session 17,
+    benchmarks/logs/session17_h200_vllm025/fp8_align.log), and nothing else."""
+    from benchmarks.rollout.checkpoints import MOONLIGHT_16B_A3B
+
+    got = {(s.n, s.k, s.shards) for s in decoder_linear_shapes(MOONLIGHT_16B_A3B)}
+    assert got == {
+        (576, 2048, (576,)), (3072, 2048, (3072,)), (4096, 512, (4096,)), (2048, 2048, (2048,)),  # MLA
+        (22528, 2048, (11264, 11264)), (2048, 11264, (2048,)),  # layer 0's dense MLP
+        (5632, 2048, (2816, 2816)), (2048, 2816, (2048,)),  # the shared experts
+    }  # fmt: skip
+    runs = {s.name: s.runs_on_deepgemm for s in decoder_linear_shapes(MOONLIGHT_16B_A3B)}
+    assert runs["kv_a_proj_with_mqa"] is False and sum(runs.values()) == 7
+
+
 @pytest.mark.parametrize(
     "config, message",
-    [({**QWEN3_8B, "num_experts": 128}, "num_experts"), ({**QWEN3_8B, "kv_lora_rank": 512}, "kv_lora_rank")],
-)
-def test_moe_and_mla_configs_are_refused(config: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        dense_linear_shapes(config)
+    [({**QWEN3_8B, "q_lora_rank": 1536, "kv_lora_rank": 512}, "q_lora_rank"),
+     ({**QWEN3_8B, "num_experts": 60, "shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size")],
+)  # fmt: skip
+def test_architectures_not_described_are_refused(config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"{message}.*--shapes"):
+        decoder_linear_shapes(config)
 
 
 def test_tensor_parallel_that_does_not_split_is_refused() -> None:
     with pytest.raises(ValueError, match="does not split"):
-        dense_linear_shapes(QWEN3_8B, tensor_parallel_size=3)
+        decoder_linear_shapes(QWEN3_8B, tensor_parallel_size=3)
 
 
 def test_parse_shapes() -> None:
@@ -74,10 +108,10 @@ def test_split_work_deals_every_m_once() -> None:
 
 
 def test_cli_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Errors before any GPU work: neither or both sources, an MoE config, a missing config."""
+    """Errors before any GPU work: neither or both sources, a config it does not describe, a missing config."""
     assert main(["prepare-deepgemm"]) == 2
     assert "one of --model and --shapes" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_8B, "num_experts": 8}))
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_8B, "q_lora_rank": 1536, "kv_lora_rank": 512}))
     assert main(["prepare-deepgemm", "--model", str(tmp_path)]) == 2
     assert "--shapes" in capsys.readouterr().err
     assert main(["prepare-deepgemm", "--model", str(tmp_path / "missing")]) == 2

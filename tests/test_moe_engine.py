@@ -26,6 +26,7 @@ from tests import stack_sync_calls as calls
 from tests.engines import (
     ENGINE, ENGINE_CORES_ENV, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, REFERENCE_CORES_ENV, generate_greedy,
 )  # fmt: skip
+from tests.linear_shape_checks import assert_linear_shapes_described
 from tests.model_factory import make_tiny_qwen3_moe
 
 pytestmark = pytest.mark.slow
@@ -101,6 +102,12 @@ def test_experts_fp8_router_and_edge_layer_bf16(llm, checkpoints):
     assert {linears[f"model.layers.{i}.mlp.gate"]["method"] for i in range(NUM_LAYERS)} == {"Fp8AlignBf16LinearMethod"}
     assert linears["model.layers.1.self_attn.qkv_proj"]["method"] == "Fp8AlignLinearMethod"
     _assert_experts_hold(llm, load_file(str(checkpoints["w1"] / "model.safetensors")))
+
+
+def test_prepare_deepgemm_shapes_are_the_engines_linears(llm, checkpoints):
+    """`decoder_linear_shapes` of the Qwen3-MoE config: the attention linears, as vLLM built them
+    (the routed experts are grouped GEMMs, not linears)."""
+    assert_linear_shapes_described(read_linear_layers(llm)[0], checkpoints["w1"])
 
 
 def test_experts_quantized_during_load(llm):

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
-#   STAGE: setup | dg-prepare | dg-prepare-moe | dg-probe | tests | tests-moe | probe-nvcc | profile | rollout-VARIANT[,VARIANT...]
+#   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | probe-nvcc | profile | rollout-VARIANT[,VARIANT...]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
-# dg-prepare fills DeepGEMM's JIT cache /root/dg_cache for the Qwen3-8B shape's linears
-# (`fp8-align prepare-deepgemm`, 16 processes); the _dg rollout variants start with it.
-# dg-prepare-moe does the same for Qwen3-30B-A3B's attention linears (its experts' grouped kernels
-# are compiled by vLLM's own warm-up, into the same cache); dg-probe times DeepGEMM's grouped GEMM
+# dg-prepare[=MODEL] fills DeepGEMM's JIT cache /root/dg_cache for the linears of a rollout model
+# (benchmarks/rollout/checkpoints.py: qwen3-8b, the default, qwen3-30b-a3b, moonlight-16b-a3b;
+# `fp8-align prepare-deepgemm --model`, 16 processes; session 16's `dg-prepare-moe` is
+# `dg-prepare=qwen3-30b-a3b`); the _dg rollout variants start with it. Routed experts' grouped
+# kernels are compiled by vLLM's own warm-up, into the same cache; dg-probe times DeepGEMM's grouped GEMM
 # per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
 # and MLA GPU tests (Triton and DeepGEMM experts, the tiny Moonlight); probe-nvcc says whether the box has a CUDA compiler;
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare;
@@ -36,16 +37,14 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     setup) [ "${FLASHINFER_JIT:-0}" = 1 ] && echo "FlashInfer JIT on: $(command -v nvcc)" || ls "$aot" ;;
-    dg-prepare)
-      mkdir -p /root/dg_config && echo '{"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}' > /root/dg_config/config.json
-      python3 -m fp8_align.cli prepare-deepgemm --model /root/dg_config --cache-dir /root/dg_cache \
-        --json "$out/deepgemm_prepare.json" > "$out/deepgemm_prepare.log" 2>&1
-      tail -c 1500 "$out/deepgemm_prepare.log"; du -sh /root/dg_cache ;;
-    dg-prepare-moe)
-      python3 -m fp8_align.cli prepare-deepgemm --shapes 5120x2048,2048x4096 --cache-dir /root/dg_cache \
-        --json "$out/deepgemm_prepare_moe.json" > "$out/deepgemm_prepare_moe.log" 2>&1
-      tail -c 800 "$out/deepgemm_prepare_moe.log" ;;
+    dg-prepare*)
+      # the model's config.json from benchmarks/rollout/checkpoints.py; its linears' shapes from that
+      model="${stage#dg-prepare}"; model="${model#=}"; model="${model:-qwen3-8b}"
+      mkdir -p "/root/dg_config/$model" && python3 -c "import json, sys; from benchmarks.rollout.checkpoints import MODELS; \
+        json.dump(MODELS[sys.argv[1]].config, open(sys.argv[2], 'w'))" "$model" "/root/dg_config/$model/config.json" || exit 1
+      python3 -m fp8_align.cli prepare-deepgemm --model "/root/dg_config/$model" --cache-dir /root/dg_cache \
+        --json "$out/deepgemm_prepare_$model.json" > "$out/deepgemm_prepare_$model.log" 2>&1
+      tail -c 1500 "$out/deepgemm_prepare_$model.log"; du -sh /root/dg_cache ;;
     dg-probe)
       DG_JIT_CACHE_DIR=/root/dg_probe_cache python3 benchmarks/box/deepgemm_grouped_probe.py "$out/deepgemm_grouped_probe.json" \
         > "$out/deepgemm_grouped_probe.log" 2>&1; tail -20 "$out/deepgemm_grouped_probe.log" ;;

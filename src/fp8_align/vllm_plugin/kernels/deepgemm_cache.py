@@ -12,7 +12,7 @@ with the same vLLM turns the engine's warm-up into loads.
 engine's own) split over `jobs` processes and marks each shape prepared
 (`deepgemm_inventory.mark_prepared`), which the engine checks before its warm-up; `fp8-align
 prepare-deepgemm` is its command line. The shapes come from `deepgemm_inventory`
-(`dense_linear_shapes`, `parse_shapes`); the engine logs the shapes it warmed up
+(`decoder_linear_shapes`, `parse_shapes`); the engine logs the shapes it warmed up
 (`DeepGEMM warm-up N= K=`).
 """
 

