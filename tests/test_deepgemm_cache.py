@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from fp8_align.cli import main
 from fp8_align.vllm_plugin.kernels.deepgemm_cache import split_work
@@ -118,13 +119,18 @@ def test_cli_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["prepare-deepgemm", "--shapes", "12x"]) == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cli_refuses_to_prepare_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """Valid shapes on a machine without CUDA: exit 2 and one line, before any compile process starts."""
+    assert main(["prepare-deepgemm", "--shapes", "6144x4096"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_engine_warm_up_warns_before_compiling_into_a_cold_cache_and_marks_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`DeepGemmBlockFp8Kernel.warm_up` in an engine (its config, DeepGEMM and the GPU stood in for):
     a cache without marks for the model gets one warning before the first compile, with the number
     of kernels of every cold shape of the dense model and the prepare-deepgemm command; each shape is
     marked once warmed up, so a later engine start (a new process) finds it prepared and warns not."""
-    import torch
-
     from fp8_align.vllm_plugin.kernels import deepgemm_inventory, gpu
 
     cache, checkpoint = (tmp_path / "dg").resolve(), tmp_path / "qwen3"

@@ -4,6 +4,7 @@ per-variant specs and environment, and completing one report over several calls 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -210,3 +211,16 @@ def test_merge_refuses_another_model(tmp_path: Path) -> None:
     with pytest.raises(report.MergeError, match="model: "):
         report.load_report(earlier, {**header, "model": {"name": MOE}})
     assert report.load_report(earlier, {**header, "model": {"name": "qwen3-8b"}})["variants"] == {}
+
+
+def test_log_fields_read_the_engine_logs_of_a_gpu_run() -> None:
+    """The engine-log fields `run_variant` records, read from the saved log of session 17's
+    fp8_align Moonlight engine (vLLM 0.25.1, H200): load time, model memory, fp8_align's BF16
+    high point while loading; fields whose line that run did not print (the device peak, new
+    since) stay unmatched."""
+    text = (Path(__file__).resolve().parents[1] / "benchmarks/logs/session17_h200_vllm025/fp8_align.log").read_text()
+    fields = {name: re.search(pattern, text) for name, pattern in runner._LOG_FIELDS.items()}
+    read = {name: float(match.group(1)) for name, match in fields.items() if match}
+    assert read["model_load_s"] == 6.274759 and read["model_memory_gib"] == 15.63
+    assert read["fp8_align_load_bf16_peak_mib"] == 1056.0 and read["graph_capture_s"] == 30.0
+    assert "load_device_peak_gib" not in read

@@ -24,11 +24,14 @@ VLLM_ONLINE_BLOCK_FP8 = "fp8_per_block"
 CALIBRATION_PROMPTS = 8
 #: The benchmark's command line; its hidden `--worker SPEC RESULT` runs `run_engine` in a fresh process.
 SCRIPT = Path(__file__).resolve().parents[1] / "rollout_throughput.py"
-_LOG_FIELDS = {  # vLLM 0.22 log lines -> seconds
+_LOG_FIELDS = {  # vLLM 0.22 and fp8_align log lines -> seconds, GiB, MiB
     "model_load_s": r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) seconds",
     "weights_load_s": r"Loading weights took ([\d.]+) seconds",
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)",
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
+    "model_memory_gib": r"Model loading took ([\d.]+) GiB",
+    "fp8_align_load_bf16_peak_mib": r"held at most ([\d.]+) MiB of BF16 weights at once",
+    "load_device_peak_gib": r"the device's peak allocation so far: ([\d.]+) GiB",
 }
 
 

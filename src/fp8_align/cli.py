@@ -83,10 +83,10 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
         else:
             config = json.loads((args.model / "config.json").read_text())
             shapes = decoder_linear_shapes(config.get("text_config", config), args.tensor_parallel_size)
+        report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir)
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir)
     text = json.dumps(report, indent=2)
     if args.json is not None:
         args.json.write_text(text + "\n")

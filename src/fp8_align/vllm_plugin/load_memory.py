@@ -57,13 +57,21 @@ def take_load_memory() -> dict[str, int]:
 
 
 def log_load_memory(model: torch.nn.Module) -> dict[str, int]:
-    """Log the load's peak against the total and keep it on `model` as `fp8_align_load_memory`."""
+    """Log the load's peak against the total and keep it on `model` as `fp8_align_load_memory`.
+    On CUDA the record also holds `device_peak_bytes`: `torch.cuda.max_memory_allocated` of the
+    model's device when the load finished, the worker's highest allocation so far (the load's
+    peak: nothing larger is allocated before the model)."""
     state = take_load_memory()
     if state["layers"]:
         mib = 1 << 20
+        device = next(model.parameters()).device
+        device_peak = ""
+        if device.type == "cuda":
+            state["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            device_peak = f"; the device's peak allocation so far: {state['device_peak_bytes'] / (1 << 30):.2f} GiB"
         logger.info(
-            "fp8_align: while loading, the %d FP8 layers held at most %.1f MiB of BF16 weights at once (all of them: %.1f MiB)",
-            state["layers"], state["peak_bytes"] / mib, state["total_bytes"] / mib,
+            "fp8_align: while loading, the %d FP8 layers held at most %.1f MiB of BF16 weights at once (all of them: %.1f MiB)%s",
+            state["layers"], state["peak_bytes"] / mib, state["total_bytes"] / mib, device_peak,
         )  # fmt: skip
         model.fp8_align_load_memory = state
     return state

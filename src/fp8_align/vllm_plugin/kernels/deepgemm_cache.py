@@ -64,7 +64,7 @@ def prepare_deepgemm_cache(
     Returns a report: cache_dir, shapes, kernels (calls made), wall_s, and compile_s_sum (the
     workers' summed per-call seconds: what an engine's serial warm-up spends on a cold cache).
     Raises RuntimeError with a worker's output when one fails (nothing is marked then),
-    ValueError when no shape can run on DeepGEMM.
+    ValueError when no shape can run on DeepGEMM or no CUDA GPU is there.
     """
     import torch
     from tqdm.auto import tqdm
@@ -76,6 +76,8 @@ def prepare_deepgemm_cache(
     eligible = [s for s in shapes if s.runs_on_deepgemm]
     if not eligible:
         raise ValueError(f"no shape runs on DeepGEMM (K and every shard multiples of {BLOCK}): {shapes}")
+    if not torch.cuda.is_available():
+        raise ValueError("DeepGEMM's kernels compile on a CUDA GPU, of the model the engines run on (SM90); this machine has none")
     cache = Path(cache_dir).resolve() if cache_dir is not None else jit_cache_dir(envs.VLLM_CACHE_ROOT)
     cache.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", device_index)
