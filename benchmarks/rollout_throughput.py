@@ -105,6 +105,12 @@ machine wrote under --work, or with `--merge REPORT.json` an earlier call's repo
 has this call's GPU name and driver, software versions, model, shapes and engine settings. Each
 variant records when, on which GPU (`run.gpu_uuid`, host) and by which command it was measured;
 `variants_on_one_gpu` says whether the ratios come from one GPU.
+
+`--gpus N` measures up to N variants at once on a host with several GPUs of one kind, each engine
+on its own GPU (CUDA_VISIBLE_DEVICES=i, `run.gpu_index`): the same run in about 1/N of the time
+(device time is counted per machine, not per GPU). Ratios then compare GPUs of one machine, and
+engines starting side by side share the host's CPUs while they compile (engine start times are
+less comparable than throughput).
 """
 
 from __future__ import annotations
@@ -113,6 +119,8 @@ import argparse
 import json
 import os
 import sys
+import threading
+from collections import deque
 from pathlib import Path
 
 # This folder holds `kernels.py`, which shadows the `kernels` package that transformers probes
@@ -155,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--deepgemm-cache", type=Path, metavar="DIR",
                         help="DeepGEMM JIT cache of the _dg variants, filled ahead by `fp8-align prepare-deepgemm` "
                              "(default: each engine's own fresh cache, compiled cold)")  # fmt: skip
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="measure up to N variants at once, each engine on its own GPU of this host (GPU i: "
+                             "CUDA_VISIBLE_DEVICES=i); default 1: one after another on the environment's GPUs")  # fmt: skip
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--work", type=Path, default=Path("/root/rollout_work"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -192,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         if runner.VLLM_ONLINE_BLOCK_FP8 not in QUANTIZATION_METHODS:
             parser.error(f"the vllm_fp8_online variants need vLLM's quantization={runner.VLLM_ONLINE_BLOCK_FP8!r} (vLLM 0.25+); "
                          "this vLLM does not have it")  # fmt: skip
+    if args.gpus < 1:
+        parser.error("--gpus must be 1 or more")
+    if args.gpus > 1 and args.gpus > len(report.nvidia_smi("uuid").splitlines()):
+        parser.error(f"--gpus {args.gpus}: this host has {len(report.nvidia_smi('uuid').splitlines())} GPU(s)")
     settings = {"attention_backend": args.attention_backend, "gpu_memory_utilization": args.gpu_memory_utilization,
                 "max_num_seqs": args.max_num_seqs, "model_runner": args.model_runner}  # fmt: skip
     name = report.results_name(args.model, shape_names, settings)
@@ -212,22 +227,47 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     args.results.mkdir(parents=True, exist_ok=True)
     shapes = runner.make_shapes(shape_names, repeats, checkpoints.MODELS[args.model].config["vocab_size"])
-    failed = []
+    pending = deque(v for v in variants if "by_shape" not in results["variants"].get(v, {}))
     for variant in variants:
-        if "by_shape" in results["variants"].get(variant, {}):
+        if variant not in pending:
             print(f"{variant}: kept from {earlier}", flush=True)
-            continue
-        run = report.run_info(results["device"])
-        spec = runner.variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache,
-                                   flashinfer_jit=not os.environ.get("FLASHINFER_DISABLE_JIT"))  # fmt: skip
-        try:
-            result = runner.run_variant(variant, spec, args.work / variant)
-        except runner.VariantError as exc:  # recorded in the report and in the exit status
-            result = {"error": str(exc)}
-            failed.append(variant)
-        results["variants"][variant] = {**result, "run": run}
-        report.save(results, [state_path, args.results / name])
-        print(json.dumps({variant: results["variants"][variant]})[:3000], flush=True)
+    failed: list[str] = []
+    lock = threading.Lock()
+
+    def measure_on(gpu: int | None) -> None:
+        """Measure pending variants one after another on GPU `gpu` (None: the environment's GPUs)."""
+        while True:
+            with lock:
+                if not pending:
+                    return
+                variant = pending.popleft()
+            run = report.run_info(results["device"], gpu)
+            spec = runner.variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache,
+                                       flashinfer_jit=not os.environ.get("FLASHINFER_DISABLE_JIT"))  # fmt: skip
+            if gpu is not None:
+                spec["env"] = {**spec["env"], "CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+            try:
+                result = runner.run_variant(variant, spec, args.work / variant)
+            except runner.VariantError as exc:  # recorded in the report and in the exit status
+                result = {"error": str(exc)}
+                with lock:
+                    failed.append(variant)
+            with lock:
+                results["variants"][variant] = {**result, "run": run}
+                report.save(results, [state_path, args.results / name])
+                print(json.dumps({variant: results["variants"][variant]})[:3000], flush=True)
+
+    if args.gpus == 1:
+        measure_on(None)
+    else:
+        threads = [threading.Thread(target=measure_on, args=(gpu,)) for gpu in range(args.gpus)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    # The report's order: variants of earlier calls, then this call's as asked (not as they finished).
+    order = [v for v in results["variants"] if v not in variants] + [v for v in variants if v in results["variants"]]
+    results["variants"] = {v: results["variants"][v] for v in order}
     report.save(results, [state_path, args.results / name])
     report.print_table(results)
     return 1 if failed else 0

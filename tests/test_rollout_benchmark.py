@@ -126,7 +126,7 @@ def _fake_machine(monkeypatch: pytest.MonkeyPatch, uuid: str, rates: dict[str, f
         return _measured(rates[name], 100.0 + len(name))
 
     monkeypatch.setattr(report, "device_and_versions", lambda: {**H200, **versions})
-    monkeypatch.setattr(report, "nvidia_smi", lambda fields: uuid)
+    monkeypatch.setattr(report, "nvidia_smi", lambda fields, gpu=None: uuid)
     monkeypatch.setattr(runner, "run_variant", run_variant)
     return specs
 
@@ -224,3 +224,37 @@ def test_log_fields_read_the_engine_logs_of_a_gpu_run() -> None:
     assert read["model_load_s"] == 6.274759 and read["model_memory_gib"] == 15.63
     assert read["fp8_align_load_bf16_peak_mib"] == 1056.0 and read["graph_capture_s"] == 30.0
     assert "load_device_peak_gib" not in read
+
+
+def test_variants_side_by_side_on_the_gpus_of_one_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gpus 2: two engines at once, each on its own GPU (CUDA_VISIBLE_DEVICES and the GPU's uuid
+    recorded per variant), the third variant on whichever GPU frees first; the report lists the
+    variants as asked, and a host with fewer GPUs is refused before any engine starts."""
+    import threading
+    import time
+
+    uuids = {0: "GPU-0", 1: "GPU-1"}
+    running, overlap, lock = set(), [], threading.Lock()
+
+    def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+        with lock:
+            running.add(name)
+            overlap.append(len(running))
+        time.sleep({"bf16": 0.3, "fp8_align": 0.1, "vllm_fp8": 0.1}[name])
+        with lock:
+            running.discard(name)
+        return {**_measured({"bf16": 10000.0, "fp8_align": 14000.0, "vllm_fp8": 13000.0}[name], 100.0),
+                "visible": spec["env"]["CUDA_VISIBLE_DEVICES"]}  # fmt: skip
+
+    monkeypatch.setattr(report, "device_and_versions", lambda: H200)
+    monkeypatch.setattr(report, "nvidia_smi", lambda fields, gpu=None: uuids[gpu] if gpu is not None else "GPU-0\nGPU-1")
+    monkeypatch.setattr(runner, "run_variant", run_variant)
+    assert _call(tmp_path, "x2", "bf16,fp8_align,vllm_fp8", "--gpus", "2") == 0
+    written = json.loads((tmp_path / "x2" / "out" / REPORT).read_text())
+    assert list(written["variants"]) == ["bf16", "fp8_align", "vllm_fp8"] and max(overlap) == 2
+    runs = {name: (r["visible"], r["run"]["gpu_index"], r["run"]["gpu_uuid"]) for name, r in written["variants"].items()}
+    assert all(visible == str(index) and uuid == uuids[index] for visible, index, uuid in runs.values())
+    assert runs["bf16"][1] != runs["fp8_align"][1] == runs["vllm_fp8"][1]  # the first GPU to free takes the third
+    assert written["ratios"]["long"]["fp8_align_vs_bf16"] == pytest.approx(1.4) and written["variants_on_one_gpu"] is False
+    with pytest.raises(SystemExit):
+        _call(tmp_path, "x2", "bf16", "--gpus", "4")

@@ -22,10 +22,11 @@ class MergeError(ValueError):
     """An earlier report that this call's variants may not join (another device, software or setup)."""
 
 
-def nvidia_smi(fields: str) -> str:
-    """`nvidia-smi --query-gpu=FIELDS` as CSV without header."""
+def nvidia_smi(fields: str, gpu: int | None = None) -> str:
+    """`nvidia-smi --query-gpu=FIELDS` as CSV without header: a line per GPU, or GPU index `gpu`'s."""
+    select = ["-i", str(gpu)] if gpu is not None else []
     return subprocess.run(
-        ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, check=True
+        ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", *select], capture_output=True, text=True, check=True
     ).stdout.strip()
 
 
@@ -94,11 +95,11 @@ def load_report(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
-def run_info(device: str) -> dict[str, str]:
-    """When, where and by which command a variant is measured."""
+def run_info(device: str, gpu: int | None = None) -> dict[str, Any]:
+    """When, where (GPU index `gpu` of the host when given) and by which command a variant is measured."""
     return {
-        "started_utc": utc_now(), "device": device, "gpu_uuid": nvidia_smi("uuid"), "host": socket.gethostname(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started_utc": utc_now(), "device": device, "gpu_uuid": nvidia_smi("uuid", gpu), "gpu_index": gpu,
+        "host": socket.gethostname(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }  # fmt: skip
 
 
