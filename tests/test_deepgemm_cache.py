@@ -79,7 +79,9 @@ def test_mla_shapes_are_the_ones_vllm_built_for_moonlight() -> None:
 @pytest.mark.parametrize(
     "config, message",
     [({**QWEN3_8B, "q_lora_rank": 1536, "kv_lora_rank": 512}, "q_lora_rank"),
-     ({**QWEN3_8B, "num_experts": 60, "shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size")],
+     ({**QWEN3_8B, "num_experts": 60, "shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size"),
+     ({**QWEN3_8B, "model_type": "llama4_text", "num_local_experts": 16}, "llama4_text"),
+     ({**QWEN3_8B, "model_type": "deepseek_v2", "kv_lora_rank": 512}, "deepseek_v2")],
 )  # fmt: skip
 def test_architectures_not_described_are_refused(config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"{message}.*--shapes"):

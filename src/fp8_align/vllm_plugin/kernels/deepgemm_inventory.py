@@ -36,6 +36,9 @@ MARKS_DIR = "fp8_align_prepared"
 #: Config keys of architectures whose linears `decoder_linear_shapes` does not describe (checked
 #: against an engine): Qwen2-MoE's gated shared expert, DeepSeek's q LoRA (fused q_a/kv_a projection).
 _UNDESCRIBED_KEYS = ("shared_expert_intermediate_size", "q_lora_rank")
+#: model_type of the Mixture-of-Experts and MLA architectures it describes (others may interleave
+#: dense layers or add experts in ways it does not know).
+_DESCRIBED_MOE_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,17 @@ def decoder_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int =
     found = [key for key in _UNDESCRIBED_KEYS if config.get(key)]
     if found:
         raise ValueError(f"{config.get('model_type', 'this model')}'s linears are not described here ({', '.join(found)} set): pass --shapes NxK[,NxK...]")
+    routed = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    if (routed or config.get("kv_lora_rank")) and config.get("model_type") not in _DESCRIBED_MOE_TYPES:
+        raise ValueError(
+            f"model_type {config.get('model_type')!r}: the Mixture-of-Experts and MLA linears described here are "
+            f"{', '.join(_DESCRIBED_MOE_TYPES)}'s: pass --shapes NxK[,NxK...]"
+        )
     tp = tensor_parallel_size
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     if heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not split {heads} attention heads")
     shapes = _mla_shapes(config, tp) if config.get("kv_lora_rank") else _gqa_shapes(config, tp)
-    routed = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
     dense_mlp = not routed or config.get("first_k_dense_replace") or config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) > 1
     if dense_mlp:
         shapes += _mlp_shapes("", config["intermediate_size"], hidden, tp)
