@@ -7,6 +7,7 @@ The compile itself needs an SM90 GPU and DeepGEMM: tests/test_gpu_deepgemm_cache
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,50 +129,151 @@ def test_cli_refuses_to_prepare_without_a_gpu(capsys: pytest.CaptureFixture[str]
     assert "CUDA GPU" in capsys.readouterr().err
 
 
-def test_engine_warm_up_warns_before_compiling_into_a_cold_cache_and_marks_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`DeepGemmBlockFp8Kernel.warm_up` in an engine (its config, DeepGEMM and the GPU stood in for):
-    a cache without marks for the model gets one warning before the first compile, with the number
-    of kernels of every cold shape of the dense model and the prepare-deepgemm command; each shape is
-    marked once warmed up, so a later engine start (a new process) finds it prepared and warns not."""
+class Engine(SimpleNamespace):
+    """An engine start for `DeepGemmBlockFp8Kernel.warm_up` with its config, DeepGEMM, the GPU and
+    the fill command stood in for: `start(*shapes)` warms up one layer per [N, K] in a fresh
+    process; `compiled`, `fills` (the commands run) and `logged` record what happened."""
+
+
+@pytest.fixture
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Engine:
     from fp8_align.vllm_plugin.kernels import deepgemm_inventory, gpu
 
     cache, checkpoint = (tmp_path / "dg").resolve(), tmp_path / "qwen3"
     checkpoint.mkdir()
     monkeypatch.setenv(deepgemm_inventory.JIT_CACHE_ENV_VAR, str(cache))
-    engine = SimpleNamespace(
+    config = SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         model_config=SimpleNamespace(model=str(checkpoint), hf_text_config=SimpleNamespace(to_dict=lambda: QWEN3_8B)),
     )
-    monkeypatch.setattr(gpu, "get_current_vllm_config_or_none", lambda: engine)
+    monkeypatch.setattr(gpu, "get_current_vllm_config_or_none", lambda: config)
     monkeypatch.setattr(gpu, "deepgemm_warmup_m_values", lambda n, max_tokens, device: [1, 2, 4, 8][: 3 + (n == 24576)])
     monkeypatch.setattr(gpu.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    compiled: list[tuple[int, int]] = []
-    monkeypatch.setattr(gpu.DeepGemmBlockFp8Kernel, "run_for_m_values", lambda self, layer, m: compiled.append(tuple(layer.weight.shape)))
-    logged: dict[str, list[str]] = {"info": [], "warning": []}
-    for level in logged:
-        monkeypatch.setattr(gpu.logger, level, lambda message, *args, _level=level: logged[_level].append(message % args))
+    monkeypatch.setattr(gpu.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(gpu.torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    state = Engine(cache=cache, checkpoint=checkpoint, compiled=[], fills=[], fill_error=None, logged={"info": [], "warning": []})
+    monkeypatch.setattr(gpu.DeepGemmBlockFp8Kernel, "run_for_m_values", lambda self, layer, m: state.compiled.append(tuple(layer.weight.shape)))
+    for level in state.logged:
+        monkeypatch.setattr(gpu.logger, level, lambda message, *args, _level=level: state.logged[_level].append(message % args))
 
-    def start_engine(*shapes: tuple[int, int]) -> None:
-        """Warm up one layer per shape in a fresh process (no warm-ups or warnings of its own yet)."""
+    def run_fill(command: list[str]) -> str | None:
+        """The command's effect when it succeeds: every shape it names marked prepared."""
+        state.fills.append(command)
+        if state.fill_error is None:
+            args = dict(zip(command[4::2], command[5::2]))
+            setup = gpu.deepgemm_cache_setup(torch.device("cuda", int(args["--device"])))
+            for shape in parse_shapes(args["--shapes"]):
+                deepgemm_inventory.mark_prepared(Path(args["--cache-dir"]), setup, shape.n, shape.k, int(args["--max-num-batched-tokens"]))
+        return state.fill_error
+
+    monkeypatch.setattr(gpu, "run_fill", run_fill)
+
+    def start(*shapes: tuple[int, int]) -> None:
         monkeypatch.setattr(deepgemm_inventory, "_warmups", {})
         monkeypatch.setattr(gpu, "_COLD_CACHES_WARNED", set())
+        monkeypatch.setattr(gpu, "_FILLS_FAILED", set())
+        monkeypatch.setattr(gpu, "_FILLED_AT_START", set())
         for n, k in shapes:
             gpu.DeepGemmBlockFp8Kernel().warm_up(SimpleNamespace(weight=torch.empty(n, k, device="meta")))
 
-    start_engine((6144, 4096), (6144, 4096), (4096, 4096))
-    assert compiled == [(6144, 4096), (4096, 4096)]  # once per shape
-    assert logged["warning"] == [
-        f"fp8_align: DeepGEMM's JIT cache {cache} is not marked prepared for this engine (4 layer shapes: N=6144 K=4096, "
+    state.start = start
+    return state
+
+
+def test_a_cold_cache_is_filled_in_parallel_before_the_warm_up(engine: Engine) -> None:
+    """The first warm-up on a cache without marks runs `fp8-align prepare-deepgemm` once for every
+    cold shape of the model (one warning naming the command), then every warm-up loads (prepared);
+    a later engine start with that cache fills nothing and warns not."""
+    from fp8_align.vllm_plugin.kernels import deepgemm_inventory
+
+    engine.start((6144, 4096), (6144, 4096), (4096, 4096))
+    [command] = engine.fills
+    assert command[3:] == ["prepare-deepgemm", "--shapes", "6144x4096,4096x4096,24576x4096,4096x12288", "--cache-dir",
+                           str(engine.cache), "--max-num-batched-tokens", "256", "--jobs", command[11], "--device", "0"]  # fmt: skip
+    [warning] = engine.logged["warning"]
+    assert warning.startswith(f"fp8_align: DeepGEMM's JIT cache {engine.cache} is not marked prepared for this engine (N=6144 K=4096, ")
+    assert f"compiling their 13 kernels in {command[11]} parallel processes before the engine serves (`fp8-align prepare-deepgemm --shapes" in warning
+    assert engine.compiled == [(6144, 4096), (4096, 4096)]  # the warm-up still runs each shape once: it loads
+    assert [(w.prepared, w.filled_at_start) for w in deepgemm_inventory.warmups()] == [(True, True), (True, True)]
+    engine.logged["warning"].clear()
+    engine.start((6144, 4096), (4096, 4096))
+    assert len(engine.fills) == 1 and engine.logged["warning"] == []
+    assert [(w.prepared, w.filled_at_start) for w in deepgemm_inventory.warmups()] == [(True, False), (True, False)]
+
+
+def test_a_failed_fill_is_warned_about_and_the_warm_up_compiles_serially(engine: Engine) -> None:
+    """The fill command fails: after the fill's own warning one with its reason, then the
+    serial-compile warning (number of kernels, the prepare-deepgemm command for next time); no
+    second fill for the next shape; the warm-up marks each shape it compiled, so the next start
+    finds them prepared."""
+    from fp8_align.vllm_plugin.kernels import deepgemm_inventory
+
+    engine.fill_error = "it exited with 1: CUDA error: out of memory"
+    engine.start((6144, 4096), (4096, 4096))
+    assert len(engine.fills) == 1
+    announced, fill_warning, serial_warning = engine.logged["warning"]
+    assert "parallel processes before the engine serves" in announced
+    assert fill_warning.endswith("failed (it exited with 1: CUDA error: out of memory); the warm-up compiles its kernels one after another instead")
+    assert serial_warning == (
+        f"fp8_align: DeepGEMM's JIT cache {engine.cache} is not marked prepared for this engine (4 layer shapes: N=6144 K=4096, "
         "N=4096 K=4096, N=24576 K=4096, N=4096 K=12288, up to 256 batched tokens): this start compiles up to 13 DeepGEMM "
         "kernels one after another (~0.8 s each on an H100, ~0 min) before the engine serves. DeepGEMM stays the GEMM. Next time, "
         "fill the cache ahead in parallel (once per GPU model and vLLM version): `fp8-align prepare-deepgemm --model "
-        f"{checkpoint} --cache-dir {cache} --max-num-batched-tokens 256` and start the engine with DG_JIT_CACHE_DIR={cache}"
-    ]
+        f"{engine.checkpoint} --cache-dir {engine.cache} --max-num-batched-tokens 256` and start the engine with DG_JIT_CACHE_DIR={engine.cache}"
+    )
     assert [w.prepared for w in deepgemm_inventory.warmups()] == [False, False]
-    assert logged["info"][0].startswith("fp8_align: DeepGEMM warm-up N=6144 K=4096: 3 M values in ") and logged["info"][0].endswith("(not marked prepared: compiled where missing)")
+    assert engine.logged["info"][0].endswith("(not marked prepared: compiled where missing)")
+    engine.start((6144, 4096), (4096, 4096))
+    assert [w.prepared for w in deepgemm_inventory.warmups()] == [True, True]
 
-    logged["warning"].clear()
-    start_engine((6144, 4096), (4096, 4096))
-    assert logged["warning"] == [] and [w.prepared for w in deepgemm_inventory.warmups()] == [True, True]
-    assert logged["info"][-1].endswith("(JIT cache marked prepared)")
+
+def test_fill_helpers(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`cold_shapes`: the model's DeepGEMM shapes not marked (an undescribed model: the layer's own);
+    `compile_jobs`: CPUs, at most 16, within half the free memory; `fill_command` is a command line
+    the real CLI parses (here it stops at the missing GPU); `run_fill` passes the child's stderr on
+    and reports a failure with its exit status."""
+    from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, compile_jobs, fill_command, run_fill
+    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import mark_prepared
+
+    mark_prepared(tmp_path, "setup", 6144, 4096, 512)
+    assert [(s.n, s.k) for s in cold_shapes(QWEN3_8B, 1, tmp_path, "setup", 512, 4096, 4096)] == [(4096, 4096), (24576, 4096), (4096, 12288)]
+    assert [(s.n, s.k) for s in cold_shapes({"model_type": "other", "num_experts": 4}, 1, tmp_path, "setup", 512, 256, 512)] == [(256, 512)]
+    shapes = decoder_linear_shapes(QWEN3_8B)
+    assert compile_jobs(shapes, 16384, 80 << 30, 64) == 16
+    assert compile_jobs(shapes, 16384, 80 << 30, 4) == 4
+    per_process = 16384 * 4096 + 2 * 16384 * 24576 + 24576 * 4096 + (1 << 30)  # gate_up's tensors and the overhead
+    assert compile_jobs(shapes, 16384, 10 * per_process, 64) == 5 and compile_jobs(shapes, 16384, 0, 64) == 1
+    command = fill_command(shapes[:2], tmp_path, 512, 3, 1)
+    if not torch.cuda.is_available():
+        assert main(command[3:]) == 2 and "CUDA GPU" in capfd.readouterr().err
+    assert run_fill([sys.executable, "-c", "import sys; sys.stderr.write('kernels 5/9\\r'); sys.exit(3)"]) == "it exited with 3: kernels 5/9"
+    assert "kernels 5/9" in capfd.readouterr().err
+    assert run_fill([sys.executable, "-c", "pass"]) is None
+
+
+
+
+def test_fill_lock_lets_one_rank_fill_at_a_time(tmp_path: Path) -> None:
+    """Two ranks (threads with their own lock handles): the second enters only after the first left."""
+    import threading
+    import time
+
+    from fp8_align.vllm_plugin.kernels.deepgemm_fill import fill_lock
+
+    events: list[str] = []
+
+    def rank(name: str, hold_s: float) -> None:
+        with fill_lock(tmp_path):
+            events.append(f"{name} in")
+            time.sleep(hold_s)
+            events.append(f"{name} out")
+
+    first = threading.Thread(target=rank, args=("a", 0.3))
+    first.start()
+    time.sleep(0.1)
+    second = threading.Thread(target=rank, args=("b", 0.0))
+    second.start()
+    first.join()
+    second.join()
+    assert events == ["a in", "a out", "b in", "b out"]

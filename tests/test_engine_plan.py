@@ -224,6 +224,10 @@ def test_gemm_summary_names_why_the_fastest_backend_was_passed(monkeypatch: pyte
         "start, 80 s), "
         "cutlass x1 (not deepgemm: use_deep_gemm=False)"
     )
+    deepgemm_inventory.note_warmup(Warmup(12288, 4096, 100, True, 0.3, "/dg", filled_at_start=True))
+    assert engine_plan.gemm_summary(model).startswith(
+        "deepgemm x2 (JIT cache /dg: 1 of 3 shapes prepared ahead; 1 filled at this start in parallel processes; the others' 100"
+    )
 
 
 # --------------------------------------------------------------------------- DeepGEMM's marks

@@ -83,7 +83,7 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
         else:
             config = json.loads((args.model / "config.json").read_text())
             shapes = decoder_linear_shapes(config.get("text_config", config), args.tensor_parallel_size)
-        report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir)
+        report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir, args.device)
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -112,6 +112,7 @@ def _add_prepare_deepgemm(sub: argparse._SubParsersAction) -> None:
         help=f"the engines' max_num_batched_tokens, or more (default {DEFAULT_MAX_BATCHED_TOKENS}: vLLM's LLM() default on H100/H200)",
     )  # fmt: skip
     prep.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
+    prep.add_argument("--device", type=int, default=0, help="CUDA device index to compile on (default 0)")
     prep.add_argument("--cache-dir", type=Path, default=None, help="DeepGEMM JIT cache (default: DG_JIT_CACHE_DIR, else vLLM's)")
     prep.add_argument("--json", type=Path, default=None, help="also write the report here")
     prep.set_defaults(func=_prepare_deepgemm)

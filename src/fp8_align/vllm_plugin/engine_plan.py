@@ -190,7 +190,10 @@ def _deepgemm_state() -> str:
     if not runs:
         return "no warm-up ran in this process (VLLM_DEEP_GEMM_WARMUP=skip): kernels compile at first use"
     cold = [run for run in runs if not run.prepared]
-    text = f"JIT cache {runs[-1].cache_dir}: {len(runs) - len(cold)} of {len(runs)} shapes prepared ahead"
+    filled = [run for run in runs if run.filled_at_start]
+    text = f"JIT cache {runs[-1].cache_dir}: {len(runs) - len(cold) - len(filled)} of {len(runs)} shapes prepared ahead"
+    if filled:
+        text += f"; {len(filled)} filled at this start in parallel processes"
     if cold:
         seconds = sum(run.seconds for run in cold)
         text += f"; the others' {sum(run.kernels for run in cold)} kernels compiled where missing at this start, {seconds:.0f} s"

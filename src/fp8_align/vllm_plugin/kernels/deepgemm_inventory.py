@@ -183,7 +183,8 @@ def is_prepared(cache_dir: Path, setup: str, n: int, k: int, max_tokens: int) ->
 @dataclass(frozen=True)
 class Warmup:
     """One [n, k] DeepGEMM warm-up of this process: `kernels` M values run in `seconds`, with the
-    JIT cache `cache_dir` marked `prepared` for them beforehand or not (then they were compiled)."""
+    JIT cache `cache_dir` marked `prepared` for them beforehand or not (then they were compiled),
+    and if prepared, whether by the fill at this engine start (`filled_at_start`) or ahead."""
 
     n: int
     k: int
@@ -191,6 +192,7 @@ class Warmup:
     prepared: bool
     seconds: float
     cache_dir: str
+    filled_at_start: bool = False
 
 
 _warmups: dict[tuple[int, int], Warmup] = {}

@@ -27,12 +27,14 @@ scale grids (`layer.weight_scale_inv`, [sum ceil(n_s/128), ceil(K/128)]) equal t
 DeepGEMM kernels are JIT-compiled per shape and M tiling; `DeepGemmBlockFp8Kernel.warm_up`
 compiles them while the engine loads, as vLLM does for its own FP8 layers, or loads them from a
 JIT cache `fp8-align prepare-deepgemm` filled ahead (`deepgemm_inventory` says which); a cold
-cache is warned about, with that command, before the first compile. It never changes the backend.
+cache is filled at engine start by that command in parallel processes (`deepgemm_fill`), with a
+warning naming it. It never changes the backend.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ from fp8_align.versions import installed_vllm_version
 from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.vllm_plugin.kernels.base import BLOCK, BlockFp8Kernel, LayerShape
 from fp8_align.vllm_plugin.kernels.cublas import cublas_probe_error  # registers fp8_align::cublas_block_scaled_mm
+from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, compile_jobs, fill_command, fill_lock, run_fill
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
     JIT_CACHE_ENV_VAR,
     Warmup,
@@ -151,6 +154,52 @@ def _warn_cold_cache(vllm_config: VllmConfig, cache: Path, setup: str, n: int, k
     )  # fmt: skip
 
 
+#: (cache directory, model, max_num_batched_tokens) whose parallel fill failed in this process.
+_FILLS_FAILED: set[tuple[str, str, int]] = set()
+#: (cache directory, N, K) of the shapes cold at this start and filled by a fill this process ran or waited for.
+_FILLED_AT_START: set[tuple[str, int, int]] = set()
+
+
+def _fill_cold_cache(vllm_config: VllmConfig, cache: Path, setup: str, n: int, k: int, device: torch.device) -> bool:
+    """Compile every cold DeepGEMM shape of the engine's model ahead of the warm-ups, in parallel
+    processes (`deepgemm_fill`: `fp8-align prepare-deepgemm` as a child process, under the cache's
+    lock so that one tensor-parallel rank fills and the others wait); True when [n, k] is marked
+    prepared afterwards. A failed fill is warned about with its reason, once per engine setting
+    and process, and returns False: the warm-ups then compile one kernel after another."""
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    key = (str(cache), str(vllm_config.model_config.model), max_tokens)
+    if key in _FILLS_FAILED:
+        return False
+    config = vllm_config.model_config.hf_text_config.to_dict()
+    cold_at_start = cold_shapes(config, tp, cache, setup, max_tokens, n, k)
+    with fill_lock(cache):
+        cold = cold_shapes(config, tp, cache, setup, max_tokens, n, k)
+        if cold:  # else another rank filled them while this one waited
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            jobs = compile_jobs(cold, max_tokens, torch.cuda.mem_get_info(index)[0], os.cpu_count() or 1)
+            command = fill_command(cold, cache, max_tokens, jobs, index)
+            logger.warning(
+                "fp8_align: DeepGEMM's JIT cache %s is not marked prepared for this engine (%s, up to %d batched tokens): "
+                "compiling their %d kernels in %d parallel processes before the engine serves (`%s`). DeepGEMM stays the "
+                "GEMM. Next time start with the cache filled ahead (the same `fp8-align prepare-deepgemm`, once per GPU "
+                "model and vLLM version) and %s=%s",
+                cache, ", ".join(f"N={s.n} K={s.k}" for s in cold), max_tokens,
+                sum(len(deepgemm_warmup_m_values(s.n, max_tokens, device)) for s in cold), jobs,
+                " ".join(["fp8-align", *command[3:]]), JIT_CACHE_ENV_VAR, cache,
+            )  # fmt: skip
+            reason = run_fill(command)
+            if reason is not None:
+                _FILLS_FAILED.add(key)
+                logger.warning(
+                    "fp8_align: filling DeepGEMM's JIT cache %s in parallel failed (%s); the warm-up compiles its kernels "
+                    "one after another instead", cache, reason,
+                )  # fmt: skip
+                return False
+    _FILLED_AT_START.update((str(cache), s.n, s.k) for s in cold_at_start if is_prepared(cache, setup, s.n, s.k, max_tokens))
+    return is_prepared(cache, setup, n, k, max_tokens)
+
+
 # --------------------------------------------------------------------------- backends
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
@@ -242,8 +291,10 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
         which reuses the compiled kernels) nothing is compiled ahead. Kernels already in
         DeepGEMM's JIT cache (DG_JIT_CACHE_DIR) are loaded, not compiled: `fp8-align
         prepare-deepgemm` fills it ahead, in parallel. A shape the cache is not marked prepared
-        for (`deepgemm_inventory.is_prepared`) gets a warning naming that command before it
-        compiles; once compiled it is marked, so the next engine start with that cache loads it.
+        for (`deepgemm_inventory.is_prepared`) is filled first, with every other cold shape of
+        the model, by that command run at this start (`_fill_cold_cache`, a warning naming it);
+        where that fails, a warning, and the kernels compile here one after another. Once
+        warmed up a shape is marked, so the next engine start with that cache loads it.
         """
         n, k = layer.weight.shape
         vllm_config = get_current_vllm_config_or_none()
@@ -252,7 +303,8 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
         device = layer.weight.device
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         cache, setup = jit_cache_dir(envs.VLLM_CACHE_ROOT), deepgemm_cache_setup(device)
-        prepared = is_prepared(cache, setup, n, k, max_tokens)
+        ahead = is_prepared(cache, setup, n, k, max_tokens)
+        prepared = ahead or _fill_cold_cache(vllm_config, cache, setup, n, k, device)
         m_values = deepgemm_warmup_m_values(n, max_tokens, device)
         if not prepared:
             _warn_cold_cache(vllm_config, cache, setup, n, k, len(m_values), device)
@@ -264,7 +316,8 @@ class DeepGemmBlockFp8Kernel(GpuBlockFp8Kernel):
                 mark_prepared(cache, setup, n, k, max_tokens)
             except OSError as exc:  # a read-only cache: the engine runs, the next start warns again
                 logger.warning("fp8_align: could not mark N=%d K=%d prepared in DeepGEMM's JIT cache %s: %s", n, k, cache, exc)
-        note_warmup(Warmup(n, k, len(m_values), prepared, seconds, str(cache)))
+        filled = prepared and (not ahead or (str(cache), n, k) in _FILLED_AT_START)
+        note_warmup(Warmup(n, k, len(m_values), prepared, seconds, str(cache), filled_at_start=filled))
         logger.info(
             "fp8_align: DeepGEMM warm-up N=%d K=%d: %d M values in %.1f s (%s)",
             n, k, len(m_values), seconds, "JIT cache marked prepared" if prepared else "not marked prepared: compiled where missing",
