@@ -13,8 +13,8 @@
 # per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
 # and MLA GPU tests (Triton and DeepGEMM experts, the tiny Moonlight); probe-nvcc says whether the box has a CUDA compiler;
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare;
-# $PROFILE_ARGS, default `--batch fp8_align_kv_xqa_dg=512`, vLLM 0.22 only; on the 0.25.1 bundle
-# `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER`).
+# $PROFILE_ARGS, default by the bundle's vLLM: `--batch fp8_align_kv_xqa_dg=512` on 0.22,
+# `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER` on 0.25.1).
 # Rollouts: Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
 # calls). Output: $OUT/xqa_results.tgz.
@@ -53,8 +53,13 @@ for stage in "$@"; do
         > "$out/pytest_moe.txt" 2>&1
       grep -E "reference|passed|failed|Error|error" "$out/pytest_moe.txt" | tail -25 ;;
     profile)
+      # the best configuration of the bundle's vLLM: fp8_align's XQA route on 0.22, FlashInfer's on 0.25+
+      case "$(python3 -c 'import vllm; print(vllm.__version__)')" in
+        0.22.*) best="--batch fp8_align_kv_xqa_dg=512" ;;
+        *) best="--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER" ;;
+      esac
       # shellcheck disable=SC2086
-      python3 benchmarks/decode_profile.py --results "$out/profile" ${PROFILE_ARGS:---batch fp8_align_kv_xqa_dg=512} \
+      python3 benchmarks/decode_profile.py --results "$out/profile" ${PROFILE_ARGS:-$best} \
         --deepgemm-cache /root/dg_cache --model-runner v2 > "$out/decode_profile.log" 2>&1
       tail -5 "$out/decode_profile.log" ;;
     probe-nvcc)
