@@ -1,5 +1,6 @@
-"""What the CPU engine tests of each model family share: the check that `decoder_linear_shapes`
-(the shapes `fp8-align prepare-deepgemm --model` compiles) describes the engine's FP8 linears."""
+"""What the CPU engine tests of each model family share: the checks that `decoder_linear_shapes`
+and `expert_shapes` (the shapes `fp8-align prepare-deepgemm --model` compiles) describe the
+engine's FP8 linears and routed experts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import decoder_linear_shapes
+from fp8_align.vllm_plugin.kernels.deepgemm_inventory import decoder_linear_shapes, expert_shapes
 
 
 def assert_linear_shapes_described(layers: dict[str, dict[str, Any]], checkpoint: Path) -> None:
@@ -18,3 +19,11 @@ def assert_linear_shapes_described(layers: dict[str, dict[str, Any]], checkpoint
     config = json.loads((checkpoint / "config.json").read_text())
     described = {(s.n, s.k) for s in decoder_linear_shapes(config)}
     assert engine == described, {"engine only": sorted(engine - described), "described only": sorted(described - engine)}
+
+
+def assert_expert_shapes_described(experts: dict[str, dict[str, Any]], checkpoint: Path) -> None:
+    """The [E, N, K] of every routed-experts layer's w13 and w2 in `experts` (`read_expert_layers`
+    of one worker) are the ones `expert_shapes` computes from `checkpoint`'s config.json."""
+    engine = {(name, *entry[name].shape) for entry in experts.values() for name in ("w13", "w2")}
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert engine == {(e.name, e.experts, e.n, e.k) for e in expert_shapes(config)}, sorted(engine)

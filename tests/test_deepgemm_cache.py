@@ -47,7 +47,7 @@ def test_smollm2_shapes_that_deepgemm_cannot_take() -> None:
 #: Qwen3-30B-A3B's config.json fields the shapes depend on.
 QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                 "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+                 "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
 
 
 def test_moe_shapes_are_the_attention_linears() -> None:
@@ -75,6 +75,34 @@ def test_mla_shapes_are_the_ones_vllm_built_for_moonlight() -> None:
     }  # fmt: skip
     runs = {s.name: s.runs_on_deepgemm for s in decoder_linear_shapes(MOONLIGHT_16B_A3B)}
     assert runs["kv_a_proj_with_mqa"] is False and sum(runs.values()) == 7
+
+
+def test_expert_shapes_and_the_grouped_warm_up_of_vllm() -> None:
+    """Qwen3-30B-A3B's experts: w13 [128, 1536, 2048] and w2 [128, 2048, 768], top-8; the M values
+    of vLLM's grouped warm-up at 16,384 batched tokens are 2 x 1,151 = the 2,302 calls session 16
+    counted in vLLM's log; Moonlight's 64 experts of 1408 (top-6); a dense model has none."""
+    from benchmarks.rollout.checkpoints import MOONLIGHT_16B_A3B
+
+    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import expert_shapes, grouped_m_values
+
+    w13, w2 = expert_shapes(QWEN3_30B_A3B)
+    assert (w13.experts, w13.n, w13.k, w13.top_k, w2.n, w2.k) == (128, 1536, 2048, 8, 2048, 768)
+    assert [len(grouped_m_values(e, 16384)) for e in (w13, w2)] == [1151, 1151]
+    assert grouped_m_values(w13, 16384)[:2] == [128, 256] and grouped_m_values(w13, 16384)[-1] == 147328
+    tp4 = expert_shapes(QWEN3_30B_A3B, tensor_parallel_size=4)
+    assert [(e.n, e.k) for e in tp4] == [(384, 2048), (2048, 192)] and all(e.runs_on_deepgemm for e in tp4[:1])
+    assert not tp4[1].runs_on_deepgemm  # K = 192 is off the 128 grid
+    assert [(e.experts, e.n, e.k, e.top_k) for e in expert_shapes(MOONLIGHT_16B_A3B)] == [(64, 2816, 2048, 6), (64, 2048, 1408, 6)]
+    assert expert_shapes(QWEN3_8B) == []
+
+
+def test_split_grouped_work_gives_each_worker_one_contiguous_run() -> None:
+    from fp8_align.vllm_plugin.kernels.deepgemm_cache import split_grouped_work
+
+    values = list(range(128, 128 * 11, 128))  # 10 M values
+    parts = split_grouped_work({"g8x256x512": values}, 4)
+    assert [part["g8x256x512"] for part in parts] == [values[0:3], values[3:6], values[6:9], values[9:10]]
+    assert split_grouped_work({"g8x256x512": values[:2]}, 4) == [{"g8x256x512": [128]}, {"g8x256x512": [256]}]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from fp8_align.quant import quantize_weight_blockwise
 from fp8_align.quant.moe import expert_shard_rows
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
 from tests.engines import ENGINE
-from tests.linear_shape_checks import assert_linear_shapes_described
+from tests.linear_shape_checks import assert_expert_shapes_described, assert_linear_shapes_described
 from tests.model_factory import make_tiny_mixtral
 
 pytestmark = pytest.mark.slow
@@ -54,9 +54,11 @@ def _experts_by_layer(llm) -> dict[int, dict]:
     return {int(name.split(".")[2]): entry for name, entry in read_expert_layers(llm)[0].items()}
 
 
-def test_prepare_deepgemm_shapes_are_the_engines_linears(llm, checkpoints):
-    """`decoder_linear_shapes` of the Mixtral config: the attention linears, as vLLM built them."""
+def test_prepare_deepgemm_shapes_are_the_engines_linears_and_experts(llm, checkpoints):
+    """`decoder_linear_shapes` of the Mixtral config: the attention linears, as vLLM built them;
+    `expert_shapes`: the experts' w13 and w2 (Mixtral's expert width is `intermediate_size`)."""
     assert_linear_shapes_described(read_linear_layers(llm)[0], checkpoints["w1"])
+    assert_expert_shapes_described(read_expert_layers(llm)[0], checkpoints["w1"])
 
 
 def test_mixtral_experts_fp8_and_refit_by_mixtral_names(llm, checkpoints):

@@ -19,7 +19,7 @@ from fp8_align import FP8Config
 from fp8_align.error_bench.generate import GenerationJob, start_generation
 from fp8_align.vllm_plugin.inspection import read_expert_layers, read_linear_layers
 from tests.engines import ENGINE, ENGINE_CORES_ENV, MAX_TOKENS, PROMPTS, REFERENCE_CORES_ENV, generate_greedy
-from tests.linear_shape_checks import assert_linear_shapes_described
+from tests.linear_shape_checks import assert_expert_shapes_described, assert_linear_shapes_described
 from tests.mla_checks import assert_mla_projections_hold
 from tests.model_factory import make_tiny_moonlight
 
@@ -52,10 +52,12 @@ def _mla_projections_hold(llm, weights: dict[str, torch.Tensor]) -> None:
     assert_mla_projections_hold(read_linear_layers(llm)[0], weights, num_layers=2)
 
 
-def test_prepare_deepgemm_shapes_are_the_engines_linears(llm, checkpoints):
+def test_prepare_deepgemm_shapes_are_the_engines_linears_and_experts(llm, checkpoints):
     """`decoder_linear_shapes` of the MLA config lists q_proj, kv_a_proj_with_mqa, kv_b_proj,
-    o_proj, layer 0's dense MLP and the shared expert exactly as vLLM built them."""
+    o_proj, layer 0's dense MLP and the shared expert exactly as vLLM built them; `expert_shapes`
+    the routed experts' w13 and w2."""
     assert_linear_shapes_described(read_linear_layers(llm)[0], checkpoints["w1"])
+    assert_expert_shapes_described(read_expert_layers(llm)[0], checkpoints["w1"])
 
 
 def test_mla_projections_experts_and_shared_expert_are_fp8(llm, checkpoints):

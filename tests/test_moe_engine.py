@@ -26,7 +26,7 @@ from tests import stack_sync_calls as calls
 from tests.engines import (
     ENGINE, ENGINE_CORES_ENV, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, REFERENCE_CORES_ENV, generate_greedy,
 )  # fmt: skip
-from tests.linear_shape_checks import assert_linear_shapes_described
+from tests.linear_shape_checks import assert_expert_shapes_described, assert_linear_shapes_described
 from tests.model_factory import make_tiny_qwen3_moe
 
 pytestmark = pytest.mark.slow
@@ -104,10 +104,11 @@ def test_experts_fp8_router_and_edge_layer_bf16(llm, checkpoints):
     _assert_experts_hold(llm, load_file(str(checkpoints["w1"] / "model.safetensors")))
 
 
-def test_prepare_deepgemm_shapes_are_the_engines_linears(llm, checkpoints):
+def test_prepare_deepgemm_shapes_are_the_engines_linears_and_experts(llm, checkpoints):
     """`decoder_linear_shapes` of the Qwen3-MoE config: the attention linears, as vLLM built them
-    (the routed experts are grouped GEMMs, not linears)."""
+    (the routed experts are grouped GEMMs, not linears); `expert_shapes`: their w13 and w2."""
     assert_linear_shapes_described(read_linear_layers(llm)[0], checkpoints["w1"])
+    assert_expert_shapes_described(read_expert_layers(llm)[0], checkpoints["w1"])
 
 
 def test_experts_quantized_during_load(llm):

@@ -8,8 +8,8 @@
 # dg-prepare[=MODEL] fills DeepGEMM's JIT cache /root/dg_cache for the linears of a rollout model
 # (benchmarks/rollout/checkpoints.py: qwen3-8b, the default, qwen3-30b-a3b, moonlight-16b-a3b;
 # `fp8-align prepare-deepgemm --model`, 16 processes; session 16's `dg-prepare-moe` is
-# `dg-prepare=qwen3-30b-a3b`); the _dg rollout variants start with it. Routed experts' grouped
-# kernels are compiled by vLLM's own warm-up, into the same cache; dg-probe times DeepGEMM's grouped GEMM
+# `dg-prepare=qwen3-30b-a3b`; of an MoE model it compiles the routed experts' grouped kernels
+# too); the _dg rollout variants start with it. dg-probe times DeepGEMM's grouped GEMM
 # per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
 # and MLA GPU tests (Triton and DeepGEMM experts, the tiny Moonlight); probe-nvcc says whether the box has a CUDA compiler;
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare;

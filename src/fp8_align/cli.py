@@ -22,7 +22,13 @@ from fp8_align.error_bench.error import (
 from fp8_align.error_bench.generate import GenerationError
 from fp8_align.error_bench.prompts import PromptFileError
 from fp8_align.vllm_plugin.kernels.deepgemm_cache import prepare_deepgemm_cache
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import DEFAULT_MAX_BATCHED_TOKENS, decoder_linear_shapes, parse_shapes
+from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    ExpertShape,
+    decoder_linear_shapes,
+    expert_shapes,
+    parse_shapes,
+)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -78,12 +84,15 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
     try:
         if (args.model is None) == (args.shapes is None):
             raise ValueError("give one of --model and --shapes")
+        experts: list[ExpertShape] = []
         if args.shapes is not None:
             shapes = parse_shapes(args.shapes)
         else:
             config = json.loads((args.model / "config.json").read_text())
-            shapes = decoder_linear_shapes(config.get("text_config", config), args.tensor_parallel_size)
-        report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir, args.device)
+            config = config.get("text_config", config)
+            shapes = decoder_linear_shapes(config, args.tensor_parallel_size)
+            experts = expert_shapes(config, args.tensor_parallel_size)
+        report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir, args.device, experts)
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -104,7 +113,8 @@ def _add_prepare_deepgemm(sub: argparse._SubParsersAction) -> None:
         "per GPU model and vLLM version, on the GPU model the engines use; start the engines with the same "
         "DG_JIT_CACHE_DIR (or VLLM_CACHE_ROOT).",
     )
-    prep.add_argument("--model", type=Path, help="checkpoint directory: the linear shapes come from its config.json (dense, Qwen3-MoE, Mixtral, MLA without q LoRA)")
+    prep.add_argument("--model", type=Path, help="checkpoint directory: the linear shapes come from its config.json (dense, Qwen3-MoE, Mixtral, MLA without q "
+                      "LoRA), and of an MoE model the routed experts' grouped-GEMM kernels (moe_backend='deep_gemm') too")
     prep.add_argument("--shapes", help="comma-separated NxK of each linear per rank instead of --model (e.g. 6144x4096,4096x4096)")
     prep.add_argument("--tensor-parallel-size", type=int, default=1, help="shapes per rank of this tensor-parallel size (default 1)")
     prep.add_argument(

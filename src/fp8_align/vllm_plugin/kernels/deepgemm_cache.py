@@ -24,7 +24,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ from fp8_align.vllm_plugin.kernels.base import BLOCK
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
     DEFAULT_MAX_BATCHED_TOKENS,
     JIT_CACHE_ENV_VAR,
+    ExpertShape,
     LinearShape,
+    grouped_m_values,
     jit_cache_dir,
     mark_prepared,
 )
@@ -49,17 +52,35 @@ def split_work(m_values: Mapping[tuple[int, int], list[int]], jobs: int) -> list
     return [w for w in work if w]
 
 
+def split_grouped_work(m_values: Mapping[str, list[int]], jobs: int) -> list[dict[str, list[int]]]:
+    """Cut each grouped weight's M values ({"g<E>x<N>x<K>": [M...]}, ascending) into `jobs`
+    contiguous runs, worker j getting run j of each: DeepGEMM's grouped kernels change with M
+    only in steps, so a worker compiles the few its run spans instead of all of them."""
+    work: list[dict[str, list[int]]] = [{} for _ in range(jobs)]
+    for key, values in m_values.items():
+        size = -(-len(values) // jobs)
+        for j in range(jobs):
+            if values[j * size : (j + 1) * size]:
+                work[j][key] = values[j * size : (j + 1) * size]
+    return [w for w in work if w]
+
+
 def prepare_deepgemm_cache(
     shapes: list[LinearShape],
     max_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     jobs: int | None = None,
     cache_dir: Path | None = None,
     device_index: int = 0,
+    experts: Sequence[ExpertShape] = (),
 ) -> dict[str, Any]:
     """Compile DeepGEMM's kernels for `shapes` at every warm-up M up to `max_tokens`, in `jobs`
     processes on CUDA device `device_index`, into `cache_dir` (default: DG_JIT_CACHE_DIR, else
     vLLM's $VLLM_CACHE_ROOT/deep_gemm), then mark each shape prepared there for this GPU model,
     vLLM and VLLM_DEEP_GEMM_WARMUP (what an engine with at most `max_tokens` batched tokens checks).
+    `experts`: routed-expert weights whose grouped-GEMM kernels vLLM's start-up warm-up compiles
+    (`grouped_m_values`; FP32 scales as fp8_align keeps them, VLLM_USE_DEEP_GEMM_E8M0=0 as its
+    engines run), compiled in the same processes; vLLM's warm-up then loads them (no mark: vLLM
+    does not look for one).
 
     Returns a report: cache_dir, shapes, kernels (calls made), wall_s, and compile_s_sum (the
     workers' summed per-call seconds: what an engine's serial warm-up spends on a cold cache).
@@ -74,17 +95,22 @@ def prepare_deepgemm_cache(
     from fp8_align.vllm_plugin.kernels.gpu import deepgemm_cache_setup, deepgemm_warmup_m_values
 
     eligible = [s for s in shapes if s.runs_on_deepgemm]
-    if not eligible:
-        raise ValueError(f"no shape runs on DeepGEMM (K and every shard multiples of {BLOCK}): {shapes}")
+    grouped = [e for e in experts if e.runs_on_deepgemm]
+    if not eligible and not grouped:
+        raise ValueError(f"no shape runs on DeepGEMM (K and every shard multiples of {BLOCK}): {shapes} {list(experts)}")
     if not torch.cuda.is_available():
         raise ValueError("DeepGEMM's kernels compile on a CUDA GPU, of the model the engines run on (SM90); this machine has none")
     cache = Path(cache_dir).resolve() if cache_dir is not None else jit_cache_dir(envs.VLLM_CACHE_ROOT)
     cache.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", device_index)
     m_values = {(s.n, s.k): deepgemm_warmup_m_values(s.n, max_tokens, device) for s in eligible}
-    total = sum(map(len, m_values.values()))
-    work = split_work(m_values, jobs or os.cpu_count() or 1)
-    env = {**os.environ, JIT_CACHE_ENV_VAR: str(cache)}
+    grouped_m = {f"g{e.experts}x{e.n}x{e.k}": grouped_m_values(e, max_tokens) for e in grouped}
+    total = sum(map(len, m_values.values())) + sum(map(len, grouped_m.values()))
+    jobs = jobs or os.cpu_count() or 1
+    dense_work, grouped_work = split_work(m_values, jobs), split_grouped_work(grouped_m, jobs)
+    work = [{**dense, **grouped} for dense, grouped in zip_longest(dense_work, grouped_work, fillvalue={})]
+    # FP32 expert scales as fp8_align keeps them: vLLM's grouped wrapper casts to UE8M0 unless this is 0
+    env = {**os.environ, JIT_CACHE_ENV_VAR: str(cache), **({"VLLM_USE_DEEP_GEMM_E8M0": "0"} if grouped else {})}
     start = time.perf_counter()
     bar = tqdm(total=total, desc=f"DeepGEMM kernels ({len(work)} processes)", unit="kernel")
     lock, outputs, seconds = threading.Lock(), [[] for _ in work], [0.0 for _ in work]
@@ -122,6 +148,8 @@ def prepare_deepgemm_cache(
     return {
         "cache_dir": str(cache),
         "shapes": [{"name": s.name, "n": s.n, "k": s.k, "m_values": len(m_values[(s.n, s.k)])} for s in eligible],
+        "experts": [{"name": e.name, "experts": e.experts, "n": e.n, "k": e.k, "m_values": len(grouped_m[f"g{e.experts}x{e.n}x{e.k}"])}
+                    for e in grouped],  # fmt: skip
         "skipped_shapes": [s.name for s in shapes if not s.runs_on_deepgemm],
         "max_tokens": max_tokens,
         "jobs": len(work),
@@ -144,6 +172,9 @@ def _worker(part: dict[str, list[int]], device_index: int) -> None:
     device = torch.device("cuda", device_index)
     kernel = DeepGemmBlockFp8Kernel()
     for shape, values in part.items():
+        if shape.startswith("g"):
+            _grouped_worker(shape, values, device)
+            continue
         n, k = map(int, shape.split("x"))
         layer = types.SimpleNamespace(
             weight=torch.zeros((n, k), dtype=torch.float8_e4m3fn, device=device),
@@ -153,6 +184,30 @@ def _worker(part: dict[str, list[int]], device_index: int) -> None:
             start = time.perf_counter()
             kernel.run_for_m_values(layer, [m])
             print(f"compiled {n} {k} {m} {time.perf_counter() - start:.4f}", flush=True)
+
+
+def _grouped_worker(shape: str, m_values: list[int], device: Any) -> None:
+    """vLLM's start-up warm-up calls of DeepGEMM's grouped GEMM for "g<E>x<N>x<K>" at each M
+    (contiguous layout: rows in blocks of 128, each block one random expert); one line per call."""
+    import torch
+
+    # imported here: vLLM's DeepGEMM wrapper loads its CUDA module (this runs in a GPU compile process)
+    from vllm.utils.deep_gemm import m_grouped_fp8_gemm_nt_contiguous
+
+    experts, n, k = map(int, shape[1:].split("x"))
+    weight = torch.zeros((experts, n, k), dtype=torch.float8_e4m3fn, device=device)
+    weight_scale = torch.ones((experts, n // BLOCK, k // BLOCK), dtype=torch.float32, device=device)
+    rows = max(m_values)
+    x = torch.zeros((rows, k), dtype=torch.float8_e4m3fn, device=device)
+    x_scale = torch.ones((rows, k // BLOCK), dtype=torch.float32, device=device)
+    out = torch.empty((rows, n), dtype=torch.bfloat16, device=device)
+    blocks = torch.randint(0, experts, (rows // BLOCK,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    expert_ids = blocks.repeat_interleave(BLOCK).to(device)
+    for m in m_values:
+        start = time.perf_counter()
+        m_grouped_fp8_gemm_nt_contiguous((x[:m], x_scale[:m]), (weight, weight_scale), out[:m], expert_ids[:m])
+        torch.cuda.synchronize(device)
+        print(f"compiled {shape} {m} {time.perf_counter() - start:.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8_align.vllm_plugin.kernels.base import LayerShape
+from fp8_align.vllm_plugin.kernels.base import BLOCK, LayerShape
 
 #: vLLM 0.22's max_num_batched_tokens for `LLM(...)` on GPUs of 70 GiB or more (H100, H200).
 DEFAULT_MAX_BATCHED_TOKENS = 16384
@@ -126,6 +126,47 @@ def _mlp_shapes(prefix: str, inter: int, hidden: int, tp: int) -> list[LinearSha
         raise ValueError(f"tensor_parallel_size {tp} does not split an MLP of width {inter}")
     part = inter // tp
     return [LinearShape(f"{prefix}gate_up_proj", 2 * part, hidden, (part, part)), LinearShape(f"{prefix}down_proj", hidden, part, (hidden,))]
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One weight of a layer's routed experts on one rank: `experts` matrices of [n, k] codes
+    (w13: gate and up stacked, [2I, H]; w2: [H, I]), `top_k` experts per token. DeepGEMM's
+    grouped GEMM (vLLM's `moe_backend="deep_gemm"`) compiles its kernels per weight."""
+
+    name: str
+    experts: int
+    n: int
+    k: int
+    top_k: int
+
+    @property
+    def runs_on_deepgemm(self) -> bool:
+        """N and K multiples of 128 (DeepGEMM's block-scale grid)."""
+        return self.n % BLOCK == 0 and self.k % BLOCK == 0
+
+
+def expert_shapes(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> list[ExpertShape]:
+    """The routed experts' weights of an MoE config `decoder_linear_shapes` describes (Qwen3-MoE,
+    Mixtral, DeepSeek-V3), split by tensor parallelism along the expert width; [] for a dense one."""
+    decoder_linear_shapes(config, tensor_parallel_size)  # refuses what it does not describe
+    experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        return []
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]  # Mixtral's experts: intermediate_size
+    if width % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} does not split experts of width {width}")
+    part, hidden, top_k = width // tensor_parallel_size, config["hidden_size"], config["num_experts_per_tok"]
+    return [ExpertShape("w13", experts, 2 * part, hidden, top_k), ExpertShape("w2", experts, hidden, part, top_k)]
+
+
+def grouped_m_values(shape: ExpertShape, max_tokens: int) -> list[int]:
+    """The M values vLLM's start-up warm-up runs DeepGEMM's grouped GEMM with for `shape` (vLLM
+    0.22's `_deepgemm_grouped_fp8_gemm_nt_contiguous_warmup`, one data-parallel rank): every
+    multiple of 128 up to the largest contiguous layout, max_tokens x top_k rows plus 127 of
+    padding per expert, rounded up to 128."""
+    largest = -(-(max_tokens * shape.top_k + shape.experts * (BLOCK - 1)) // BLOCK) * BLOCK
+    return list(range(BLOCK, largest + 1, BLOCK))
 
 
 def parse_shapes(text: str) -> list[LinearShape]:
