@@ -13,7 +13,8 @@ Per variant (own process): the engine of `rollout_throughput.py` (same checkpoin
 recording `--steps` engine steps after the prefill (all sequences decoding at about `context`
 tokens of KV). The default batch sizes are what each variant's KV cache holds at the long
 rollout shape's mean context (512 prompt + 1024 of 2048 generated tokens). Writes
-DIR/decode_profile.json: per variant the GPU time of a decode step (sum of its kernels), output
+DIR/decode_profile.json: per variant the engine start (LLM constructor wall time; with an empty
+`--deepgemm-cache` it includes fp8_align's DeepGEMM fill at start), the GPU time of a decode step (sum of its kernels), output
 tokens per second at that batch and step time, and the GPU time per kernel family (attention,
 GEMM, activation quantization, ...) per step, from the profiler's self-CUDA-time table (saved
 next to it; `kernel_families` reads it). Before profiling, the wall time of a decode step is
@@ -34,6 +35,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -78,7 +80,8 @@ _WRAPPER = re.compile(r"^(execute_context|[\w.]+::\w+$|cuda[A-Z]\w*$|cu[A-Z]\w*$
 _ROW = re.compile(r"^(?P<name>.+?)\s{2,}.*?(?P<self_cuda>[\d.]+)(?P<unit>ms|us|s)\s+[\d.]+%\s+[\d.]+(?:ms|us|s)\s+[\d.]+(?:ms|us|s)\s+(?P<calls>\d+)\s*$")
 
 
-def run_engine(variant: str, model: str, batch: int, context: int, steps: int, prof_dir: str, attention_backend: str | None = None) -> dict[str, Any]:
+def run_engine(variant: str, model: str, batch: int, context: int, steps: int, prof_dir: str, attention_backend: str | None = None,
+               gpu_memory_utilization: float = 0.85) -> dict[str, Any]:  # fmt: skip
     """Engine with the torch profiler armed for `steps` decode steps; timings (worker process)."""
     import torch
     from vllm import LLM, SamplingParams
@@ -90,7 +93,7 @@ def run_engine(variant: str, model: str, batch: int, context: int, steps: int, p
     chunk = 16384  # vLLM 0.22's max_num_batched_tokens for an offline LLM on an 80 GB GPU
     prefill_steps = math.ceil(batch * context / chunk)
     kwargs: dict[str, Any] = dict(
-        model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.85,
+        model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=2560, max_num_seqs=max(batch, 16), max_num_batched_tokens=chunk,
         profiler_config={
             "profiler": "torch", "torch_profiler_dir": prof_dir, "torch_profiler_with_stack": False,
@@ -102,7 +105,9 @@ def run_engine(variant: str, model: str, batch: int, context: int, steps: int, p
     fields = VARIANTS[variant]
     if fields is not None:
         kwargs.update(engine_kwargs(FP8Config(**fields)))
+    start = time.perf_counter()
     llm = LLM(**kwargs)
+    engine_start_s = time.perf_counter() - start
     g = torch.Generator().manual_seed(0)
     prompt_sets = [[TokensPrompt(prompt_token_ids=ids) for ids in torch.randint(0, QWEN3_8B["vocab_size"], (batch, context), generator=g).tolist()]
                    for _ in range(3)]  # fresh prompts per generate: no prefix-cache hits
@@ -120,7 +125,7 @@ def run_engine(variant: str, model: str, batch: int, context: int, steps: int, p
     llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - start
     llm.stop_profile()
-    return {"engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"}, "prefill_steps": prefill_steps,
+    return {"engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"}, "engine_start_s": engine_start_s, "prefill_steps": prefill_steps,
             "generate_s": generate_s, "step_wall_ms": step_wall_ms}  # fmt: skip
 
 
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deepgemm-cache", type=Path, default=None, help="DG_JIT_CACHE_DIR of the DeepGEMM variants")
     parser.add_argument("--model-runner", choices=("v1", "v2"), default=None, help="vLLM's model runner for every variant")
     parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend for every variant (e.g. FLASHINFER)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                        help="of every engine (0.9 lets an H100's FP8 cache hold batch 512 at the default context)")  # fmt: skip
     parser.add_argument("--summarize", action="store_true",
                         help="only recompute DIR/decode_profile.json's breakdowns from the saved tables")  # fmt: skip
     parser.add_argument("--worker", nargs=4, metavar=("VARIANT", "BATCH", "PROFDIR", "RESULT"), help=argparse.SUPPRESS)
@@ -185,14 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     bf16_dir = args.models / "qwen3_8b_random_bf16"
     if args.worker:
         variant, batch, prof_dir, result = args.worker
-        Path(result).write_text(json.dumps(run_engine(variant, str(bf16_dir), int(batch), args.context, args.steps, prof_dir, args.attention_backend)))
+        Path(result).write_text(json.dumps(run_engine(variant, str(bf16_dir), int(batch), args.context, args.steps, prof_dir, args.attention_backend,
+                                                          args.gpu_memory_utilization)))  # fmt: skip
         return 0
     if args.summarize:
         path = args.results / "decode_profile.json"
         report = json.loads(path.read_text())
         for variant, entry in report["variants"].items():
             table = (args.results / f"decode_profile_{variant}" / "profiler_out_0.txt").read_text()
-            measured = {k: entry[k] for k in ("engine_kwargs", "prefill_steps", "generate_s", "step_wall_ms") if k in entry}
+            measured = {k: entry[k] for k in ("engine_kwargs", "engine_start_s", "prefill_steps", "generate_s", "step_wall_ms") if k in entry}
             report["variants"][variant] = summarize(measured, table, entry["batch"], report["steps"])
         path.write_text(json.dumps(report, indent=2))
         return 0
@@ -205,18 +213,23 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **device_and_versions(), "context": args.context, "steps": args.steps,
-        "model_runner": args.model_runner, "attention_backend": args.attention_backend, "deepgemm_cache": str(args.deepgemm_cache) if args.deepgemm_cache else None,
+        "model_runner": args.model_runner, "attention_backend": args.attention_backend,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "deepgemm_cache": str(args.deepgemm_cache) if args.deepgemm_cache else None,
         "create_bf16_checkpoint_s": ensure_bf16_checkpoint(bf16_dir), "variants": {},
     }  # fmt: skip
     for variant, batch in batches.items():
         prof_dir = args.results / f"decode_profile_{variant}"
         prof_dir.mkdir(exist_ok=True)
         result_path, log_path = Path(f"/tmp/decode_{variant}.json"), args.results / f"decode_profile_{variant}.log"
-        env = {**os.environ, "VLLM_CACHE_ROOT": f"/root/rollout_work/{variant}/cache/vllm",
+        caches = Path(f"/root/decode_profile_work/{variant}")  # cold compile caches, as the rollout's engines
+        shutil.rmtree(caches, ignore_errors=True)
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+               "TRITON_CACHE_DIR": str(caches / "triton"),
                **variant_env(VARIANTS[variant], args.deepgemm_cache, args.model_runner)}  # fmt: skip
         with open(log_path, "w") as log:
             cmd = [sys.executable, __file__, "--context", str(args.context), "--steps", str(args.steps), "--models", str(args.models),
                    *(["--attention-backend", args.attention_backend] if args.attention_backend else []),
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                    "--worker", variant, batch, str(prof_dir), str(result_path)]  # fmt: skip
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         table_path = prof_dir / "profiler_out_0.txt"

@@ -95,7 +95,9 @@ measured in the same run go to DIR/rollout_throughput[_<model>]_<shapes>.json.
 Engine settings: gpu_memory_utilization 0.85, max_num_seqs = most prompts, vLLM's attention
 backend and model runner; `--gpu-memory-utilization`, `--max-num-seqs`, `--attention-backend`
 and `--model-runner v1|v2` change them for every variant of the call (results then go to a file
-named after the changed settings, so ratios stay within one setting). Each variant also reports
+named after the changed settings, so ratios stay within one setting). `--attention-backend
+FLASHINFER,bf16=auto` gives named variants their own backend: vLLM's FP8-KV decode on FlashInfer
+(XQA on Hopper) against BF16 on vLLM's default backend, each variant at its fastest. Each variant also reports
 its KV-cache capacity in tokens and vLLM's preemption count per timed generate.
 
 One run over several calls (a call may last 10 minutes: one variant per call): variants already
@@ -154,7 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", type=Path, metavar="REPORT",
                         help="add the variants to this earlier report (refused unless device, software and setup match) "
                              "instead of this machine's report under --work")  # fmt: skip
-    parser.add_argument("--attention-backend", help="vLLM attention backend for every variant (default: vLLM's choice)")
+    parser.add_argument("--attention-backend",
+                        help="vLLM attention backend for every variant (default: vLLM's choice); NAME,VARIANT=NAME2,... "
+                             "gives those variants NAME2 ('auto': vLLM's choice), e.g. FLASHINFER,bf16=auto")  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--max-num-seqs", type=int, help="default: the most prompts of the requested shapes")
     parser.add_argument("--model-runner", choices=["v1", "v2"],
@@ -183,6 +187,7 @@ def _checked_names(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         if name not in runner.VARIANTS:
             parser.error(f"unknown variant {name!r}; choose from {', '.join(runner.VARIANTS)}")
     try:
+        runner.attention_backends(args.attention_backend)
         return shape_names, variants, _parse_repeats(args.repeats, shape_names)
     except ValueError as exc:
         parser.error(str(exc))

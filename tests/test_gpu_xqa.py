@@ -19,7 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp8_align.versions import installed_vllm_version, vllm_series
+from fp8_align.vllm_plugin.kv.xqa_decode import XQA_SERIES
+from tests.gpu_decode_checks import ENGINE_KWARGS, XQA_ENGINE_MODEL, decode_diffs, logprob_rows
+
 pytestmark = pytest.mark.gpu
+_VLLM = installed_vllm_version()
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 K_SCALE, V_SCALE = 0.02, 0.015
@@ -130,34 +135,9 @@ def test_the_kv_scales_reach_xqa(cache) -> None:
 
 
 # --------------------------------------------------------------------------- a whole engine
-#: A small Qwen3 with the Qwen3-8B attention geometry (head dim 128, 4 query heads per KV head):
-#: the XQA module prebuilt for 128:4:16 serves it.
-XQA_ENGINE_MODEL = dict(
-    hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
-    head_dim=128, vocab_size=4096, max_position_embeddings=512,
-)  # fmt: skip
-ENGINE_KWARGS = {"gpu_memory_utilization": 0.25, "max_model_len": 256, "seed": 0, "dtype": "bfloat16", "enable_prefix_caching": False}
-
-
-def _logprob_rows(results) -> tuple[list[list[int]], list[list[float]]]:
-    tokens = [list(r.outputs[0].token_ids) for r in results]
-    logprobs = [[step[t].logprob for t, step in zip(toks, r.outputs[0].logprobs)] for toks, r in zip(tokens, results)]
-    return tokens, logprobs
-
-
-def _decode_diffs(tokens: list[list[int]], logprobs: list[list[float]], reference: list[dict]) -> torch.Tensor:
-    """|dlogp| of decode tokens (position >= 1) against `reference` rows, up to the first token where
-    the greedy paths part (after that the two engines see different contexts)."""
-    diffs = []
-    for row, (toks, lps) in enumerate(zip(tokens, logprobs)):
-        for t in range(1, len(toks)):
-            if toks[: t + 1] != reference[row]["token_ids"][: t + 1]:
-                break
-            diffs.append(abs(lps[t] - reference[row]["logprobs"][t]))
-    return torch.tensor(diffs)
-
-
 @pytest.mark.slow
+@pytest.mark.skipif(_VLLM is None or vllm_series(_VLLM) not in XQA_SERIES,
+                    reason=f"fp8_align's XQA route is vLLM 0.22's (installed: {_VLLM}); 0.25+ decodes with XQA itself on FLASHINFER")  # fmt: skip
 def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_path, vllm_runner) -> None:
     """vLLM 0.22 engine with FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa") (CUDA graphs on),
     against FA3 engines (kv_decode_kernel="backend") on the same model and prompts, greedy:
@@ -192,7 +172,7 @@ def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_p
     fa3_config = {"kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"}  # "auto", the default, would decode with XQA
     fa3_default = reference(fa3_config, None, "fa3")
     fa3_pushed = reference(fa3_config, pushed, "fa3_pushed")
-    fp8_kv_effect = _decode_diffs([r["token_ids"] for r in fa3_default], [r["logprobs"] for r in fa3_default], bf16_kv)
+    fp8_kv_effect = decode_diffs([r["token_ids"] for r in fa3_default], [r["logprobs"] for r in fa3_default], bf16_kv)
 
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the worker runs here: read its counter
     with vllm_runner(model, FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa"), env=in_process, **ENGINE_KWARGS) as runner:
@@ -200,16 +180,16 @@ def test_engine_decode_runs_on_xqa_agrees_with_fa3_and_reads_pushed_scales(tmp_p
         assert xqa_decode.decode_calls > 0, "no decode step went to XQA (warm-up and CUDA-graph capture run decode batches)"
         params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
         token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        first = _logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
+        first = logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
         push_kv_scales(llm, pushed)
-        second = _logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
+        second = logprob_rows(llm.generate(token_prompts, params, use_tqdm=False))
 
     print(f"FP8 vs BF16 KV cache (FA3): decode |dlogp| over {len(fp8_kv_effect)} tokens: mean {fp8_kv_effect.mean():.3e}")
     for label, (tokens, logprobs), fa3 in (("default scales", first, fa3_default), ("pushed scales", second, fa3_pushed)):
         for row, lps in enumerate(logprobs):
             assert tokens[row][0] == fa3[row]["token_ids"][0]
             assert lps[0] == fa3[row]["logprobs"][0], f"{label}: prefill (FA3 in both engines) must be unchanged"
-        d = _decode_diffs(tokens, logprobs, fa3)
+        d = decode_diffs(tokens, logprobs, fa3)
         print(f"{label}: XQA vs FA3 decode |dlogp| over {len(d)} tokens: mean {d.mean():.3e}, max {d.max():.3e}")
         assert len(d) >= 8 * 4
         assert d.mean() < fp8_kv_effect.mean(), f"{label}: XQA moves decode more than the FP8 cache itself"

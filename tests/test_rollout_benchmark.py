@@ -109,6 +109,27 @@ def test_variant_specs(tmp_path: Path, variant: str) -> None:
         assert moe["calibrate_kv"] == variant.startswith("fp8_align_kv")
 
 
+def test_attention_backend_per_variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--attention-backend FLASHINFER,bf16=auto: FlashInfer for the FP8-KV variants, vLLM's choice
+    (None) for BF16, in each engine's spec; the file name keeps file-name characters; unknown
+    variants and a second default are refused before any engine starts."""
+    setting = "FLASHINFER,bf16=auto"
+    settings = {"attention_backend": setting, "model_runner": None}
+    specs = {v: runner.variant_spec(v, "qwen3-8b", tmp_path, tmp_path, [], settings) for v in ("bf16", "vllm_fp8_kv_dg", "fp8_align_kv_dg")}
+    assert {v: spec["attention_backend"] for v, spec in specs.items()} == {
+        "bf16": None, "vllm_fp8_kv_dg": "FLASHINFER", "fp8_align_kv_dg": "FLASHINFER"}  # fmt: skip
+    assert runner.attention_backend_of("FLASH_ATTN", "bf16") == "FLASH_ATTN" and runner.attention_backend_of(None, "bf16") is None
+    assert runner.attention_backend_of("auto,fp8_align_kv_dg=FLASHINFER", "fp8_align_kv_dg") == "FLASHINFER"
+    name = report.results_name("qwen3-8b", ["short", "long"], {**settings, "gpu_memory_utilization": 0.85})
+    assert name == "rollout_throughput_short_long_attention_backend_flashinfer_bf16-auto.json"
+    for bad in ("FLASHINFER,bf17=auto", "FLASHINFER,TRITON_ATTN"):
+        with pytest.raises(ValueError, match="--attention-backend"):
+            runner.attention_backends(bad)
+    _fake_machine(monkeypatch, "GPU-0", {})
+    with pytest.raises(SystemExit):
+        _call(tmp_path, "a", "bf16", "--attention-backend", "FLASHINFER,bf17=auto")
+
+
 # --------------------------------------------------------------------------- one report over calls
 def _measured(tok_per_s: float, start_s: float) -> dict[str, Any]:
     """The fields of one variant's result that the report's ratios and table read."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
-#   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | probe-nvcc | profile | rollout-VARIANT[,VARIANT...]
+#   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | probe-nvcc | profile | engine-plan
+#        | fi-warm | moe-start | rollout-VARIANT[,VARIANT...] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -15,9 +16,17 @@
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare;
 # $PROFILE_ARGS, default by the bundle's vLLM: `--batch fp8_align_kv_xqa_dg=512` on 0.22,
 # `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER` on 0.25.1).
-# Rollouts: Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
+# Rollouts (rollout-VARIANTS@BACKEND: on one GPU with that attention backend, a report of its own):
+# Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
-# calls). Output: $OUT/xqa_results.tgz.
+# calls). engine-plan: benchmarks/box/engine_plan_check.py on a cold DeepGEMM cache (the fill at
+# engine start). fi-warm (FLASHINFER_JIT=1, vLLM 0.25+): FlashInfer's modules compiled by a tiny
+# engine before the rollout (benchmarks/box/flashinfer_warm.py). moe-start: dg-prepare=qwen3-30b-a3b,
+# then one Qwen3-30B-A3B fp8_align_dg engine on that cache (start and its grouped warm-up; short
+# shape, one generate). par=A/B+C+... runs stages A then B on GPU 0 while C runs on GPU 1, and so on.
+# bg: the stages after it run detached from this call (setsid, from a copy of the tree, output in
+# /root/bg), so one run may outlast the 10-minute call; wait[=SECONDS] (default 540) waits for it
+# and brings back what it wrote so far. Output: $OUT/xqa_results.tgz.
 # FLASHINFER_JIT=1: FlashInfer compiles its modules on the box (nvcc there since session 16)
 # instead of the carried prebuilt ones: no .flashinfer_aot, FLASHINFER_DISABLE_JIT unset. With
 # FP8_ALIGN_GPUKIT=.gpukit25 (the vLLM 0.25.1 bundle) and ROLLOUT_ARGS with --attention-backend
@@ -33,18 +42,50 @@ else
   mkdir -p "$aot" && cp -r .flashinfer_aot/aot/* "$aot/" || exit 1
   export FLASHINFER_DISABLE_JIT=1
 fi
-for stage in "$@"; do
+dg_prepare() {  # MODEL: fill /root/dg_cache for its linears (and experts) from its config.json in benchmarks/rollout/checkpoints.py
+  mkdir -p "/root/dg_config/$1" && python3 -c "import json, sys; from benchmarks.rollout.checkpoints import MODELS; \
+    json.dump(MODELS[sys.argv[1]].config, open(sys.argv[2], 'w'))" "$1" "/root/dg_config/$1/config.json" || return 1
+  python3 -m fp8_align.cli prepare-deepgemm --model "/root/dg_config/$1" --cache-dir /root/dg_cache \
+    --json "$out/deepgemm_prepare_$1.json" > "$out/deepgemm_prepare_$1.log" 2>&1
+  tail -c 1500 "$out/deepgemm_prepare_$1.log"; du -sh /root/dg_cache
+}
+while [ $# -gt 0 ]; do
+  stage="$1"; shift
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
+    bg)
+      rm -rf /root/bg && mkdir -p /root/bg/out && cp -a . /root/bg/repo || exit 1
+      # shellcheck disable=SC2016
+      setsid nohup bash -c 'cd /root/bg/repo && OUT=/root/bg/out XQA_BOX_TAR=0 bash benchmarks/box/xqa_box_run.sh "$@" \
+        > /root/bg/log 2>&1; echo $? > /root/bg/rc' bash "$@" < /dev/null > /dev/null 2>&1 &
+      echo "detached: $*"; break ;;
+    wait*)
+      limit="${stage#wait}"; limit="${limit#=}"
+      for ((waited = 0; waited < ${limit:-540}; waited += 10)); do [ -f /root/bg/rc ] && break; sleep 10; done
+      echo "bg rc=$(cat /root/bg/rc 2>/dev/null || echo running)"; tail -25 /root/bg/log
+      cp -r /root/bg/out/xqa/. "$out/" 2>/dev/null; cp /root/rollout_work*/*.json "$out/" 2>/dev/null; true ;;
+    par=*)
+      IFS=+ read -r -a chains <<< "${stage#par=}"; pids=()
+      for gpu in "${!chains[@]}"; do
+        IFS=/ read -r -a stages <<< "${chains[$gpu]}"
+        CUDA_VISIBLE_DEVICES=$gpu XQA_BOX_TAR=0 bash benchmarks/box/xqa_box_run.sh "${stages[@]}" > "$out/gpu$gpu.txt" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid"; done; tail -n 15 "$out"/gpu*.txt ;;
+    fi-warm)
+      python3 benchmarks/box/flashinfer_warm.py > "$out/flashinfer_warm.log" 2>&1; echo "rc=$?"
+      grep -E "FlashInfer warm|Error" "$out/flashinfer_warm.log" | tail -3 ;;
+    moe-start)
+      dg_prepare qwen3-30b-a3b > "$out/moe_start_prepare.txt" 2>&1 || exit 1
+      python3 benchmarks/rollout_throughput.py --model qwen3-30b-a3b --shapes short --variants fp8_align_dg --model-runner v2 \
+        --deepgemm-cache /root/dg_cache --work /root/moe_start_work --results "$out/moe_start" > "$out/moe_start.log" 2>&1
+      echo "rc=$?"; tail -4 "$out/moe_start.log"; cp /root/moe_start_work/fp8_align_dg/*.log "$out/moe_start/" 2>/dev/null; true ;;
+    engine-plan)
+      rm -rf /root/dg_cold_tiny
+      DG_JIT_CACHE_DIR=/root/dg_cold_tiny python3 benchmarks/box/engine_plan_check.py > "$out/engine_plan_check.log" 2>&1
+      grep -E "engine plan|fill|prepare-deepgemm|XQA decode calls|Error" "$out/engine_plan_check.log" | cut -c1-600 | tail -12 ;;
     setup) [ "${FLASHINFER_JIT:-0}" = 1 ] && echo "FlashInfer JIT on: $(command -v nvcc)" || ls "$aot" ;;
-    dg-prepare*)
-      # the model's config.json from benchmarks/rollout/checkpoints.py; its linears' shapes from that
-      model="${stage#dg-prepare}"; model="${model#=}"; model="${model:-qwen3-8b}"
-      mkdir -p "/root/dg_config/$model" && python3 -c "import json, sys; from benchmarks.rollout.checkpoints import MODELS; \
-        json.dump(MODELS[sys.argv[1]].config, open(sys.argv[2], 'w'))" "$model" "/root/dg_config/$model/config.json" || exit 1
-      python3 -m fp8_align.cli prepare-deepgemm --model "/root/dg_config/$model" --cache-dir /root/dg_cache \
-        --json "$out/deepgemm_prepare_$model.json" > "$out/deepgemm_prepare_$model.log" 2>&1
-      tail -c 1500 "$out/deepgemm_prepare_$model.log"; du -sh /root/dg_cache ;;
+    dg-prepare*) model="${stage#dg-prepare}"; model="${model#=}"; dg_prepare "${model:-qwen3-8b}" || exit 1 ;;
     dg-probe)
       DG_JIT_CACHE_DIR=/root/dg_probe_cache python3 benchmarks/box/deepgemm_grouped_probe.py "$out/deepgemm_grouped_probe.json" \
         > "$out/deepgemm_grouped_probe.log" 2>&1; tail -20 "$out/deepgemm_grouped_probe.log" ;;
@@ -60,22 +101,31 @@ for stage in "$@"; do
       esac
       # shellcheck disable=SC2086
       python3 benchmarks/decode_profile.py --results "$out/profile" ${PROFILE_ARGS:-$best} \
-        --deepgemm-cache /root/dg_cache --model-runner v2 > "$out/decode_profile.log" 2>&1
+        --deepgemm-cache "${PROFILE_DG_CACHE:-/root/dg_cache}" --model-runner v2 > "$out/decode_profile.log" 2>&1
+      find "$out/profile" -name "*trace.json*" -size +8M -delete  # the table (profiler_out_0.txt) is what is read
       tail -5 "$out/decode_profile.log" ;;
     probe-nvcc)
       { which nvcc; ls -d /usr/local/cuda*/bin/nvcc; nvcc --version; python3 -c "import torch.utils.cpp_extension as c; print('CUDA_HOME', c.CUDA_HOME)"; } 2>&1 | tail -8 ;;
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_xqa.py tests/test_gpu_deepgemm_cache.py \
+        tests/test_gpu_flashinfer_scales.py \
         > "$out/pytest_xqa_dg.txt" 2>&1
-      grep -E "XQA|xqa|cold|passed|failed|Error" "$out/pytest_xqa_dg.txt" | tail -25 ;;
+      grep -E "XQA|xqa|cold|FLASHINFER|passed|failed|Error" "$out/pytest_xqa_dg.txt" | tail -25 ;;
     rollout-*)
-      variants="${stage#rollout-}"
+      # rollout-VARIANTS@BACKEND: those variants on one GPU with that attention backend ("auto": vLLM's
+      # choice), in a report and work folder of their own (e.g. beside a FLASHINFER run, in a par chain)
+      variants="${stage#rollout-}"; backend=""; work=/root/rollout_work; extra=()
+      if [[ "$variants" == *@* ]]; then
+        backend="${variants#*@}"; variants="${variants%@*}"; work="/root/rollout_work_$backend"
+        extra=(--attention-backend "$backend" --gpus 1)
+      fi
+      log="$out/rollout_${variants//,/_}${backend:+_$backend}.log"
       # shellcheck disable=SC2086
-      python3 benchmarks/rollout_throughput.py ${ROLLOUT_ARGS:---shapes short,long --model-runner v2} \
-        --deepgemm-cache /root/dg_cache --variants "$variants" --results "$out" > "$out/rollout_${variants//,/_}.log" 2>&1
-      tail -12 "$out/rollout_${variants//,/_}.log"
-      cp /root/rollout_work/*/*.log "$out/" 2>/dev/null ;;
+      python3 benchmarks/rollout_throughput.py ${ROLLOUT_ARGS:---shapes short,long --model-runner v2} "${extra[@]}" --work "$work" \
+        --deepgemm-cache /root/dg_cache --variants "$variants" --results "$out" > "$log" 2>&1
+      tail -12 "$log"
+      mkdir -p "$out/engine_logs${backend:+_$backend}" && cp "$work"/*/*.log "$out/engine_logs${backend:+_$backend}/" 2>/dev/null; true ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
-tar -C "${OUT:-/tmp/out}" -czf "${OUT:-/tmp/out}/xqa_results.tgz" xqa && rm -rf "$out"
+[ "${XQA_BOX_TAR:-1}" = 0 ] || { tar -C "${OUT:-/tmp/out}" -czf "${OUT:-/tmp/out}/xqa_results.tgz" xqa && rm -rf "$out"; }

@@ -55,6 +55,7 @@ def results_name(model: str, shape_names: list[str], settings: dict[str, Any]) -
     """Report file name: the model unless it is the default, the shapes, and the engine settings
     changed from the defaults (ratios only within one model and setting)."""
     tag = "".join(f"_{key}_{value}" for key, value in settings.items() if value not in (None, 0.85))
+    tag = tag.replace(",", "_").replace("=", "-")  # per-variant attention backends: file-name characters only
     prefix = "rollout_throughput" if model == DEFAULT_MODEL else f"rollout_throughput_{model}"
     return f"{prefix}_{'_'.join(shape_names)}{tag.lower()}.json"
 

@@ -205,8 +205,29 @@ def variant_spec(
         "fp8_config": {"use_deep_gemm": deep_gemm,
                        **({"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"} if "_xqa" in variant else {"kv_decode_kernel": "backend"})},
         "calibrate_kv": variant.startswith("fp8_align_kv"), "env": env, "shapes": shapes,
-        "llm_kwargs": llm_kwargs, **settings,
+        "llm_kwargs": llm_kwargs, **settings, "attention_backend": attention_backend_of(settings.get("attention_backend"), variant),
     }  # fmt: skip
+
+
+def attention_backends(setting: str | None) -> dict[str, str | None]:
+    """--attention-backend parsed: None (vLLM's choice for every variant), "NAME" (every variant), or
+    "NAME,VARIANT=NAME2,..." (NAME2 for those variants; "auto" is vLLM's choice). Returns
+    {"*": default, variant: override, ...}; ValueError on an unknown variant or a second default."""
+    backends: dict[str, str | None] = {"*": None}
+    for i, item in enumerate((setting or "").split(",") if setting else []):
+        variant, sep, name = item.rpartition("=")
+        if not sep and i > 0:
+            raise ValueError(f"--attention-backend {setting!r}: only the first item may name the backend of every variant")
+        if sep and variant not in VARIANTS:
+            raise ValueError(f"--attention-backend {setting!r}: unknown variant {variant!r}")
+        backends[variant if sep else "*"] = None if name == "auto" else name
+    return backends
+
+
+def attention_backend_of(setting: str | None, variant: str) -> str | None:
+    """The attention backend of `variant`'s engine under --attention-backend `setting` (None: vLLM's choice)."""
+    backends = attention_backends(setting)
+    return backends.get(variant, backends["*"])
 
 
 def make_shapes(shape_names: list[str], repeats: dict[str, int], vocab_size: int) -> list[dict[str, Any]]:

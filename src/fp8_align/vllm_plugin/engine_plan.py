@@ -30,6 +30,7 @@ from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.compat import attention_backend_name
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import warmups
+from fp8_align.vllm_plugin.kv.flashinfer_scales import LIVE_SCALES_SERIES, read_scales_live
 from fp8_align.vllm_plugin.kv.xqa_decode import (
     XQA_CAPABILITY,
     XQA_KV_CACHE_DTYPES,
@@ -223,10 +224,20 @@ def gemm_summary(model: torch.nn.Module) -> str:
     return ", ".join(parts) or "no FP8 layers"
 
 
+def make_flashinfer_scales_live(model: torch.nn.Module, facts: DecodeFacts) -> int:
+    """On vLLM 0.25 with an FP8 cache on SM90, make every FLASHINFER attention layer of `model` read
+    its K/V scales live (`kv.flashinfer_scales.read_scales_live`, before the first forward, so CUDA
+    graphs capture the buffers); returns how many. Elsewhere 0: pushes into such layers are refused."""
+    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
+    if series not in LIVE_SCALES_SERIES or facts.capability != XQA_CAPABILITY or not facts.kv_cache_dtype.startswith("fp8"):
+        return 0
+    return sum(read_scales_live(layer) for layer in _attention_layers(model))
+
+
 def plan_engine(model: torch.nn.Module, cfg: FP8Config, vllm_config: Any) -> DecodeChoice:
     """Choose the decode kernel of a loaded engine model (`choose_decode_kernel` with
-    `cfg.kv_decode_kernel`), mark its FLASH_ATTN layers for the XQA route when XQA is chosen, and
-    log the engine's one INFO line (GEMM and decode, with reasons) and the choice's warning.
+    `cfg.kv_decode_kernel`), mark its FLASH_ATTN layers for the XQA route when XQA is chosen, make
+    FLASHINFER layers read pushed K/V scales (`make_flashinfer_scales_live`), and log the engine's one INFO line (GEMM and decode, with reasons) and the choice's warning.
     Raises XqaDecodeError where "xqa" was requested and cannot run. Planned once per model: a
     second call returns the first choice and logs nothing."""
     planned: DecodeChoice | None = model.__dict__.get(_PLAN_ATTR)
@@ -239,8 +250,10 @@ def plan_engine(model: torch.nn.Module, cfg: FP8Config, vllm_config: Any) -> Dec
     if choice.xqa:
         for layer in _attention_layers(model):
             route_decode_to_xqa(layer.impl)
+    live = make_flashinfer_scales_live(model, facts)
     model.__dict__[_PLAN_ATTR] = choice
-    logger.info("fp8_align: engine plan: GEMM %s; decode %s (%s)", gemm_summary(model), choice.kernel, choice.reason)
+    scales = f"; K/V scales read live by FlashInfer's decode in {live} layers (kv.flashinfer_scales)" if live else ""
+    logger.info("fp8_align: engine plan: GEMM %s; decode %s (%s)%s", gemm_summary(model), choice.kernel, choice.reason, scales)
     if choice.warning:
         logger.warning("fp8_align: %s", choice.warning)
     return choice

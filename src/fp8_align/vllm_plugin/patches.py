@@ -34,6 +34,13 @@ only to the live attention-backend objects of that engine's worker (no class or 
 `unprobe_attention` (called by the calibration when its batch ends, even on error) and
 `undo_patches()` remove it.
 
+One more scoped instance patch, `read_scales_live` (`kv.flashinfer_scales`, vLLM 0.25 with an
+FP8 cache on Hopper), is applied by the engine plan to the FLASHINFER attention implementations of
+that engine's model before their first forward: `FlashInferImpl.bmm2_scale` becomes the layer's
+`_v_scale` buffer and `get_xqa_bmm1_scale` an instance function reading `_k_scale`, so the XQA
+decode CUDA graphs capture read the K/V scales pushed each step (vLLM keeps them as floats).
+`undo_patches()` restores those instances. Without it a push into such a layer is refused.
+
 `kv_scales_survive_post_processing` (every supported release, vLLM 0.20-0.32: `KV_SCALES_SERIES`)
 wraps `vllm.model_executor.layers.attention.attention.Attention.process_weights_after_loading`.
 In each of these releases that method ends with `set_default_quant_scales(self,
@@ -73,6 +80,7 @@ from vllm.config import get_current_vllm_config_or_none
 from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.engine_plan import plan_engine
+from fp8_align.vllm_plugin.kv.flashinfer_scales import stop_reading_live
 from fp8_align.vllm_plugin.kv.probe import unprobe_all
 from fp8_align.vllm_plugin.kv.scales import restore_pushed_scales
 from fp8_align.vllm_plugin.kv.xqa_decode import XQA_SERIES, is_pure_decode, routes_to_xqa, xqa_decode
@@ -411,13 +419,15 @@ def _restore_env() -> None:
 
 
 def undo_patches() -> None:
-    """Restore everything `apply_patches`, `set_moe_activation_rounding` and `probe_attention` changed."""
+    """Restore everything `apply_patches`, `set_moe_activation_rounding`, `probe_attention` and
+    `read_scales_live` changed."""
     for patch, original in _applied.values():
         setattr(patch.owner(), patch.attribute, original)
     _applied.clear()
     _restore_env()
     uninstall_all()
     unprobe_all()
+    stop_reading_live()
 
 
 def applied_patches() -> list[str]:

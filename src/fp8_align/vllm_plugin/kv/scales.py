@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from fp8_align.vllm_plugin.kv.flashinfer_scales import unread_scales_reason
+
 #: Scale names a layer may carry; the first two are required.
 REQUIRED_KEYS = ("k_scale", "v_scale")
 OPTIONAL_KEYS = ("q_scale",)
@@ -125,12 +127,20 @@ def _describe(value: Any) -> str:
 
 def streamed_scale_layers(model: torch.nn.Module, scales: KVScales) -> dict[int, torch.nn.Module]:
     """The attention modules `scales` (from `split_kv_scale_entries`) go to; raises KVScaleError
-    naming the layers the model does not have."""
+    naming the layers the model does not have, or where a layer's decode would not read them."""
     layers = attention_layers(model)
     unknown = sorted(set(scales) - set(layers))
     if unknown:
         raise KVScaleError(f"attention scales for layers {unknown}, the engine's attention layers are {sorted(layers)}")
+    _refuse_unread(layers)
     return {index: layers[index] for index in scales}
+
+
+def _refuse_unread(layers: dict[int, torch.nn.Module]) -> None:
+    """KVScaleError where some layer's decode would not read scales written now (`unread_scales_reason`)."""
+    reason = unread_scales_reason(layers)
+    if reason:
+        raise KVScaleError(f"K/V scales not written: {reason}")
 
 
 def write_streamed_scales(layers: dict[int, torch.nn.Module], scales: KVScales) -> None:
@@ -173,13 +183,15 @@ def read_layer_scales(model: torch.nn.Module) -> KVScales:
 
 def write_layer_scales(model: torch.nn.Module, payload: KVScales) -> None:
     """Worker side: write validated `payload` into every attention layer, in place; the layer set
-    must equal the model's attention layers (checked before any write)."""
+    must equal the model's attention layers, and every layer's decode must read what is written
+    (`unread_scales_reason`), both checked before any write."""
     layers = attention_layers(model)
     if not layers or set(layers) != set(payload):
         raise KVScaleError(
             f"scales for layers {sorted(payload)}, the engine's attention layers are {sorted(layers)}: "
             f"missing {sorted(set(layers) - set(payload))}, unknown {sorted(set(payload) - set(layers))}"
         )
+    _refuse_unread(layers)
     for index, values in payload.items():
         _write_attention_scales(layers[index], values)
 
