@@ -65,7 +65,7 @@ DECODE_TOKENS = 32
 #: Kernel-name patterns -> family (first match wins; the rest is "other").
 FAMILIES = (
     ("kv_cache_write", r"reshape_and_cache|concat_and_cache"),
-    ("attention", r"flash|attn|attention|fmha"),
+    ("attention", r"flash|attn|attention|fmha|kernel_mha|xqa"),  # kernel_mha: XQA (FlashInfer)
     ("gemm", r"nvjet|gemm|cutlass|cublas|xmma|matmul|deep_gemm"),
     # Inductor's fused kernels (norms, activations, residual adds) are named after every op they
     # feed, our quantization custom op included, so they are matched before "quant".

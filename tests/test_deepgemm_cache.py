@@ -258,11 +258,12 @@ def test_a_failed_fill_is_warned_about_and_the_warm_up_compiles_serially(engine:
 
 def test_fill_helpers(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """`cold_shapes`: the model's DeepGEMM shapes not marked (an undescribed model: the layer's own);
-    `compile_jobs`: CPUs, at most 16, within half the free memory; `fill_command` is a command line
+    `compile_jobs`: CPUs, at most 16, within half the free memory (routed-expert weights too; the
+    CLI's default since 64 processes on a 64-core H100 host ran out of device memory); `fill_command` is a command line
     the real CLI parses (here it stops at the missing GPU); `run_fill` passes the child's stderr on
     and reports a failure with its exit status."""
-    from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, compile_jobs, fill_command, run_fill
-    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import mark_prepared
+    from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, fill_command, run_fill
+    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import ExpertShape, compile_jobs, mark_prepared
 
     mark_prepared(tmp_path, "setup", 6144, 4096, 512)
     assert [(s.n, s.k) for s in cold_shapes(QWEN3_8B, 1, tmp_path, "setup", 512, 4096, 4096)] == [(4096, 4096), (24576, 4096), (4096, 12288)]
@@ -272,6 +273,9 @@ def test_fill_helpers(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None
     assert compile_jobs(shapes, 16384, 80 << 30, 4) == 4
     per_process = 16384 * 4096 + 2 * 16384 * 24576 + 24576 * 4096 + (1 << 30)  # gate_up's tensors and the overhead
     assert compile_jobs(shapes, 16384, 10 * per_process, 64) == 5 and compile_jobs(shapes, 16384, 0, 64) == 1
+    w13 = ExpertShape("w13", 128, 1536, 2048, 8)  # Qwen3-30B-A3B's: every expert's weight and 8 rows per token
+    per_expert_process = 128 * 1536 * 2048 + 16384 * 8 * (2048 + 2 * 1536) + (1 << 30)
+    assert compile_jobs([], 16384, 10 * per_expert_process, 64, [w13]) == 5 and compile_jobs(shapes[:1], 16384, 80 << 30, 64, [w13]) == 16
     command = fill_command(shapes[:2], tmp_path, 512, 3, 1)
     if not torch.cuda.is_available():
         assert main(command[3:]) == 2 and "CUDA GPU" in capfd.readouterr().err

@@ -247,6 +247,18 @@ def test_log_fields_read_the_engine_logs_of_a_gpu_run() -> None:
     assert "load_device_peak_gib" not in read
 
 
+def test_engine_log_of_a_vllm_025_flashinfer_run() -> None:
+    """`read_engine_log` on session 18's engine logs (vLLM 0.25.1, H100): fp8_align's FP8-KV engine
+    on FLASHINFER decodes with XQA (vLLM logs no backend choice when one is asked for), its load
+    peaks and DeepGEMM kernels; the BF16 engine on vLLM's own choice, FLASH_ATTN."""
+    logs = Path(__file__).resolve().parents[1] / "benchmarks/logs/session18_h100x4_vllm025"
+    fp8 = runner.read_engine_log((logs / "fp8_align_kv_dg.log").read_text())
+    assert fp8["flashinfer_decode_backend"] == ["xqa"] and fp8["attention_backend"] == [] and fp8["model_runner"] == "v2"
+    assert fp8["fp8_align_load_bf16_peak_mib"] == 192.0 and fp8["load_device_peak_gib"] == 9.33 and fp8["fp8_align_kernels"] == ["deepgemm"]
+    bf16 = runner.read_engine_log((logs / "bf16.log").read_text())
+    assert bf16["attention_backend"] == ["FLASH_ATTN"] and bf16["flashinfer_decode_backend"] == [] and bf16["model_memory_gib"] == 15.27
+
+
 def test_variants_side_by_side_on_the_gpus_of_one_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--gpus 2: two engines at once, each on its own GPU (CUDA_VISIBLE_DEVICES and the GPU's uuid
     recorded per variant), the third variant on whichever GPU frees first; the report lists the

@@ -37,6 +37,10 @@ source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
 export VLLM_LOGGING_LEVEL=INFO
 if [ "${FLASHINFER_JIT:-0}" = 1 ]; then
   unset FLASHINFER_DISABLE_JIT
+  # vLLM 0.25 sends SM90 FP8-KV decode to XQA only where NVIDIA's cubin artifactory answers or
+  # flashinfer-cubin is installed (vllm/utils/flashinfer.py has_nvidia_artifactory); the box is
+  # offline, and XQA's SM90 kernel compiles from source with nvcc: vLLM's own switch says so.
+  export VLLM_HAS_FLASHINFER_CUBIN=1
 else
   aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
   mkdir -p "$aot" && cp -r .flashinfer_aot/aot/* "$aot/" || exit 1

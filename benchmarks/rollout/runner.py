@@ -150,18 +150,28 @@ def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0:
         raise VariantError(f"variant {name} failed ({proc.returncode}); log tail:\n{text[-4000:]}")
-    result = json.loads(result_path.read_text())
+    result = {**json.loads(result_path.read_text()), **read_engine_log(text)}
+    result["extra_env"] = spec["env"]
+    return result
+
+
+def read_engine_log(text: str) -> dict[str, Any]:
+    """What a variant's engine log says: `_LOG_FIELDS` (None where the line is missing), the
+    attention backend vLLM chose (none logged when one was asked for), the decode kernel vLLM's
+    FLASHINFER backend resolved (`xqa` on Hopper with an FP8 cache), model runner, fp8_align's
+    DeepGEMM warm-up seconds and GEMM kernels, and the MoE backend and config files."""
+    result: dict[str, Any] = {}
     for field, pattern in _LOG_FIELDS.items():
         match = re.search(pattern, text)
         result[field] = float(match.group(1)) if match else None
     result["attention_backend"] = sorted(set(re.findall(r"Using (\w+) attention backend", text)))
+    result["flashinfer_decode_backend"] = sorted(set(re.findall(r"FlashInfer resolved query dtypes: .*?decode_backend=([\w-]+)", text)))
     result["model_runner"] = "v2" if "Using V2 Model Runner" in text else "v1"
     warmups = re.findall(r"fp8_align: DeepGEMM warm-up N=\d+ K=\d+: \d+ M values in ([\d.]+) s", text)
     result["fp8_align_deepgemm_warmup_s"] = sum(map(float, warmups)) if warmups else None
     result["fp8_align_kernels"] = sorted(set(re.findall(r"fp8_align: model\.layers\.\S+ \[[^\]]*\]\] -> (\w+)", text)))
     result["moe_backend"] = sorted(set(re.findall(r"Using (.+?) (?:Unquantized|Fp8) MoE backend", text)))
     result["moe_config_files"] = sorted({Path(f).name for f in re.findall(r"Using configuration from (\S+) for MoE layer", text)})
-    result["extra_env"] = spec["env"]
     return result
 
 

@@ -121,7 +121,7 @@ def _add_prepare_deepgemm(sub: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
         help=f"the engines' max_num_batched_tokens, or more (default {DEFAULT_MAX_BATCHED_TOKENS}: vLLM's LLM() default on H100/H200)",
     )  # fmt: skip
-    prep.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
+    prep.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core, at most 16, within half the GPU's free memory)")
     prep.add_argument("--device", type=int, default=0, help="CUDA device index to compile on (default 0)")
     prep.add_argument("--cache-dir", type=Path, default=None, help="DeepGEMM JIT cache (default: DG_JIT_CACHE_DIR, else vLLM's)")
     prep.add_argument("--json", type=Path, default=None, help="also write the report here")

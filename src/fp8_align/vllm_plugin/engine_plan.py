@@ -118,7 +118,8 @@ def choose_decode_kernel(requested: str, facts: DecodeFacts, xqa_module: Callabl
     always. "auto": XQA wherever fp8_align implements it and it can run (an FP8 E4M3 KV cache,
     on_policy off, vLLM 0.22, an SM90 GPU, every attention layer on FLASH_ATTN, a BF16 model, and
     FlashInfer's XQA module loads), else the backend's own, with the reason; a WARNING text when
-    only the XQA module was missing (the one thing to fix on this machine). "xqa": XQA, or
+    only the XQA module was missing (the one thing to fix on this machine), or where vLLM 0.25's
+    FLASHINFER backend would decode faster (`_flashinfer_hint`). "xqa": XQA, or
     XqaDecodeError with the reason and what to set instead.
     `xqa_module` returns None when the XQA module loads, else why not and how to build it; it is
     called only when everything else allows XQA (it may compile the module).
@@ -141,13 +142,28 @@ def choose_decode_kernel(requested: str, facts: DecodeFacts, xqa_module: Callabl
             f"kv_decode_kernel='xqa' cannot run in this engine: {reason}. Set kv_decode_kernel='auto' (XQA where it can "
             "run, else the attention backend's decode) or 'backend'."
         )
-    warning = None
+    warning = _flashinfer_hint(facts)
     if missing_module is not None:
         warning = (
             f"this engine could decode its FP8 KV cache with XQA (faster than FA3 on Hopper, docs/xqa_decode.md), but "
             f"{missing_module}. It decodes with {facts.attention_backend} (FA3) instead."
         )
     return DecodeChoice(facts.attention_backend, f"kv_decode_kernel='auto': {reason}", warning)
+
+
+def _flashinfer_hint(facts: DecodeFacts) -> str | None:
+    """The WARNING for an FP8 (E4M3) cache decoded by FA3 on SM90 with a vLLM whose FLASHINFER
+    backend decodes it with XQA and whose scales fp8_align keeps live there (vLLM 0.25), else None."""
+    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
+    if not (series in LIVE_SCALES_SERIES and facts.capability == XQA_CAPABILITY and facts.kv_cache_dtype in XQA_KV_CACHE_DTYPES
+            and facts.attention_backend == XQA_BACKEND and facts.on_policy != "bitwise"):  # fmt: skip
+        return None
+    return (
+        f"this engine decodes its FP8 KV cache with {XQA_BACKEND} (FA3); on vLLM {facts.vllm_version} "
+        "attention_backend='FLASHINFER' decodes it with XQA, 1.16x faster in fp8_align's Qwen3-8B rollout on an H100 "
+        "(benchmarks/RESULTS.md), and fp8_align keeps per-step K/V scales live there (docs/xqa_decode.md). Pass "
+        "attention_backend='FLASHINFER' to the engine (on an offline machine with nvcc also VLLM_HAS_FLASHINFER_CUBIN=1)."
+    )
 
 
 def _attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

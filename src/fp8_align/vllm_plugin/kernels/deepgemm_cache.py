@@ -35,6 +35,7 @@ from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
     JIT_CACHE_ENV_VAR,
     ExpertShape,
     LinearShape,
+    compile_jobs,
     grouped_m_values,
     jit_cache_dir,
     mark_prepared,
@@ -74,7 +75,8 @@ def prepare_deepgemm_cache(
     experts: Sequence[ExpertShape] = (),
 ) -> dict[str, Any]:
     """Compile DeepGEMM's kernels for `shapes` at every warm-up M up to `max_tokens`, in `jobs`
-    processes on CUDA device `device_index`, into `cache_dir` (default: DG_JIT_CACHE_DIR, else
+    processes (default `compile_jobs`: one per CPU up to 16, within half the free device memory)
+    on CUDA device `device_index`, into `cache_dir` (default: DG_JIT_CACHE_DIR, else
     vLLM's $VLLM_CACHE_ROOT/deep_gemm), then mark each shape prepared there for this GPU model,
     vLLM and VLLM_DEEP_GEMM_WARMUP (what an engine with at most `max_tokens` batched tokens checks).
     `experts`: routed-expert weights whose grouped-GEMM kernels vLLM's start-up warm-up compiles
@@ -106,7 +108,7 @@ def prepare_deepgemm_cache(
     m_values = {(s.n, s.k): deepgemm_warmup_m_values(s.n, max_tokens, device) for s in eligible}
     grouped_m = {e.work_key: grouped_m_values(e, max_tokens) for e in grouped}
     total = sum(map(len, m_values.values())) + sum(map(len, grouped_m.values()))
-    jobs = jobs or os.cpu_count() or 1
+    jobs = jobs or compile_jobs(eligible, max_tokens, torch.cuda.mem_get_info(device)[0], os.cpu_count() or 1, grouped)
     dense_work, grouped_work = split_work(m_values, jobs), split_grouped_work(grouped_m, jobs)
     work = [{**dense, **grouped} for dense, grouped in zip_longest(dense_work, grouped_work, fillvalue={})]
     # FP32 expert scales as fp8_align keeps them: vLLM's grouped wrapper casts to UE8M0 unless this is 0

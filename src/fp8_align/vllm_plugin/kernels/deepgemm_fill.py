@@ -4,7 +4,7 @@ An engine's DeepGEMM warm-up (`kernels.gpu.DeepGemmBlockFp8Kernel.warm_up`) comp
 its cache lacks one after another, ~0.8 s each on an H100 (about 1,700 for an 8B model: over 20
 minutes). When the cache is not marked prepared for this engine, the first warm-up instead runs
 `fp8-align prepare-deepgemm` for every cold shape of the model as a child process (the command
-splits the M values over `compile_jobs` processes on the engine's GPU and marks each shape), and
+splits the M values over `deepgemm_inventory.compile_jobs` processes on the engine's GPU and marks each shape), and
 the warm-ups then load what it compiled. Tensor-parallel ranks of one machine share the cache
 directory: `fill_lock` lets one rank fill while the others wait and then find the marks.
 The command runs as a child process: its compile processes get CUDA contexts of their own, and
@@ -24,14 +24,6 @@ from typing import Any
 
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import MARKS_DIR, LinearShape, decoder_linear_shapes, is_prepared
 
-#: Device memory a compile process takes besides its tensors (CUDA context, torch, DeepGEMM's
-#: module): assumed, not measured, and on the high side so that the count stays safe.
-PROCESS_OVERHEAD_BYTES = 1 << 30
-#: Share of the free device memory the compile processes may take together.
-FREE_MEMORY_SHARE = 0.5
-#: Compile processes at most (the box's 16 cores filled 1,735 kernels in 127-149 s).
-MAX_JOBS = 16
-
 
 def model_deepgemm_shapes(config: Mapping[str, Any], tensor_parallel_size: int) -> list[LinearShape]:
     """The shapes of `decoder_linear_shapes(config)` that run on DeepGEMM; [] for a model it does not describe."""
@@ -48,16 +40,6 @@ def cold_shapes(config: Mapping[str, Any], tensor_parallel_size: int, cache: Pat
     if (n, k) not in {(s.n, s.k) for s in shapes}:
         shapes.append(LinearShape(f"{n}x{k}", n, k, (n,)))
     return [s for s in shapes if not is_prepared(cache, setup, s.n, s.k, max_tokens)]
-
-
-def compile_jobs(shapes: list[LinearShape], max_tokens: int, free_bytes: int, cpus: int) -> int:
-    """Compile processes for `shapes`: one per CPU up to `MAX_JOBS`, and no more than fit in
-    `FREE_MEMORY_SHARE` of the free device memory, each holding the warm-up tensors of the largest
-    shape (activations [max_tokens, K] e4m3, output [max_tokens, N] bf16, weight [N, K] e4m3) and
-    `PROCESS_OVERHEAD_BYTES`. At least 1."""
-    largest = max(max_tokens * s.k + 2 * max_tokens * s.n + s.n * s.k for s in shapes)
-    fit = int(FREE_MEMORY_SHARE * free_bytes // (largest + PROCESS_OVERHEAD_BYTES))
-    return max(1, min(cpus, MAX_JOBS, fit))
 
 
 @contextmanager

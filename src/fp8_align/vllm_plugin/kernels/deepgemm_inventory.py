@@ -20,12 +20,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fp8_align.vllm_plugin.kernels.base import BLOCK, LayerShape
+
+#: Device memory a compile process takes besides its tensors (CUDA context, torch, DeepGEMM's
+#: module): assumed, not measured, and on the high side so that the count stays safe.
+PROCESS_OVERHEAD_BYTES = 1 << 30
+#: Share of the free device memory the compile processes may take together.
+FREE_MEMORY_SHARE = 0.5
+#: Compile processes at most (the box's 16 cores filled 1,735 kernels in 127-149 s).
+MAX_JOBS = 16
 
 #: vLLM 0.22's max_num_batched_tokens for `LLM(...)` on GPUs of 70 GiB or more (H100, H200).
 DEFAULT_MAX_BATCHED_TOKENS = 16384
@@ -265,3 +273,15 @@ def was_warmed_up(n: int, k: int) -> bool:
 def warmups() -> list[Warmup]:
     """This process's warm-ups, in the order they ran."""
     return list(_warmups.values())
+
+
+def compile_jobs(shapes: Sequence[LinearShape], max_tokens: int, free_bytes: int, cpus: int, experts: Sequence[ExpertShape] = ()) -> int:
+    """Compile processes for `shapes` (and routed-expert weights `experts`): one per CPU up to
+    `MAX_JOBS`, and no more than fit in `FREE_MEMORY_SHARE` of the free device memory `free_bytes`,
+    each holding the warm-up tensors of the largest call (activations [max_tokens, K] e4m3, output
+    [max_tokens, N] bf16, weight [N, K] e4m3; for experts every expert's weight and top_k rows per
+    token) and `PROCESS_OVERHEAD_BYTES`. At least 1."""
+    sizes = [max_tokens * s.k + 2 * max_tokens * s.n + s.n * s.k for s in shapes]
+    sizes += [e.experts * e.n * e.k + max_tokens * e.top_k * (e.k + 2 * e.n) for e in experts]
+    fit = int(FREE_MEMORY_SHARE * free_bytes // (max(sizes, default=0) + PROCESS_OVERHEAD_BYTES))
+    return max(1, min(cpus, MAX_JOBS, fit))

@@ -60,11 +60,12 @@ from fp8_align.versions import installed_vllm_version
 from fp8_align.vllm_plugin.compat import cutlass_block_fp8_mm
 from fp8_align.vllm_plugin.kernels.base import BLOCK, BlockFp8Kernel, LayerShape
 from fp8_align.vllm_plugin.kernels.cublas import cublas_probe_error  # registers fp8_align::cublas_block_scaled_mm
-from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, compile_jobs, fill_command, fill_lock, model_deepgemm_shapes, run_fill
+from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, fill_command, fill_lock, model_deepgemm_shapes, run_fill
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
     JIT_CACHE_ENV_VAR,
     Warmup,
     cache_setup,
+    compile_jobs,
     is_prepared,
     jit_cache_dir,
     mark_prepared,
