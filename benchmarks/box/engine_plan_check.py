@@ -9,22 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 from vllm import LLM, SamplingParams
 
+from benchmarks.box.tiny_qwen3 import save_tiny_qwen3
 from fp8_align.vllm_plugin.kv import xqa_decode
 
 MODEL = Path("/tmp/qwen3_tiny")
 
 
 def main() -> None:
-    if not MODEL.exists():
-        torch.manual_seed(0)
-        config = Qwen3Config(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=16,
-                             num_key_value_heads=4, head_dim=128, vocab_size=4096, max_position_embeddings=512)  # fmt: skip
-        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(MODEL)
-    llm = LLM(model=str(MODEL), quantization="fp8_align", kv_cache_dtype="fp8", dtype="bfloat16", skip_tokenizer_init=True,
+    llm = LLM(model=str(save_tiny_qwen3(MODEL)), quantization="fp8_align", kv_cache_dtype="fp8", dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=256, max_num_batched_tokens=128, max_num_seqs=16, gpu_memory_utilization=0.3, seed=0)  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": list(range(1, 25))}] * 4, params, use_tqdm=False)

@@ -253,7 +253,8 @@ def make_flashinfer_scales_live(model: torch.nn.Module, facts: DecodeFacts) -> i
 def plan_engine(model: torch.nn.Module, cfg: FP8Config, vllm_config: Any) -> DecodeChoice:
     """Choose the decode kernel of a loaded engine model (`choose_decode_kernel` with
     `cfg.kv_decode_kernel`), mark its FLASH_ATTN layers for the XQA route when XQA is chosen, make
-    FLASHINFER layers read pushed K/V scales (`make_flashinfer_scales_live`), and log the engine's one INFO line (GEMM and decode, with reasons) and the choice's warning.
+    FLASHINFER layers read pushed K/V scales (`make_flashinfer_scales_live`), and log the engine's
+    one INFO line (GEMM and decode, with reasons) and the choice's warning.
     Raises XqaDecodeError where "xqa" was requested and cannot run. Planned once per model: a
     second call returns the first choice and logs nothing."""
     planned: DecodeChoice | None = model.__dict__.get(_PLAN_ATTR)
