@@ -26,6 +26,7 @@ class FlashInferImpl:
 
     def __init__(self, kv_cache_dtype: str = "fp8") -> None:
         self.scale, self.kv_cache_dtype, self.bmm2_scale = 128**-0.5, kv_cache_dtype, None
+        self.num_heads, self.num_kv_heads = 32, 8
 
     def get_xqa_bmm1_scale(self, layer: torch.nn.Module, q_data_type: torch.dtype) -> float:
         return self.scale * layer._k_scale_float
@@ -105,16 +106,21 @@ def _backend(name: str) -> type:
 
 
 @pytest.mark.parametrize(
-    ("version", "capability", "cache", "live"),
-    [("0.25.1", (9, 0), "fp8", 2), ("0.22.0", (9, 0), "fp8", 0), ("0.25.1", (10, 0), "fp8", 0), ("0.25.1", (9, 0), "auto", 0)],
-)
+    ("version", "capability", "cache", "xqa", "live"),
+    [("0.25.1", (9, 0), "fp8", True, 2), ("0.25.1", (9, 0), "fp8", False, 0), ("0.22.0", (9, 0), "fp8", True, 0),
+     ("0.25.1", (10, 0), "fp8", True, 0), ("0.25.1", (9, 0), "auto", True, 0)],
+)  # fmt: skip
 def test_the_plan_makes_flashinfer_scales_live_on_vllm_025_hopper(
-    monkeypatch: pytest.MonkeyPatch, version: str, capability: tuple[int, int], cache: str, live: int
+    monkeypatch: pytest.MonkeyPatch, version: str, capability: tuple[int, int], cache: str, xqa: bool, live: int
 ) -> None:
-    """The engine plan on the facts of a loaded engine (stood in for): vLLM 0.25, SM90, FP8 cache:
-    every FLASHINFER layer live and the count in the INFO line; any other release, GPU or cache: none."""
+    """The engine plan on the facts of a loaded engine (stood in for, and vLLM's XQA-or-native
+    decode choice with them): vLLM 0.25, SM90, FP8 cache, XQA decode: every FLASHINFER layer live
+    and the count in the INFO line; FlashInfer's native decode, any other release, GPU or cache:
+    none (pushes are then refused)."""
     lines: list[str] = []
+    asked: list[tuple[int, int]] = []
     monkeypatch.setattr(engine_plan.logger, "info", lambda message, *args: lines.append(message % args))
+    monkeypatch.setattr(engine_plan, "flashinfer_decodes_with_xqa", lambda qo, kv: asked.append((qo, kv)) or xqa)
     facts = engine_plan.DecodeFacts(vllm_version=version, capability=capability, kv_cache_dtype=cache,
                                     attention_backend="FLASHINFER", activation_dtype="bfloat16", on_policy="off")  # fmt: skip
     monkeypatch.setattr(engine_plan, "decode_facts", lambda model, cfg, vllm_config: facts)
@@ -129,3 +135,6 @@ def test_the_plan_makes_flashinfer_scales_live_on_vllm_025_hopper(
     assert choice.kernel == "FLASHINFER"
     assert [reads_scales_live(m) for m in model.children() if hasattr(m, "impl")] == [bool(live)] * 2
     assert (f"K/V scales read live by FlashInfer's decode in {live} layers" in lines[0]) == bool(live)
+    assert all(heads == (32, 8) for heads in asked)
+    if not live and cache == "fp8":  # an FP8 cache's pushes are refused, with what to do
+        assert "VLLM_HAS_FLASHINFER_CUBIN=1" in unread_scales_reason(dict(enumerate(m for m in model.children() if hasattr(m, "impl"))))

@@ -31,6 +31,7 @@ __all__ = [
     "cutlass_block_fp8_mm",
     "cutlass_block_fp8_one_tile",
     "dispatch_cpu_unquantized_gemm",
+    "flashinfer_decodes_with_xqa",
     "initialize_online_processing",
     "kv_scales_unread_reason",
     "moe_activation_name",
@@ -75,6 +76,18 @@ def attention_backend_name(module: torch.nn.Module) -> str | None:
     if backend is None or not hasattr(module, "impl"):
         return None
     return str(backend.get_name())
+
+
+def flashinfer_decodes_with_xqa(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """Whether vLLM's FLASHINFER backend decodes this attention geometry with XQA on this SM90 GPU
+    (rather than FlashInfer's native decode): vLLM 0.25.1's metadata builder takes XQA exactly when
+    `vllm.utils.flashinfer.can_use_trtllm_attention(num_qo_heads, num_kv_heads, is_prefill=False)`
+    holds (it needs NVIDIA's cubin artifactory reachable, flashinfer-cubin installed, or
+    VLLM_HAS_FLASHINFER_CUBIN=1, and no batch-invariant mode). Call inside the engine's VllmConfig
+    context (it reads `attention_config.use_trtllm_attention`). Checked in vLLM 0.25.1."""
+    from vllm.utils.flashinfer import can_use_trtllm_attention
+
+    return bool(can_use_trtllm_attention(num_qo_heads, num_kv_heads, is_prefill=False))
 
 
 def kv_scales_unread_reason() -> str | None:

@@ -28,7 +28,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
-from fp8_align.vllm_plugin.compat import attention_backend_name
+from fp8_align.vllm_plugin.compat import attention_backend_name, flashinfer_decodes_with_xqa
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import warmups
 from fp8_align.vllm_plugin.kv.flashinfer_scales import LIVE_SCALES_SERIES, read_scales_live
 from fp8_align.vllm_plugin.kv.xqa_decode import (
@@ -241,13 +241,20 @@ def gemm_summary(model: torch.nn.Module) -> str:
 
 
 def make_flashinfer_scales_live(model: torch.nn.Module, facts: DecodeFacts) -> int:
-    """On vLLM 0.25 with an FP8 cache on SM90, make every FLASHINFER attention layer of `model` read
-    its K/V scales live (`kv.flashinfer_scales.read_scales_live`, before the first forward, so CUDA
+    """On vLLM 0.25 with an FP8 cache on SM90, make every FLASHINFER attention layer of `model` whose
+    decode is XQA read its K/V scales live (`kv.flashinfer_scales.read_scales_live`, before the first forward, so CUDA
     graphs capture the buffers); returns how many. Elsewhere 0: pushes into such layers are refused."""
     series = vllm_series(facts.vllm_version) if facts.vllm_version else None
     if series not in LIVE_SCALES_SERIES or facts.capability != XQA_CAPABILITY or not facts.kv_cache_dtype.startswith("fp8"):
         return 0
-    return sum(read_scales_live(layer) for layer in _attention_layers(model))
+    return sum(read_scales_live(layer) for layer in _attention_layers(model) if _decodes_with_xqa(layer))
+
+
+def _decodes_with_xqa(layer: torch.nn.Module) -> bool:
+    """A FLASHINFER layer whose decode vLLM sends to XQA (FlashInfer's native decode keeps its scales
+    as captured floats too, and is left as it is: pushes into it are refused)."""
+    impl = layer.impl
+    return attention_backend_name(layer) == "FLASHINFER" and flashinfer_decodes_with_xqa(impl.num_heads, impl.num_kv_heads)
 
 
 def plan_engine(model: torch.nn.Module, cfg: FP8Config, vllm_config: Any) -> DecodeChoice:

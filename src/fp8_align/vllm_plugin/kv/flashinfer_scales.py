@@ -18,8 +18,9 @@ FP8 query), computed on the device inside the graph. FlashInfer's XQA takes tens
 the device). Only instance attributes change, before the first forward (the engine plan calls it
 once the model is loaded): the class and other engines are untouched, and `stop_reading_live`
 (`patches.undo_patches`) restores the instance. `unread_scales_reason(layers)` says why pushed
-scales would not reach some layer's decode (an FP8-cache FLASHINFER layer not made live), so that
-a push is refused instead.
+scales would not reach some layer's decode (an FP8-cache FLASHINFER layer not made live, e.g. one
+vLLM decodes with FlashInfer's native kernel, whose float scales are captured alike), so that a
+push is refused instead.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ def unread_scales_reason(layers: dict[int, torch.nn.Module]) -> str | None:
         return None
     return (
         f"vLLM's FLASHINFER attention of layers {stale} keeps the K/V scales it read at its first forward (FlashInferImpl."
-        "bmm2_scale, and CUDA graphs capture get_xqa_bmm1_scale's float), so pushed scales would reach the cache writes but "
-        "not the decode. fp8_align makes them live on vLLM 0.25 with an FP8 cache on Hopper; elsewhere use "
-        "attention_backend='FLASH_ATTN' for per-step K/V scales"
+        "bmm2_scale, and CUDA graphs capture the decode's float scales), so pushed scales would reach the cache writes but "
+        "not the decode. fp8_align makes them live on vLLM 0.25 with an FP8 cache on Hopper where vLLM decodes with XQA "
+        "(FlashInfer's native decode is taken where NVIDIA's cubin artifactory is unreachable: set "
+        "VLLM_HAS_FLASHINFER_CUBIN=1 on a machine with nvcc); elsewhere use attention_backend='FLASH_ATTN' for per-step "
+        "K/V scales"
     )
