@@ -151,11 +151,17 @@ def choose_decode_kernel(requested: str, facts: DecodeFacts, xqa_module: Callabl
     return DecodeChoice(facts.attention_backend, f"kv_decode_kernel='auto': {reason}", warning)
 
 
+def _flashinfer_scales_can_be_live(facts: DecodeFacts) -> bool:
+    """A vLLM release and GPU where `kv.flashinfer_scales` makes FLASHINFER's XQA decode read pushed
+    K/V scales (vLLM 0.25, SM90)."""
+    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
+    return series in LIVE_SCALES_SERIES and facts.capability == XQA_CAPABILITY
+
+
 def _flashinfer_hint(facts: DecodeFacts) -> str | None:
     """The WARNING for an FP8 (E4M3) cache decoded by FA3 on SM90 with a vLLM whose FLASHINFER
     backend decodes it with XQA and whose scales fp8_align keeps live there (vLLM 0.25), else None."""
-    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
-    if not (series in LIVE_SCALES_SERIES and facts.capability == XQA_CAPABILITY and facts.kv_cache_dtype in XQA_KV_CACHE_DTYPES
+    if not (_flashinfer_scales_can_be_live(facts) and facts.kv_cache_dtype in XQA_KV_CACHE_DTYPES
             and facts.attention_backend == XQA_BACKEND and facts.on_policy != "bitwise"):  # fmt: skip
         return None
     return (
@@ -244,8 +250,7 @@ def make_flashinfer_scales_live(model: torch.nn.Module, facts: DecodeFacts) -> i
     """On vLLM 0.25 with an FP8 cache on SM90, make every FLASHINFER attention layer of `model` whose
     decode is XQA read its K/V scales live (`kv.flashinfer_scales.read_scales_live`, before the first forward, so CUDA
     graphs capture the buffers); returns how many. Elsewhere 0: pushes into such layers are refused."""
-    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
-    if series not in LIVE_SCALES_SERIES or facts.capability != XQA_CAPABILITY or not facts.kv_cache_dtype.startswith("fp8"):
+    if not (_flashinfer_scales_can_be_live(facts) and facts.kv_cache_dtype.startswith("fp8")):
         return 0
     return sum(read_scales_live(layer) for layer in _attention_layers(model) if _decodes_with_xqa(layer))
 

@@ -40,8 +40,10 @@ _LIVE_ATTR = "fp8_align_live_kv_scales"
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _fp8_cache(impl: Any) -> bool:
-    return str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8")
+def _fp8_flashinfer(attn: torch.nn.Module) -> bool:
+    """An attention layer whose implementation is vLLM's FlashInferImpl over an FP8 cache."""
+    impl = getattr(attn, "impl", None)
+    return type(impl).__name__ == FLASHINFER_IMPL and str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8")
 
 
 def live_xqa_bmm1_scale(impl: Any, layer: torch.nn.Module, q_data_type: torch.dtype) -> torch.Tensor:
@@ -56,9 +58,9 @@ def live_xqa_bmm1_scale(impl: Any, layer: torch.nn.Module, q_data_type: torch.dt
 def read_scales_live(attn: torch.nn.Module) -> bool:
     """Make `attn`'s FlashInferImpl read its K/V scales from the layer's device buffers (see the
     module doc); False, changing nothing, for another implementation or a BF16 cache. Idempotent."""
-    impl = getattr(attn, "impl", None)
-    if type(impl).__name__ != FLASHINFER_IMPL or not _fp8_cache(impl):
+    if not _fp8_flashinfer(attn):
         return False
+    impl = attn.impl
     if not getattr(impl, _LIVE_ATTR, False):
         impl.bmm2_scale = attn._v_scale
         impl.get_xqa_bmm1_scale = lambda layer, q_data_type: live_xqa_bmm1_scale(impl, layer, q_data_type)
@@ -88,8 +90,7 @@ def stop_reading_live() -> None:
 def unread_scales_reason(layers: dict[int, torch.nn.Module]) -> str | None:
     """Why K/V scales written into `layers` ({decoder-layer index: vLLM Attention}) would not reach
     the decode of some layer (an FP8-cache FLASHINFER layer whose scales are not live), or None."""
-    stale = [index for index, attn in sorted(layers.items())
-             if type(getattr(attn, "impl", None)).__name__ == FLASHINFER_IMPL and _fp8_cache(attn.impl) and not reads_scales_live(attn)]  # fmt: skip
+    stale = [index for index, attn in sorted(layers.items()) if _fp8_flashinfer(attn) and not reads_scales_live(attn)]
     if not stale:
         return None
     return (
