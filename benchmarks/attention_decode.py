@@ -1,6 +1,7 @@
 """Decode attention alone: vLLM's FlashAttention 3 on a paged KV cache, BF16 vs FP8, by page size.
 
-    python benchmarks/attention_decode.py --results DIR [--batch 256] [--context 1554] [--kernels fa3,xqa] [--output NAME.json]
+    python benchmarks/attention_decode.py --results DIR [--batch 256] [--context 1554] [--kernels fa3,xqa]
+        [--xqa-layouts NHD,HND] [--output NAME.json]
 
 One decode step of one layer of the Qwen3-8B shape (32 query heads, 8 KV heads, head dim 128):
 `batch` sequences of `context` cached tokens each, pages of `block_size` tokens scattered at
@@ -81,10 +82,12 @@ def time_decode_attention(
     return _timed_decode(call, 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size(), repeats)
 
 
-def time_xqa_decode(batch: int, context: int, block_size: int, repeats: int = 30) -> dict[str, Any]:
+def time_xqa_decode(batch: int, context: int, block_size: int, layout: str = "NHD", repeats: int = 30) -> dict[str, Any]:
     """Median seconds of one FlashInfer XQA decode call (BF16 query, E4M3 KV cache, the same
-    scattered pages as `time_decode_attention`) and the KV-cache bytes it reads. Needs the XQA
-    module for this shape prebuilt (benchmarks/box/build_flashinfer_aot.sh) where nvcc is missing."""
+    scattered pages as `time_decode_attention`) and the KV-cache bytes it reads. `layout`: the
+    page layout, "NHD" ([page, token, head, dim], vLLM's default) or "HND" ([page, head, token,
+    dim], vLLM's VLLM_KV_CACHE_LAYOUT=HND). Needs the XQA module for this shape prebuilt
+    (benchmarks/box/build_flashinfer_aot.sh) where nvcc is missing."""
     import torch
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
@@ -92,7 +95,8 @@ def time_xqa_decode(batch: int, context: int, block_size: int, repeats: int = 30
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
     g = torch.Generator(device=device).manual_seed(0)
-    k_cache = torch.randn((num_blocks, block_size, KV_HEADS, HEAD_DIM), device=device, generator=g).to(torch.float8_e4m3fn)
+    page = (block_size, KV_HEADS) if layout == "NHD" else (KV_HEADS, block_size)
+    k_cache = torch.randn((num_blocks, *page, HEAD_DIM), device=device, generator=g).to(torch.float8_e4m3fn)
     v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(torch.float8_e4m3fn)
     q = torch.randn((batch, Q_HEADS, HEAD_DIM), device=device, dtype=torch.bfloat16, generator=g)
     block_table = torch.randperm(num_blocks - 1, device=device, generator=g)[: batch * blocks_per_seq].view(batch, blocks_per_seq).int()
@@ -103,7 +107,7 @@ def time_xqa_decode(batch: int, context: int, block_size: int, repeats: int = 30
     def call() -> None:
         trtllm_batch_decode_with_kv_cache(
             q, (k_cache, v_cache), workspace, block_table, seq_lens, context, bmm1_scale=HEAD_DIM**-0.5, bmm2_scale=1.0,
-            out=out, kv_layout="NHD", backend="xqa",
+            out=out, kv_layout=layout, backend="xqa",
         )  # fmt: skip
 
     return _timed_decode(call, 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size(), repeats)
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-sizes", default="16,32,64,128,256")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--kernels", default="fa3", help="fa3 (BF16 and FP8, all FA3 settings) and/or xqa (FP8 KV)")
+    parser.add_argument("--xqa-layouts", default="NHD", help="page layouts XQA is timed with: NHD and/or HND")
     parser.add_argument("--output", default="attention_decode.json")
     args = parser.parse_args(argv)
     kernels = set(args.kernels.split(","))
@@ -125,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         **device_and_versions(), "batch": args.batch, "context": args.context, "runs": [],
     }  # fmt: skip
     for block_size in map(int, args.block_sizes.split(",")):
-        if "xqa" in kernels:
-            run = {"kernel": "xqa", "dtype": "fp8", "block_size": block_size}
+        for layout in args.xqa_layouts.split(",") if "xqa" in kernels else ():
+            run = {"kernel": "xqa", "dtype": "fp8", "block_size": block_size, "layout": layout}
             try:
-                run.update(time_xqa_decode(args.batch, args.context, block_size))
+                run.update(time_xqa_decode(args.batch, args.context, block_size, layout))
             except Exception as exc:  # a missing prebuilt module or shape: recorded, not fatal
                 run["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             report["runs"].append(run)

@@ -93,8 +93,9 @@ temperature 1). Output tokens/s (median over repeats, each repeat kept) and the 
 measured in the same run go to DIR/rollout_throughput[_<model>]_<shapes>.json.
 
 Engine settings: gpu_memory_utilization 0.85, max_num_seqs = most prompts, vLLM's attention
-backend and model runner; `--gpu-memory-utilization`, `--max-num-seqs`, `--attention-backend`
-and `--model-runner v1|v2` change them for every variant of the call (results then go to a file
+backend, page size and layout and model runner; `--gpu-memory-utilization`, `--max-num-seqs`,
+`--attention-backend`, `--block-size`, `--kv-cache-layout` and `--model-runner v1|v2` change them
+for every variant of the call (results then go to a file
 named after the changed settings, so ratios stay within one setting). `--attention-backend
 FLASHINFER,bf16=auto` gives named variants their own backend: vLLM's FP8-KV decode on FlashInfer
 (XQA on Hopper) against BF16 on vLLM's default backend, each variant at its fastest. Each variant also reports
@@ -109,7 +110,8 @@ variant records when, on which GPU (`run.gpu_uuid`, host) and by which command i
 `variants_on_one_gpu` says whether the ratios come from one GPU.
 
 `--gpus N` measures up to N variants at once on a host with several GPUs of one kind, each engine
-on its own GPU (CUDA_VISIBLE_DEVICES=i, `run.gpu_index`): the same run in about 1/N of the time
+on its own GPU (CUDA_VISIBLE_DEVICES=i, `run.gpu_index`; i from the caller's CUDA_VISIBLE_DEVICES
+list of host indices where set, e.g. 1,3): the same run in about 1/N of the time
 (device time is counted per machine, not per GPU). Ratios then compare GPUs of one machine, and
 engines starting side by side share the host's CPUs while they compile (engine start times are
 less comparable than throughput).
@@ -161,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
                              "gives those variants NAME2 ('auto': vLLM's choice), e.g. FLASHINFER,bf16=auto")  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--max-num-seqs", type=int, help="default: the most prompts of the requested shapes")
+    parser.add_argument("--block-size", type=int, help="KV-cache page size in tokens (vLLM's block_size; default: vLLM's choice)")
+    parser.add_argument("--kv-cache-layout", choices=["NHD", "HND"],
+                        help="KV-cache page layout (VLLM_KV_CACHE_LAYOUT; default: the backend's, NHD on Hopper)")  # fmt: skip
     parser.add_argument("--model-runner", choices=["v1", "v2"],
                         help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); default: vLLM's choice, which in "
                              "0.22 is V2 for an unquantized Qwen3 and V1 for every quantized model")  # fmt: skip
@@ -175,6 +180,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     return parser
+
+
+def _gpu_ids(requested: int) -> list[int]:
+    """The host indices of the GPUs this call may use: CUDA_VISIBLE_DEVICES's list when set (host
+    indices, as the box's chains set it), else every GPU of the host when more than one is
+    `requested`, else [] (the environment's GPU, index unknown)."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible:
+        return [int(v) for v in visible]
+    return list(range(len(report.nvidia_smi("uuid").splitlines()))) if requested > 1 else []
 
 
 def _checked_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str], dict[str, int]]:
@@ -210,10 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                          "this vLLM does not have it")  # fmt: skip
     if args.gpus < 1:
         parser.error("--gpus must be 1 or more")
-    if args.gpus > 1 and args.gpus > len(report.nvidia_smi("uuid").splitlines()):
-        parser.error(f"--gpus {args.gpus}: this host has {len(report.nvidia_smi('uuid').splitlines())} GPU(s)")
+    gpu_ids = _gpu_ids(args.gpus)
+    if args.gpus > 1 and args.gpus > len(gpu_ids):
+        parser.error(f"--gpus {args.gpus}: {len(gpu_ids)} GPU(s) to use here ({gpu_ids})")
     settings = {"attention_backend": args.attention_backend, "gpu_memory_utilization": args.gpu_memory_utilization,
-                "max_num_seqs": args.max_num_seqs, "model_runner": args.model_runner}  # fmt: skip
+                "max_num_seqs": args.max_num_seqs, "model_runner": args.model_runner, "block_size": args.block_size,
+                "kv_cache_layout": args.kv_cache_layout}  # fmt: skip
     name = report.results_name(args.model, shape_names, settings)
     state_path = args.work / name
     header = report.report_header(args.model, shape_names, repeats, settings)
@@ -240,13 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     lock = threading.Lock()
 
     def measure_on(gpu: int | None) -> None:
-        """Measure pending variants one after another on GPU `gpu` (None: the environment's GPUs)."""
+        """Measure pending variants one after another on the host's GPU `gpu` (None: the environment's GPUs)."""
         while True:
             with lock:
                 if not pending:
                     return
                 variant = pending.popleft()
-            run = report.run_info(results["device"], gpu)
+            run = report.run_info(results["device"], gpu if gpu is not None else (gpu_ids[0] if len(gpu_ids) == 1 else None))
             spec = runner.variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache,
                                        flashinfer_jit=not os.environ.get("FLASHINFER_DISABLE_JIT"))  # fmt: skip
             if gpu is not None:
@@ -265,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus == 1:
         measure_on(None)
     else:
-        threads = [threading.Thread(target=measure_on, args=(gpu,)) for gpu in range(args.gpus)]
+        threads = [threading.Thread(target=measure_on, args=(gpu,)) for gpu in gpu_ids[: args.gpus]]
         for thread in threads:
             thread.start()
         for thread in threads:

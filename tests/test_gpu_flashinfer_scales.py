@@ -79,3 +79,32 @@ def test_flashinfer_decode_reads_the_pushed_kv_scales(tmp_path, vllm_runner) -> 
         print(f"{label}: FLASHINFER vs FA3 decode |dlogp| over {len(d)} tokens: mean {d.mean():.3e}, max {d.max():.3e}")
         assert len(d) >= 8 * 4
         assert d.mean() < fp8_kv_effect.mean(), f"{label}: FLASHINFER's decode moves more than the FP8 cache itself"
+
+
+def _backends_and_choice(worker) -> tuple[list[str], str | None, list[bool]]:
+    """The worker's attention backends, the backend fp8_align chose for it, and whether each
+    attention layer reads its scales live."""
+    from fp8_align.vllm_plugin.compat import attention_backend_name
+    from fp8_align.vllm_plugin.kv.flashinfer_scales import reads_scales_live
+    from fp8_align.vllm_plugin.kv.scales import attention_layers
+
+    layers = [attn for _, attn in sorted(attention_layers(worker.get_model()).items())]
+    chosen = worker.vllm_config.quant_config.attention_backend_chosen
+    return sorted({str(attention_backend_name(attn)) for attn in layers}), chosen, [reads_scales_live(attn) for attn in layers]
+
+
+def test_fp8_kv_engine_without_a_backend_gets_flashinfer(tmp_path, vllm_runner) -> None:
+    """`quantization="fp8_align"` with an FP8 cache and attention_backend unset on vLLM 0.25 / SM90
+    (VLLM_HAS_FLASHINFER_CUBIN=1: XQA compiles from source, as on an offline box): fp8_align picks
+    FLASHINFER before the first attention layer is built, so every layer is FLASHINFER with live
+    scales; asking for FLASH_ATTN keeps FA3."""
+    from fp8_align import FP8Config
+    from tests.gpu_models import save_random_qwen3
+
+    model = save_random_qwen3(tmp_path / "qwen3_default", XQA_ENGINE_MODEL, seed=0)
+    layers = XQA_ENGINE_MODEL["num_hidden_layers"]
+    env = {"VLLM_HAS_FLASHINFER_CUBIN": "1"}
+    with vllm_runner(model, FP8Config(kv_cache_dtype="fp8"), env=env, **ENGINE_KWARGS) as runner:
+        assert runner.llm.collective_rpc(_backends_and_choice) == [(["FLASHINFER"], "FLASHINFER", [True] * layers)]
+    with vllm_runner(model, FP8Config(kv_cache_dtype="fp8"), env=env, attention_backend="FLASH_ATTN", **ENGINE_KWARGS) as runner:
+        assert runner.llm.collective_rpc(_backends_and_choice) == [(["FLASH_ATTN"], None, [False] * layers)]

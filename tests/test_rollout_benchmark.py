@@ -291,3 +291,38 @@ def test_variants_side_by_side_on_the_gpus_of_one_host(tmp_path: Path, monkeypat
     assert written["ratios"]["long"]["fp8_align_vs_bf16"] == pytest.approx(1.4) and written["variants_on_one_gpu"] is False
     with pytest.raises(SystemExit):
         _call(tmp_path, "x2", "bf16", "--gpus", "4")
+
+
+def test_gpus_from_the_callers_visible_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_VISIBLE_DEVICES=1,3 with --gpus 2 (a box chain that owns GPUs 1 and 3): the engines run
+    on host GPUs 1 and 3, recorded with those uuids; --gpus 3 is refused there."""
+    import time
+
+    uuids = {1: "GPU-1", 3: "GPU-3"}
+
+    def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+        time.sleep(0.2)  # both engines running at once
+        return {**_measured({"bf16": 10000.0, "fp8_align": 14000.0}[name], 100.0), "visible": spec["env"]["CUDA_VISIBLE_DEVICES"]}
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    monkeypatch.setattr(report, "device_and_versions", lambda: H200)
+    monkeypatch.setattr(report, "nvidia_smi", lambda fields, gpu=None: uuids[gpu] if gpu is not None else "GPU-0\nGPU-1\nGPU-2\nGPU-3")
+    monkeypatch.setattr(runner, "run_variant", run_variant)
+    assert _call(tmp_path, "v", "bf16,fp8_align", "--gpus", "2") == 0
+    written = json.loads((tmp_path / "v" / "out" / REPORT).read_text())
+    runs = {name: (r["visible"], r["run"]["gpu_index"], r["run"]["gpu_uuid"]) for name, r in written["variants"].items()}
+    assert sorted(runs.values()) == [("1", 1, "GPU-1"), ("3", 3, "GPU-3")]
+    with pytest.raises(SystemExit):
+        _call(tmp_path, "v3", "bf16", "--gpus", "3")
+
+
+def test_page_size_and_layout_reach_every_engine(tmp_path: Path) -> None:
+    """--block-size 64 --kv-cache-layout HND: vLLM's block_size in the engine's spec (run_engine
+    passes it on), VLLM_KV_CACHE_LAYOUT=HND in its environment, and both in the report's name."""
+    settings = {"model_runner": None, "block_size": 64, "kv_cache_layout": "HND"}
+    for variant in ("bf16", "fp8_align_kv_dg"):
+        spec = runner.variant_spec(variant, "qwen3-8b", tmp_path, tmp_path, [], settings)
+        assert spec["block_size"] == 64 and spec["env"]["VLLM_KV_CACHE_LAYOUT"] == "HND"
+    assert "VLLM_KV_CACHE_LAYOUT" not in runner.variant_spec("bf16", "qwen3-8b", tmp_path, tmp_path, [], {"model_runner": None})["env"]
+    name = report.results_name("qwen3-8b", ["long"], {**settings, "gpu_memory_utilization": 0.85})
+    assert name == "rollout_throughput_long_block_size_64_kv_cache_layout_hnd.json"

@@ -2,7 +2,7 @@
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | probe-nvcc | profile | engine-plan
-#        | fi-warm | moe-start | rollout-VARIANT[,VARIANT...] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
+#        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -23,16 +23,21 @@
 # engine start). fi-warm (FLASHINFER_JIT=1, vLLM 0.25+): FlashInfer's modules compiled by a tiny
 # engine before the rollout (benchmarks/box/flashinfer_warm.py). moe-start: dg-prepare=qwen3-30b-a3b,
 # then one Qwen3-30B-A3B fp8_align_dg engine on that cache (start and its grouped warm-up; short
-# shape, one generate). par=A/B+C+... runs stages A then B on GPU 0 while C runs on GPU 1, and so on.
+# shape, one generate). xqa-sweep: XQA decode alone by page size (16, 32, 64) and layout (NHD, HND)
+# at batch 512 and 256. par=A/B+C+... runs stages A then B on GPU 0 while C runs on GPU 1, and so
+# on (an empty chain leaves its GPU free); a rollout in a chain (or with CUDA_VISIBLE_DEVICES=1,3
+# and --gpus 2 in ROLLOUT_ARGS) works and reports under names with its GPUs.
 # bg: the stages after it run detached from this call (setsid, from a copy of the tree, output in
-# /root/bg), so one run may outlast the 10-minute call; wait[=SECONDS] (default 540) waits for it
-# and brings back what it wrote so far. Output: $OUT/xqa_results.tgz.
+# /root/bg, or /root/$BG_NAME for a second one beside it), so one run may outlast the 10-minute
+# call; wait[=SECONDS] (default 540) waits for it and brings back what it wrote so far.
+# Output: $OUT/xqa_results.tgz.
 # FLASHINFER_JIT=1: FlashInfer compiles its modules on the box (nvcc there since session 16)
 # instead of the carried prebuilt ones: no .flashinfer_aot, FLASHINFER_DISABLE_JIT unset. With
 # FP8_ALIGN_GPUKIT=.gpukit25 (the vLLM 0.25.1 bundle) and ROLLOUT_ARGS with --attention-backend
 # FLASHINFER this runs the vLLM 0.25.1 peer comparison (issue #26, item 2).
 set -uo pipefail
 out="${OUT:-/tmp/out}/xqa"; mkdir -p "$out"
+bg="/root/${BG_NAME:-bg}"  # where bg runs the rest detached and wait looks (BG_NAME: a second one beside it)
 source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1
 export VLLM_LOGGING_LEVEL=INFO
 if [ "${FLASHINFER_JIT:-0}" = 1 ]; then
@@ -58,16 +63,17 @@ while [ $# -gt 0 ]; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
     bg)
-      rm -rf /root/bg && mkdir -p /root/bg/out && cp -a . /root/bg/repo || exit 1
+      rm -rf "$bg" && mkdir -p "$bg/out" && cp -a . "$bg/repo" || exit 1
       # shellcheck disable=SC2016
-      setsid nohup bash -c 'cd /root/bg/repo && OUT=/root/bg/out XQA_BOX_TAR=0 bash benchmarks/box/xqa_box_run.sh "$@" \
-        > /root/bg/log 2>&1; echo $? > /root/bg/rc' bash "$@" < /dev/null > /dev/null 2>&1 &
-      echo "detached: $*"; break ;;
+      setsid nohup bash -c 'cd "$0/repo" && OUT="$0/out" XQA_BOX_TAR=0 bash benchmarks/box/xqa_box_run.sh "$@" \
+        > "$0/log" 2>&1; echo $? > "$0/rc"' "$bg" "$@" < /dev/null > /dev/null 2>&1 &
+      echo "detached into $bg: $*"; break ;;
     wait*)
       limit="${stage#wait}"; limit="${limit#=}"
-      for ((waited = 0; waited < ${limit:-540}; waited += 10)); do [ -f /root/bg/rc ] && break; sleep 10; done
-      echo "bg rc=$(cat /root/bg/rc 2>/dev/null || echo running)"; tail -25 /root/bg/log
-      cp -r /root/bg/out/xqa/. "$out/" 2>/dev/null; cp /root/rollout_work*/*.json "$out/" 2>/dev/null; true ;;
+      for ((waited = 0; waited < ${limit:-540}; waited += 10)); do [ -f "$bg/rc" ] && break; sleep 10; done
+      echo "$bg rc=$(cat "$bg/rc" 2>/dev/null || echo running)"; tail -25 "$bg/log"
+      cp -r "$bg/out/xqa/." "$out/" 2>/dev/null
+      for work in /root/rollout_work*; do [ -d "$work" ] && mkdir -p "$out/${work##*/}" && cp "$work"/*.json "$out/${work##*/}/"; done 2>/dev/null; true ;;
     par=*)
       IFS=+ read -r -a chains <<< "${stage#par=}"; pids=()
       for gpu in "${!chains[@]}"; do
@@ -118,17 +124,25 @@ while [ $# -gt 0 ]; do
     rollout-*)
       # rollout-VARIANTS@BACKEND: those variants on one GPU with that attention backend ("auto": vLLM's
       # choice), in a report and work folder of their own (e.g. beside a FLASHINFER run, in a par chain)
-      variants="${stage#rollout-}"; backend=""; work=/root/rollout_work; extra=()
+      # Chains of a par (CUDA_VISIBLE_DEVICES set: one or more host GPUs) work and report apart.
+      variants="${stage#rollout-}"; backend=""; gpus="${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}"
+      work="/root/rollout_work$gpus"; extra=()
       if [[ "$variants" == *@* ]]; then
-        backend="${variants#*@}"; variants="${variants%@*}"; work="/root/rollout_work_$backend"
+        backend="${variants#*@}"; variants="${variants%@*}"; work="/root/rollout_work_$backend$gpus"
         extra=(--attention-backend "$backend" --gpus 1)
       fi
-      log="$out/rollout_${variants//,/_}${backend:+_$backend}.log"
+      tag="${variants//,/_}${backend:+_$backend}$gpus"; log="$out/rollout_$tag.log"; mkdir -p "$out/report$gpus"
       # shellcheck disable=SC2086
       python3 benchmarks/rollout_throughput.py ${ROLLOUT_ARGS:---shapes short,long --model-runner v2} "${extra[@]}" --work "$work" \
-        --deepgemm-cache /root/dg_cache --variants "$variants" --results "$out" > "$log" 2>&1
+        --deepgemm-cache /root/dg_cache --variants "$variants" --results "$out/report$gpus" > "$log" 2>&1
       tail -12 "$log"
-      mkdir -p "$out/engine_logs${backend:+_$backend}" && cp "$work"/*/*.log "$out/engine_logs${backend:+_$backend}/" 2>/dev/null; true ;;
+      mkdir -p "$out/engine_logs_$tag" && cp "$work"/*/*.log "$out/engine_logs_$tag/" 2>/dev/null; true ;;
+    xqa-sweep)
+      # XQA decode alone by page size and layout at the rollout's decode batch (benchmarks/attention_decode.py)
+      for batch in 512 256; do
+        python3 benchmarks/attention_decode.py --kernels xqa --xqa-layouts NHD,HND --block-sizes 16,32,64 --batch "$batch" \
+          --context 1554 --results "$out/xqa_sweep" --output "attention_decode_xqa_layouts_b$batch.json" 2>&1 | tail -6
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

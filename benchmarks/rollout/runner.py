@@ -58,6 +58,8 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs.update(spec.get("llm_kwargs", {}))
     if spec["attention_backend"]:
         kwargs["attention_backend"] = spec["attention_backend"]
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
     if spec["fp8_align"]:
         kwargs.update(engine_kwargs(FP8Config(**spec["fp8_config"])))
     start = time.perf_counter()
@@ -196,6 +198,8 @@ def variant_spec(
     deep_gemm = variant.endswith("_dg")
     online = variant.startswith("vllm_fp8_online")
     env = variant_env(model, variant)
+    if settings.get("kv_cache_layout"):
+        env["VLLM_KV_CACHE_LAYOUT"] = settings["kv_cache_layout"]
     llm_kwargs = dict(MODELS[model].llm_kwargs)
     if online:
         llm_kwargs["quantization"] = VLLM_ONLINE_BLOCK_FP8

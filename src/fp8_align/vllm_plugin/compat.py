@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ __all__ = [
     "kv_scales_unread_reason",
     "moe_activation_name",
     "routed_experts_class",
+    "set_attention_backend",
 ]
 
 
@@ -88,6 +90,16 @@ def flashinfer_decodes_with_xqa(num_qo_heads: int, num_kv_heads: int) -> bool:
     from vllm.utils.flashinfer import can_use_trtllm_attention
 
     return bool(can_use_trtllm_attention(num_qo_heads, num_kv_heads, is_prefill=False))
+
+
+def set_attention_backend(vllm_config: Any, name: str) -> None:
+    """Make every attention layer built from now on in this process use vLLM's backend `name`
+    ("FLASHINFER", ...): `vllm_config.attention_config.backend`, the `AttentionBackendEnum` member
+    that vLLM's selector (`vllm.v1.attention.selector.get_attn_backend`) reads at each `Attention`
+    layer's construction. Checked in vLLM 0.25.1 and 0.32.0."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    vllm_config.attention_config.backend = AttentionBackendEnum[name]
 
 
 def kv_scales_unread_reason() -> str | None:

@@ -14,6 +14,11 @@ logged; a DeepGEMM JIT cache without this engine's kernels is warned about befor
 (one line). A WARNING follows where a faster decode was possible on this machine but is not taken
 (FP8 KV cache on Hopper with vLLM 0.22's FLASH_ATTN, but FlashInfer's XQA module does not load),
 saying what to do.
+
+Before that, at the engine's first linear layer (before any attention layer is built),
+`default_attention_backend` picks vLLM 0.25's FLASHINFER for an FP8 cache on Hopper where the
+engine left `attention_backend` unset (`choose_attention_backend`: vLLM then decodes with XQA
+itself); the INFO line says so.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
-from fp8_align.vllm_plugin.compat import attention_backend_name, flashinfer_decodes_with_xqa
+from fp8_align.vllm_plugin.compat import attention_backend_name, flashinfer_decodes_with_xqa, set_attention_backend
 from fp8_align.vllm_plugin.kernels.deepgemm_inventory import warmups
 from fp8_align.vllm_plugin.kv.flashinfer_scales import LIVE_SCALES_SERIES, read_scales_live
 from fp8_align.vllm_plugin.kv.xqa_decode import (
@@ -45,6 +50,8 @@ logger = logging.getLogger("vllm.fp8_align")
 
 #: The attention backend whose decode the XQA route replaces (`FlashAttentionImpl`).
 XQA_BACKEND = "FLASH_ATTN"
+#: vLLM 0.25's backend that decodes an FP8 cache on SM90 with XQA itself (`kv.flashinfer_scales`).
+FLASHINFER_BACKEND = "FLASHINFER"
 #: Where the decode choice is kept on a planned model (so it is planned once).
 _PLAN_ATTR = "fp8_align_decode_plan"
 
@@ -81,6 +88,65 @@ class DecodeChoice:
     def xqa(self) -> bool:
         """True when XQA decodes (the route must be applied)."""
         return self.kernel == "XQA"
+
+
+@dataclass(frozen=True)
+class BackendFacts:
+    """What fp8_align's choice of attention backend depends on, all known before the first layer
+    is built. requested: the engine's `attention_config.backend` name, None when unset (vLLM
+    chooses). use_mla: the model's attention is MLA. kv_decode_kernel: `FP8Config.kv_decode_kernel`.
+    Other fields as in `DecodeFacts`."""
+
+    vllm_version: str | None
+    capability: tuple[int, int] | None
+    kv_cache_dtype: str
+    requested: str | None
+    use_mla: bool
+    on_policy: str
+    kv_decode_kernel: str
+
+
+def choose_attention_backend(facts: BackendFacts, flashinfer_xqa: Callable[[], bool]) -> str | None:
+    """FLASHINFER where fp8_align picks it for an engine whose backend is unset: an FP8 (E4M3) cache
+    on vLLM 0.25 on SM90 (its FLASHINFER backend decodes with XQA, 1.16x faster than FA3 in the
+    Qwen3-8B rollout, and `kv.flashinfer_scales` keeps pushed K/V scales live there), no MLA,
+    on_policy off, kv_decode_kernel not "backend", and `flashinfer_xqa()` (vLLM would send this
+    model's decode to XQA: cubins reachable or VLLM_HAS_FLASHINFER_CUBIN=1; called last). Else None:
+    vLLM's own choice stands, and the engine plan warns where FA3 then decodes an FP8 cache."""
+    if facts.requested is not None or facts.use_mla or facts.on_policy == "bitwise" or facts.kv_decode_kernel == "backend":
+        return None
+    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
+    if series not in LIVE_SCALES_SERIES or facts.capability != XQA_CAPABILITY or facts.kv_cache_dtype not in XQA_KV_CACHE_DTYPES:
+        return None
+    return FLASHINFER_BACKEND if flashinfer_xqa() else None
+
+
+def default_attention_backend(cfg: FP8Config, vllm_config: Any) -> str | None:
+    """Apply `choose_attention_backend` to the engine being built (call before its first attention
+    layer exists, inside its VllmConfig context): set `attention_config.backend` where it chooses one.
+    Returns the backend set, or None."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return None
+    model_config, attention = vllm_config.model_config, vllm_config.attention_config.backend
+    facts = BackendFacts(
+        vllm_version=installed_vllm_version(),
+        capability=tuple(current_platform.get_device_capability()),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        requested=None if attention is None else str(attention.name),
+        use_mla=bool(model_config.use_mla),
+        on_policy=cfg.on_policy,
+        kv_decode_kernel=cfg.kv_decode_kernel,
+    )
+    parallel = vllm_config.parallel_config
+    chosen = choose_attention_backend(
+        facts,
+        lambda: flashinfer_decodes_with_xqa(model_config.get_num_attention_heads(parallel), model_config.get_num_kv_heads(parallel)),
+    )
+    if chosen is not None:
+        set_attention_backend(vllm_config, chosen)
+    return chosen
 
 
 def _why_not_xqa(facts: DecodeFacts) -> str | None:
@@ -128,6 +194,12 @@ def choose_decode_kernel(requested: str, facts: DecodeFacts, xqa_module: Callabl
         return DecodeChoice(facts.attention_backend, "kv_decode_kernel='backend': the attention backend's own decode")
     if requested not in ("auto", "xqa"):
         raise ValueError(f"kv_decode_kernel must be 'auto', 'backend' or 'xqa', got {requested!r}")
+    if requested == "auto" and _flashinfer_decodes_fp8(facts):
+        return DecodeChoice(
+            FLASHINFER_BACKEND,
+            f"kv_decode_kernel='auto': FP8 KV cache on SM90 with vLLM {facts.vllm_version}'s {FLASHINFER_BACKEND}, which "
+            "decodes it with XQA where it can load the kernel",
+        )
     reason = _why_not_xqa(facts)
     missing_module = None if reason is not None else xqa_module()
     if reason is None and missing_module is None:
@@ -158,6 +230,12 @@ def _flashinfer_scales_can_be_live(facts: DecodeFacts) -> bool:
     return series in LIVE_SCALES_SERIES and facts.capability == XQA_CAPABILITY
 
 
+def _flashinfer_decodes_fp8(facts: DecodeFacts) -> bool:
+    """vLLM 0.25's FLASHINFER over an FP8 (E4M3) cache on SM90, on_policy off: vLLM's own XQA decode."""
+    return (_flashinfer_scales_can_be_live(facts) and facts.kv_cache_dtype in XQA_KV_CACHE_DTYPES
+            and facts.attention_backend == FLASHINFER_BACKEND and facts.on_policy != "bitwise")  # fmt: skip
+
+
 def _flashinfer_hint(facts: DecodeFacts) -> str | None:
     """The WARNING for an FP8 (E4M3) cache decoded by FA3 on SM90 with a vLLM whose FLASHINFER
     backend decodes it with XQA and whose scales fp8_align keeps live there (vLLM 0.25), else None."""
@@ -167,8 +245,9 @@ def _flashinfer_hint(facts: DecodeFacts) -> str | None:
     return (
         f"this engine decodes its FP8 KV cache with {XQA_BACKEND} (FA3); on vLLM {facts.vllm_version} "
         "attention_backend='FLASHINFER' decodes it with XQA, 1.16x faster in fp8_align's Qwen3-8B rollout on an H100 "
-        "(benchmarks/RESULTS.md), and fp8_align keeps per-step K/V scales live there (docs/xqa_decode.md). Pass "
-        "attention_backend='FLASHINFER' to the engine (on an offline machine with nvcc also VLLM_HAS_FLASHINFER_CUBIN=1)."
+        "(benchmarks/RESULTS.md), and fp8_align keeps per-step K/V scales live there (docs/xqa_decode.md). fp8_align "
+        "picks it itself where attention_backend is unset and vLLM can load XQA, which needs NVIDIA's cubin "
+        "artifactory, flashinfer-cubin, or on an offline machine with nvcc VLLM_HAS_FLASHINFER_CUBIN=1."
     )
 
 
@@ -282,7 +361,9 @@ def plan_engine(model: torch.nn.Module, cfg: FP8Config, vllm_config: Any) -> Dec
     live = make_flashinfer_scales_live(model, facts)
     model.__dict__[_PLAN_ATTR] = choice
     scales = f"; K/V scales read live by FlashInfer's decode in {live} layers (kv.flashinfer_scales)" if live else ""
-    logger.info("fp8_align: engine plan: GEMM %s; decode %s (%s)%s", gemm_summary(model), choice.kernel, choice.reason, scales)
+    chosen = getattr(getattr(vllm_config, "quant_config", None), "attention_backend_chosen", None)
+    backend = f"; attention backend {chosen} chosen by fp8_align (attention_backend unset)" if chosen else ""
+    logger.info("fp8_align: engine plan: GEMM %s; decode %s (%s)%s%s", gemm_summary(model), choice.kernel, choice.reason, scales, backend)
     if choice.warning:
         logger.warning("fp8_align: %s", choice.warning)
     return choice

@@ -17,6 +17,7 @@ from fp8_align.config import FP8Config
 from fp8_align.layer_selection import REASON_UNSUPPORTED, LayerDecision, decide_layer, num_routed_experts
 from fp8_align.vllm_plugin.compat import routed_experts_class
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine
+from fp8_align.vllm_plugin.engine_plan import default_attention_backend
 from fp8_align.vllm_plugin.layer_plan import record_decision
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod, Fp8AlignLinearMethod
 from fp8_align.vllm_plugin.moe.experts import unsupported_experts_reason
@@ -30,8 +31,10 @@ class Fp8AlignQuantConfig(QuantizationConfig):
     def __init__(self, fp8_config: FP8Config | None = None) -> None:
         super().__init__()
         self.fp8_config = config_from_engine(None) if fp8_config is None else fp8_config
-        #: `on_policy="bitwise"` engine settings checked (once per engine, at its first layer).
-        self._bitwise_checked = False
+        #: Engine settings checked and defaulted (once per engine, at its first layer).
+        self._engine_checked = False
+        #: The attention backend fp8_align chose for this engine (`engine_plan.default_attention_backend`), or None.
+        self.attention_backend_chosen: str | None = None
 
     def __repr__(self) -> str:
         return f"Fp8AlignQuantConfig({self.fp8_config.to_json()})"
@@ -59,13 +62,18 @@ class Fp8AlignQuantConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         """The method for one module vLLM builds: block FP8 or BF16 for linears and routed experts
         (`fp8_align.layer_selection.decide_layer`; each decision is recorded and BF16 ones logged),
-        None for everything else (embeddings, lm_head; attention gets vLLM's KV-cache method)."""
+        None for everything else (embeddings, lm_head; attention gets vLLM's KV-cache method).
+        At the engine's first linear (built before its first attention layer) the engine's settings
+        are checked and its attention backend defaulted (`engine_plan.default_attention_backend`)."""
         is_experts = isinstance(layer, routed_experts_class())
         if not (is_experts or isinstance(layer, LinearBase)):
             return None
-        if self.fp8_config.on_policy == "bitwise" and not self._bitwise_checked:
-            check_bitwise_engine(get_current_vllm_config())
-            self._bitwise_checked = True
+        if not self._engine_checked:
+            vllm_config = get_current_vllm_config()
+            if self.fp8_config.on_policy == "bitwise":
+                check_bitwise_engine(vllm_config)
+            self.attention_backend_chosen = default_attention_backend(self.fp8_config, vllm_config)
+            self._engine_checked = True
         apply_patches(self.fp8_config)
         merged_from = () if is_experts else _merged_from(prefix, self.packed_modules_mapping)
         decision = _decide(layer, prefix, self.fp8_config, is_experts, merged_from)
