@@ -48,7 +48,9 @@ def test_flashinfer_decode_reads_the_pushed_kv_scales(tmp_path, vllm_runner) -> 
     from tests.gpu_models import save_random_qwen3
 
     model = save_random_qwen3(tmp_path / "qwen3_fi", XQA_ENGINE_MODEL, seed=0)
-    prompts = torch.randint(0, XQA_ENGINE_MODEL["vocab_size"], (8, 24), generator=torch.Generator().manual_seed(3)).tolist()
+    # 32 prompts: greedy paths of two engines part at near-ties of the random model's logits (8
+    # prompts left 24 comparable decode tokens on an H100), so enough rows for >= 32 tokens
+    prompts = torch.randint(0, XQA_ENGINE_MODEL["vocab_size"], (32, 24), generator=torch.Generator().manual_seed(3)).tolist()
     pushed = {i: {"k_scale": 1.0, "v_scale": 4.0} for i in range(XQA_ENGINE_MODEL["num_hidden_layers"])}
     fa3_config = {"kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"}
 
@@ -77,7 +79,7 @@ def test_flashinfer_decode_reads_the_pushed_kv_scales(tmp_path, vllm_runner) -> 
     for label, (tokens, logprobs), fa3 in (("default scales", first, fa3_default), ("pushed scales", second, fa3_pushed)):
         d = decode_diffs(tokens, logprobs, fa3)
         print(f"{label}: FLASHINFER vs FA3 decode |dlogp| over {len(d)} tokens: mean {d.mean():.3e}, max {d.max():.3e}")
-        assert len(d) >= 8 * 4
+        assert len(d) >= 32, f"{label}: only {len(d)} decode tokens where both engines took the same path"
         assert d.mean() < fp8_kv_effect.mean(), f"{label}: FLASHINFER's decode moves more than the FP8 cache itself"
 
 

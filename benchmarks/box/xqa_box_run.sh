@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
-#   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | probe-nvcc | profile | engine-plan
+#   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
@@ -121,6 +121,11 @@ while [ $# -gt 0 ]; do
         tests/test_gpu_flashinfer_scales.py \
         > "$out/pytest_xqa_dg.txt" 2>&1
       grep -E "XQA|xqa|cold|FLASHINFER|passed|failed|Error" "$out/pytest_xqa_dg.txt" | tail -25 ;;
+    tests-fi|tests-mla)
+      # one test file alone (tests takes ~14 minutes on vLLM 0.25: give its slowest file a GPU of its own)
+      file=tests/test_gpu_flashinfer_scales.py; [ "$stage" = tests-mla ] && file=tests/test_gpu_mla.py
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s "$file" > "$out/pytest_$stage.txt" 2>&1
+      grep -E "FLASHINFER|MLA|mla|reference|passed|failed|Error" "$out/pytest_$stage.txt" | grep -v INFO | tail -15 ;;
     rollout-*)
       # rollout-VARIANTS@BACKEND: those variants on one GPU with that attention backend ("auto": vLLM's
       # choice), in a report and work folder of their own (e.g. beside a FLASHINFER run, in a par chain)

@@ -67,9 +67,10 @@ class FP8Config(BaseModel):
         "(fp8_align.vllm_plugin.engine_plan). 'auto': the fastest safe one: FlashInfer's XQA kernel for pure-decode "
         "batches where fp8_align implements it and it can run (an FP8 KV cache, vLLM 0.22, an SM90 GPU, the "
         "FLASH_ATTN backend, a BF16 model, on_policy='off', the XQA module loads; prefill stays on FA3), else the "
-        "attention backend's own decode, with a warning where only the XQA module was missing. 'backend': always the "
-        "attention backend's own decode (what vLLM does). 'xqa': XQA or refuse to start; needs kv_cache_dtype='fp8' "
-        "(docs/xqa_decode.md).",
+        "attention backend's own decode, with a warning where only the XQA module was missing; on vLLM 0.25 an FP8 "
+        "cache on SM90 gets attention_backend='FLASHINFER' (vLLM's own XQA decode) where the engine left it unset. "
+        "'backend': always the attention backend's own decode, on the backend vLLM chooses (what vLLM does). 'xqa': "
+        "XQA or refuse to start; needs kv_cache_dtype='fp8' (docs/xqa_decode.md).",
     )
     fp8_attention: bool = Field(
         default=False,
