@@ -186,8 +186,10 @@ def _gpu_ids(requested: int) -> list[int]:
     """The host indices of the GPUs this call may use: CUDA_VISIBLE_DEVICES's list when set (host
     indices, as the box's chains set it), else every GPU of the host when more than one is
     `requested`, else [] (the environment's GPU, index unknown)."""
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible:
+        if not all(v.isdigit() for v in visible):
+            raise SystemExit(f"CUDA_VISIBLE_DEVICES={','.join(visible)}: give host GPU indices (e.g. 1,3), not uuids")
         return [int(v) for v in visible]
     return list(range(len(report.nvidia_smi("uuid").splitlines()))) if requested > 1 else []
 

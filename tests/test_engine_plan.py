@@ -123,12 +123,13 @@ UNSET_025 = engine_plan.BackendFacts(
 @pytest.mark.parametrize(
     "change",
     [{"requested": "FLASH_ATTN"}, {"requested": "TRITON_ATTN"}, {"use_mla": True}, {"on_policy": "bitwise"},
-     {"kv_decode_kernel": "backend"}, {"vllm_version": "0.22.0"}, {"vllm_version": "0.27.1"}, {"vllm_version": None},
+     {"kv_decode_kernel": "backend"}, {"kv_decode_kernel": "xqa"}, {"vllm_version": "0.22.0"}, {"vllm_version": "0.27.1"}, {"vllm_version": None},
      {"capability": (10, 0)}, {"capability": None}, {"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8_e5m2"}],
 )  # fmt: skip
 def test_attention_backend_is_left_to_the_engine(change: dict) -> None:
-    """A backend the engine asked for, MLA, bitwise mode, the 'backend' decode, another release or
-    GPU, or a cache XQA does not read: vLLM's choice stands, and XQA's availability is not asked."""
+    """A backend the engine asked for, MLA, bitwise mode, the 'backend' decode or 0.22's 'xqa' route
+    (refused on 0.25 by the plan), another release or GPU, or a cache XQA does not read: vLLM's
+    choice stands, and XQA's availability is not asked."""
     probe = _Probe()
     assert engine_plan.choose_attention_backend(dataclasses.replace(UNSET_025, **change), lambda: bool(probe()) or True) is None
     assert probe.calls == 0
@@ -136,7 +137,7 @@ def test_attention_backend_is_left_to_the_engine(change: dict) -> None:
 
 @pytest.mark.parametrize(("xqa", "chosen"), [(True, "FLASHINFER"), (False, None)])
 def test_flashinfer_where_vllm_decodes_with_xqa(xqa: bool, chosen: str | None) -> None:
-    for change in ({}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_decode_kernel": "xqa"}):
+    for change in ({}, {"kv_cache_dtype": "fp8_e4m3"}):
         assert engine_plan.choose_attention_backend(dataclasses.replace(UNSET_025, **change), lambda: xqa) == chosen
 
 

@@ -110,10 +110,11 @@ def choose_attention_backend(facts: BackendFacts, flashinfer_xqa: Callable[[], b
     """FLASHINFER where fp8_align picks it for an engine whose backend is unset: an FP8 (E4M3) cache
     on vLLM 0.25 on SM90 (its FLASHINFER backend decodes with XQA, 1.16x faster than FA3 in the
     Qwen3-8B rollout, and `kv.flashinfer_scales` keeps pushed K/V scales live there), no MLA,
-    on_policy off, kv_decode_kernel not "backend", and `flashinfer_xqa()` (vLLM would send this
+    on_policy off, kv_decode_kernel "auto" ("backend" keeps vLLM's choice; "xqa" asks for 0.22's
+    route and is refused at the plan), and `flashinfer_xqa()` (vLLM would send this
     model's decode to XQA: cubins reachable or VLLM_HAS_FLASHINFER_CUBIN=1; called last). Else None:
     vLLM's own choice stands, and the engine plan warns where FA3 then decodes an FP8 cache."""
-    if facts.requested is not None or facts.use_mla or facts.on_policy == "bitwise" or facts.kv_decode_kernel == "backend":
+    if facts.requested is not None or facts.use_mla or facts.on_policy == "bitwise" or facts.kv_decode_kernel != "auto":
         return None
     series = vllm_series(facts.vllm_version) if facts.vllm_version else None
     if series not in LIVE_SCALES_SERIES or facts.capability != XQA_CAPABILITY or facts.kv_cache_dtype not in XQA_KV_CACHE_DTYPES:
