@@ -48,6 +48,9 @@ skip_tokenizer_init):
                --attention-backend FLASHINFER on vLLM 0.25+, FlashInfer's XQA on Hopper)
     vllm_fp8_online_kv_dg   vLLM's online block FP8 (quantization="fp8_per_block", vLLM 0.25+, the
                BF16 checkpoint quantized at load) + FP8 KV, on DeepGEMM as vllm_fp8_kv_dg
+    fp8_align_kv_auto_dg   fp8_align_kv_dg with FP8Config's default decode (kv_cache_dtype="fp8",
+               kv_decode_kernel="auto"): what a user gets; on vLLM 0.25 / Hopper with the backend
+               left to the engine (--attention-backend auto for it) fp8_align picks FLASHINFER
 
 fp8_align and vllm_fp8 both use CUTLASS so that they differ only in where the weights are
 quantized: DeepGEMM JIT-compiles a kernel per warm-up M value at engine start, minutes for an

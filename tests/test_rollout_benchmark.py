@@ -105,7 +105,9 @@ def test_variant_specs(tmp_path: Path, variant: str) -> None:
 
         cfg = FP8Config(**moe["fp8_config"])
         assert cfg.use_deep_gemm == deep_gemm
-        assert cfg.kv_decode_kernel == ("xqa" if "_xqa" in variant else "backend")  # fp8_align_kv: FA3 decode
+        # fp8_align_kv: the backend's own decode; _auto: the default, as a user runs it
+        assert cfg.kv_decode_kernel == ("xqa" if "_xqa" in variant else "auto" if "_auto" in variant else "backend")
+        assert cfg.kv_cache_dtype == ("fp8" if "_xqa" in variant or "_auto" in variant else "auto")
         assert moe["calibrate_kv"] == variant.startswith("fp8_align_kv")
 
 
