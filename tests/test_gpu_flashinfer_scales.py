@@ -99,7 +99,10 @@ def test_fp8_kv_engine_without_a_backend_gets_flashinfer(tmp_path, vllm_runner) 
     """`quantization="fp8_align"` with an FP8 cache and attention_backend unset on vLLM 0.25 / SM90
     (VLLM_HAS_FLASHINFER_CUBIN=1: XQA compiles from source, as on an offline box): fp8_align picks
     FLASHINFER before the first attention layer is built, so every layer is FLASHINFER with live
-    scales; asking for FLASH_ATTN keeps FA3."""
+    scales, and it generates; asking for FLASH_ATTN keeps FA3."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     from fp8_align import FP8Config
     from tests.gpu_models import save_random_qwen3
 
@@ -108,5 +111,8 @@ def test_fp8_kv_engine_without_a_backend_gets_flashinfer(tmp_path, vllm_runner) 
     env = {"VLLM_HAS_FLASHINFER_CUBIN": "1"}
     with vllm_runner(model, FP8Config(kv_cache_dtype="fp8"), env=env, **ENGINE_KWARGS) as runner:
         assert runner.llm.collective_rpc(_backends_and_choice) == [(["FLASHINFER"], "FLASHINFER", [True] * layers)]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outputs = runner.llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 17)))] * 4, params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [16] * 4  # the engine the choice built decodes
     with vllm_runner(model, FP8Config(kv_cache_dtype="fp8"), env=env, attention_backend="FLASH_ATTN", **ENGINE_KWARGS) as runner:
         assert runner.llm.collective_rpc(_backends_and_choice) == [(["FLASH_ATTN"], None, [False] * layers)]
