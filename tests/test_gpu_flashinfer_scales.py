@@ -48,8 +48,8 @@ def test_flashinfer_decode_reads_the_pushed_kv_scales(tmp_path, vllm_runner) -> 
     from tests.gpu_models import save_random_qwen3
 
     model = save_random_qwen3(tmp_path / "qwen3_fi", XQA_ENGINE_MODEL, seed=0)
-    # 32 prompts: greedy paths of two engines part at near-ties of the random model's logits (8
-    # prompts left 24 comparable decode tokens on an H100), so enough rows for >= 32 tokens
+    # 32 prompts: two engines' greedy paths part at near-ties of the random model's logits, so
+    # many rows are needed for >= 32 decode tokens where both took the same path
     prompts = torch.randint(0, XQA_ENGINE_MODEL["vocab_size"], (32, 24), generator=torch.Generator().manual_seed(3)).tolist()
     pushed = {i: {"k_scale": 1.0, "v_scale": 4.0} for i in range(XQA_ENGINE_MODEL["num_hidden_layers"])}
     fa3_config = {"kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"}
