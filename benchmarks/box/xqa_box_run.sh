@@ -2,7 +2,7 @@
 # The XQA decode / DeepGEMM rollout session on the GPU box (issue #16), stages per device call:
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
-#        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
+#        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -130,7 +130,12 @@ while [ $# -gt 0 ]; do
       # rollout-VARIANTS@BACKEND: those variants on one GPU with that attention backend ("auto": vLLM's
       # choice), in a report and work folder of their own (e.g. beside a FLASHINFER run, in a par chain)
       # Chains of a par (CUDA_VISIBLE_DEVICES set: one or more host GPUs) work and report apart.
-      variants="${stage#rollout-}"; backend=""; gpus="${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}"
+      # rollout-VARIANTS[@BACKEND]#NAME: the rollout arguments from $NAME instead of $ROLLOUT_ARGS (chains of one par
+      # measuring different models)
+      variants="${stage#rollout-}"; args_var=ROLLOUT_ARGS
+      [[ "$variants" == *#* ]] && { args_var="${variants#*#}"; variants="${variants%%#*}"; }
+      rollout_args="${!args_var:-}"; [ "$args_var" != ROLLOUT_ARGS ] && [ -z "$rollout_args" ] && { echo "$stage: \$$args_var is empty"; exit 2; }
+      backend=""; gpus="${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}"
       work="/root/rollout_work$gpus"; extra=()
       if [[ "$variants" == *@* ]]; then
         backend="${variants#*@}"; variants="${variants%@*}"; work="/root/rollout_work_$backend$gpus"
@@ -138,7 +143,7 @@ while [ $# -gt 0 ]; do
       fi
       tag="${variants//,/_}${backend:+_$backend}$gpus"; log="$out/rollout_$tag.log"; mkdir -p "$out/report$gpus"
       # shellcheck disable=SC2086
-      python3 benchmarks/rollout_throughput.py ${ROLLOUT_ARGS:---shapes short,long --model-runner v2} "${extra[@]}" --work "$work" \
+      python3 benchmarks/rollout_throughput.py ${rollout_args:---shapes short,long --model-runner v2} "${extra[@]}" --work "$work" \
         --deepgemm-cache /root/dg_cache --variants "$variants" --results "$out/report$gpus" > "$log" 2>&1
       tail -12 "$log"
       mkdir -p "$out/engine_logs_$tag" && cp "$work"/*/*.log "$out/engine_logs_$tag/" 2>/dev/null; true ;;
