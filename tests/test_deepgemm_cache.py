@@ -7,6 +7,7 @@ The compile itself needs an SM90 GPU and DeepGEMM: tests/test_gpu_deepgemm_cache
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -309,3 +310,65 @@ def test_fill_lock_lets_one_rank_fill_at_a_time(tmp_path: Path) -> None:
     first.join()
     second.join()
     assert events == ["a in", "a out", "b in", "b out"]
+
+
+#: Stands in for the GPU compile process (`python -m ...deepgemm_cache --worker`), which needs DeepGEMM
+#: and an SM90 GPU: it prints the same "compiled <key> <M> <seconds>" lines, logs each call to
+#: CALLS, and fails as torch does on the call named by FAIL (once if ONCE exists, else always).
+_STAND_IN_WORKER = """
+import json, os, sys
+part, calls, fail, once = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+for key, values in part.items():
+    for m in values:
+        if f"{key} {m}" == fail and (not os.path.exists(once) or os.path.getsize(once) == 0):
+            if os.path.exists(once):
+                open(once, "w").write("failed")
+            print("Traceback (most recent call last):")
+            print(os.environ["FAILURE"])
+            sys.exit(1)
+        open(calls, "a").write(f"{key} {m}\\n")
+        print(f"compiled {key} {m} 0.5", flush=True)
+"""
+
+
+def _compile_with_stand_in(tmp_path: Path, work: list[dict[str, list[int]]], fail: str, once: bool, failure: str):
+    from fp8_align.vllm_plugin.kernels.deepgemm_cache import compile_in_processes
+
+    tmp_path.mkdir(exist_ok=True)
+    script, calls, flag = tmp_path / "worker.py", tmp_path / "calls.txt", tmp_path / "once"
+    script.write_text(_STAND_IN_WORKER)
+    if once:
+        flag.write_text("")
+    bar = []
+    seconds = compile_in_processes(work, lambda part: [sys.executable, str(script), json.dumps(part), str(calls), fail, str(flag)],
+                                   {**os.environ, "FAILURE": failure}, bar.append)  # fmt: skip
+    return seconds, sorted(calls.read_text().split("\n")[:-1]), len(bar)
+
+
+WORK = [{"4096x4096": [1, 5], "g8x256x512": [128, 256]}, {"4096x4096": [2, 6], "g8x256x512": [384, 512]}, {"4096x4096": [3]}]
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 502.00 MiB."
+
+
+def test_processes_out_of_device_memory_run_their_remaining_calls_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A process that runs out of device memory (the stand-in worker above: DeepGEMM needs a GPU)
+    after one call has its other calls made once more after the rest ended: every call made
+    exactly once, the bar advanced once per kernel, a WARNING says so."""
+    seconds, calls, steps = _compile_with_stand_in(tmp_path, WORK, "g8x256x512 384", once=True, failure=OOM)
+    expected = sorted(f"{key} {m}" for part in WORK for key, values in part.items() for m in values)
+    assert calls == expected and steps == len(expected) and seconds == 0.5 * len(expected)
+    assert "1 of 3 DeepGEMM compile processes ran out of device memory; their 2 calls" in caplog.text
+
+
+def test_other_failures_and_a_second_oom_raise(tmp_path: Path) -> None:
+    """Any other failure raises at once with the process's output; a second OOM raises, naming --jobs."""
+    with pytest.raises(RuntimeError, match="exited with 1:\nTraceback.*\nValueError: bad shape"):
+        _compile_with_stand_in(tmp_path / "a", WORK, "4096x4096 3", once=False, failure="ValueError: bad shape")
+    with pytest.raises(RuntimeError, match="failed again after running out of device memory \\(pass --jobs"):
+        _compile_with_stand_in(tmp_path / "b", WORK, "4096x4096 3", once=False, failure=OOM)
+
+
+def test_remaining_work_drops_calls_made() -> None:
+    from fp8_align.vllm_plugin.kernels.deepgemm_cache import remaining_work
+
+    assert remaining_work({"a": [1, 2], "b": [3]}, {("a", 1), ("b", 3)}) == {"a": [2]}
+    assert remaining_work({"a": [1]}, {("a", 1)}) == {}

@@ -56,7 +56,9 @@ dg_prepare() {  # MODEL: fill /root/dg_cache for its linears (and experts) from 
     json.dump(MODELS[sys.argv[1]].config, open(sys.argv[2], 'w'))" "$1" "/root/dg_config/$1/config.json" || return 1
   python3 -m fp8_align.cli prepare-deepgemm --model "/root/dg_config/$1" --cache-dir /root/dg_cache \
     --json "$out/deepgemm_prepare_$1.json" > "$out/deepgemm_prepare_$1.log" 2>&1
+  local rc=$?
   tail -c 1500 "$out/deepgemm_prepare_$1.log"; du -sh /root/dg_cache
+  return $rc  # a failed prepare stops the chain (its rollouts would time an engine that fills the cache at start)
 }
 while [ $# -gt 0 ]; do
   stage="$1"; shift

@@ -19,12 +19,14 @@ prepare-deepgemm` is its command line. The shapes come from `deepgemm_inventory`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,8 @@ from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
     jit_cache_dir,
     mark_prepared,
 )
+
+logger = logging.getLogger("vllm.fp8_align")
 
 
 def split_work(m_values: Mapping[tuple[int, int], list[int]], jobs: int) -> list[dict[str, list[int]]]:
@@ -66,6 +70,96 @@ def split_grouped_work(m_values: Mapping[str, list[int]], jobs: int) -> list[dic
     return [w for w in work if w]
 
 
+#: A compile process's output line for each kernel: "compiled <work key> <M> <seconds>".
+COMPILED_PREFIX = "compiled "
+
+
+@dataclass
+class WorkerRun:
+    """One compile process's end: exit code, output other than its "compiled" lines, the seconds
+    those lines report, and the (work key, M) calls they name."""
+
+    code: int
+    output: str
+    seconds: float
+    done: set[tuple[str, int]]
+
+
+def run_compile_workers(
+    parts: Sequence[dict[str, list[int]]], argv: Callable[[dict[str, list[int]]], list[str]],
+    env: Mapping[str, str], on_kernel: Callable[[int], Any],
+) -> list[WorkerRun]:  # fmt: skip
+    """Start one process per part (`argv(part)`, environment `env`) at once, call `on_kernel(1)`
+    for each "compiled <key> <M> <seconds>" line it prints, and wait for all of them."""
+    procs = [subprocess.Popen(argv(part), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env))
+             for part in parts]  # fmt: skip
+    runs = [WorkerRun(0, "", 0.0, set()) for _ in parts]
+    lock = threading.Lock()
+
+    def follow(index: int) -> None:
+        run, lines = runs[index], []
+        for line in procs[index].stdout:
+            if line.startswith(COMPILED_PREFIX):
+                key, m, seconds = line.split()[1:4]
+                run.seconds += float(seconds)
+                run.done.add((key, int(m)))
+                with lock:
+                    on_kernel(1)
+            else:
+                lines.append(line)
+        run.output = "".join(lines)
+
+    threads = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(len(procs))]
+    for thread in threads:
+        thread.start()
+    for run, proc, thread in zip(runs, procs, threads):
+        run.code = proc.wait()
+        thread.join()
+    return runs
+
+
+def remaining_work(part: Mapping[str, list[int]], done: set[tuple[str, int]]) -> dict[str, list[int]]:
+    """The calls of `part` ({key: [M...]}) not in `done`, keys left without any dropped."""
+    left = {key: [m for m in values if (key, m) not in done] for key, values in part.items()}
+    return {key: values for key, values in left.items() if values}
+
+
+def out_of_device_memory(output: str) -> bool:
+    """Whether a compile process's output ends in torch's CUDA out-of-memory error."""
+    return "torch.OutOfMemoryError" in output or "CUDA out of memory" in output
+
+
+def compile_in_processes(
+    work: Sequence[dict[str, list[int]]], argv: Callable[[dict[str, list[int]]], list[str]],
+    env: Mapping[str, str], on_kernel: Callable[[int], Any],
+) -> float:  # fmt: skip
+    """Run `work` in one process per part (`run_compile_workers`); processes that ran out of device
+    memory (their peaks can coincide: a grouped-GEMM worker reaches about 8 GiB on an H100, more
+    than `compile_jobs` allows for) get their calls not yet made run again once the others have
+    ended, in as many processes, with a WARNING. Returns the summed seconds of every call. Raises RuntimeError with a failed
+    process's output when one fails otherwise, or again in the second round."""
+    runs = run_compile_workers(work, argv, env, on_kernel)
+    seconds = sum(run.seconds for run in runs)
+    failed = [i for i, run in enumerate(runs) if run.code != 0]
+    if failed and all(out_of_device_memory(runs[i].output) for i in failed):
+        retry = [left for i in failed if (left := remaining_work(work[i], runs[i].done))]
+        logger.warning(
+            "fp8_align: %d of %d DeepGEMM compile processes ran out of device memory; their %d calls not yet made "
+            "run again in %d processes now that the others have ended (--jobs sets fewer processes)",
+            len(failed), len(work), sum(len(v) for part in retry for v in part.values()), len(retry),
+        )  # fmt: skip
+        again = run_compile_workers(retry, argv, env, on_kernel)
+        seconds += sum(run.seconds for run in again)
+        if failed_again := [run for run in again if run.code != 0]:
+            run = failed_again[0]
+            raise RuntimeError(f"a DeepGEMM compile process failed again after running out of device memory "
+                               f"(pass --jobs with fewer processes), exit {run.code}:\n{run.output[-4000:]}")  # fmt: skip
+    elif failed:
+        i = failed[0]
+        raise RuntimeError(f"DeepGEMM compile worker {i} exited with {runs[i].code}:\n{runs[i].output[-4000:]}")
+    return seconds
+
+
 def prepare_deepgemm_cache(
     shapes: list[LinearShape],
     max_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
@@ -86,7 +180,8 @@ def prepare_deepgemm_cache(
 
     Returns a report: cache_dir, shapes, kernels (calls made), wall_s, and compile_s_sum (the
     workers' summed per-call seconds: what an engine's serial warm-up spends on a cold cache).
-    Raises RuntimeError with a worker's output when one fails (nothing is marked then),
+    Raises RuntimeError with a worker's output when one fails (processes that ran out of device
+    memory get one more round first: `compile_in_processes`; nothing is marked then),
     ValueError when no shape can run on DeepGEMM or no CUDA GPU is there.
     """
     import torch
@@ -115,35 +210,12 @@ def prepare_deepgemm_cache(
     env = {**os.environ, JIT_CACHE_ENV_VAR: str(cache), **({"VLLM_USE_DEEP_GEMM_E8M0": "0"} if grouped else {})}
     start = time.perf_counter()
     bar = tqdm(total=total, desc=f"DeepGEMM kernels ({len(work)} processes)", unit="kernel")
-    lock, outputs, seconds = threading.Lock(), [[] for _ in work], [0.0 for _ in work]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", __name__, "--worker", json.dumps(part), str(device_index)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        for part in work
-    ]  # fmt: skip
 
-    def follow(index: int) -> None:
-        for line in procs[index].stdout:
-            if line.startswith("compiled "):
-                seconds[index] += float(line.split()[-1])
-                with lock:
-                    bar.update(1)
-            else:
-                outputs[index].append(line)
+    def argv(part: dict[str, list[int]]) -> list[str]:
+        return [sys.executable, "-m", __name__, "--worker", json.dumps(part), str(device_index)]
 
-    threads = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(len(procs))]
-    for thread in threads:
-        thread.start()
-    codes = [proc.wait() for proc in procs]
-    for thread in threads:
-        thread.join()
+    compile_s = compile_in_processes(work, argv, env, bar.update)
     bar.close()
-    failed = [i for i, code in enumerate(codes) if code != 0]
-    if failed:
-        i = failed[0]
-        raise RuntimeError(f"DeepGEMM compile worker {i} exited with {codes[i]}:\n{''.join(outputs[i])[-4000:]}")
     setup = deepgemm_cache_setup(device)
     for shape in eligible:
         mark_prepared(cache, setup, shape.n, shape.k, max_tokens)
@@ -157,7 +229,7 @@ def prepare_deepgemm_cache(
         "jobs": len(work),
         "kernels": total,
         "wall_s": round(time.perf_counter() - start, 2),
-        "compile_s_sum": round(sum(seconds), 2),
+        "compile_s_sum": round(compile_s, 2),
         "device": torch.cuda.get_device_name(device),
     }
 
@@ -185,7 +257,7 @@ def _worker(part: dict[str, list[int]], device_index: int) -> None:
         for m in values:
             start = time.perf_counter()
             kernel.run_for_m_values(layer, [m])
-            print(f"compiled {n} {k} {m} {time.perf_counter() - start:.4f}", flush=True)
+            print(f"{COMPILED_PREFIX}{shape} {m} {time.perf_counter() - start:.4f}", flush=True)
 
 
 def _grouped_worker(shape: str, m_values: list[int], device: Any) -> None:
@@ -209,7 +281,7 @@ def _grouped_worker(shape: str, m_values: list[int], device: Any) -> None:
         start = time.perf_counter()
         m_grouped_fp8_gemm_nt_contiguous((x[:m], x_scale[:m]), (weight, weight_scale), out[:m], expert_ids[:m])
         torch.cuda.synchronize(device)
-        print(f"compiled {shape} {m} {time.perf_counter() - start:.4f}", flush=True)
+        print(f"{COMPILED_PREFIX}{shape} {m} {time.perf_counter() - start:.4f}", flush=True)
 
 
 if __name__ == "__main__":
