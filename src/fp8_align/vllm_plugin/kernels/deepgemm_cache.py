@@ -136,8 +136,9 @@ def compile_in_processes(
     """Run `work` in one process per part (`run_compile_workers`); processes that ran out of device
     memory (their peaks can coincide: a grouped-GEMM worker reaches about 8 GiB on an H100, more
     than `compile_jobs` allows for) get their calls not yet made run again once the others have
-    ended, in as many processes, with a WARNING. Returns the summed seconds of every call. Raises RuntimeError with a failed
-    process's output when one fails otherwise, or again in the second round."""
+    ended, in as many processes, with a WARNING. Returns the summed seconds of every call.
+    Raises RuntimeError with a failed process's output when one fails otherwise, or again in the
+    second round."""
     runs = run_compile_workers(work, argv, env, on_kernel)
     seconds = sum(run.seconds for run in runs)
     failed = [i for i, run in enumerate(runs) if run.code != 0]
