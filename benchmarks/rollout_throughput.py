@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     lock = threading.Lock()
 
+    # the one host GPU a single-GPU call was given (CUDA_VISIBLE_DEVICES=2), recorded with each run
+    only_gpu = gpu_ids[0] if len(gpu_ids) == 1 else None
+
     def measure_on(gpu: int | None) -> None:
         """Measure pending variants one after another on the host's GPU `gpu` (None: the environment's GPUs)."""
         while True:
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not pending:
                     return
                 variant = pending.popleft()
-            run = report.run_info(results["device"], gpu if gpu is not None else (gpu_ids[0] if len(gpu_ids) == 1 else None))
+            run = report.run_info(results["device"], gpu if gpu is not None else only_gpu)
             spec = runner.variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache,
                                        flashinfer_jit=not os.environ.get("FLASHINFER_DISABLE_JIT"))  # fmt: skip
             if gpu is not None:

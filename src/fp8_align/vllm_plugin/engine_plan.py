@@ -116,7 +116,7 @@ def choose_attention_backend(facts: BackendFacts, flashinfer_xqa: Callable[[], b
     vLLM's own choice stands, and the engine plan warns where FA3 then decodes an FP8 cache."""
     if facts.requested is not None or facts.use_mla or facts.kv_decode_kernel != "auto":
         return None
-    if not _xqa_by_flashinfer(facts.vllm_version, facts.capability, facts.kv_cache_dtype, facts.on_policy):
+    if not _xqa_by_flashinfer(facts):
         return None
     return FLASHINFER_BACKEND if flashinfer_xqa() else None
 
@@ -194,7 +194,7 @@ def choose_decode_kernel(requested: str, facts: DecodeFacts, xqa_module: Callabl
         return DecodeChoice(facts.attention_backend, "kv_decode_kernel='backend': the attention backend's own decode")
     if requested not in ("auto", "xqa"):
         raise ValueError(f"kv_decode_kernel must be 'auto', 'backend' or 'xqa', got {requested!r}")
-    if requested == "auto" and facts.attention_backend == FLASHINFER_BACKEND and _xqa_by_flashinfer_facts(facts):
+    if requested == "auto" and facts.attention_backend == FLASHINFER_BACKEND and _xqa_by_flashinfer(facts):
         return DecodeChoice(
             FLASHINFER_BACKEND,
             f"kv_decode_kernel='auto': FP8 KV cache on SM90 with vLLM {facts.vllm_version}'s {FLASHINFER_BACKEND}, which "
@@ -223,27 +223,23 @@ def choose_decode_kernel(requested: str, facts: DecodeFacts, xqa_module: Callabl
     return DecodeChoice(facts.attention_backend, f"kv_decode_kernel='auto': {reason}", warning)
 
 
-def _live_scales_release(vllm_version: str | None, capability: tuple[int, int] | None) -> bool:
+def _live_scales_release(facts: DecodeFacts | BackendFacts) -> bool:
     """A vLLM release and GPU where `kv.flashinfer_scales` makes FLASHINFER's XQA decode read pushed
     K/V scales (vLLM 0.25, SM90)."""
-    series = vllm_series(vllm_version) if vllm_version else None
-    return series in LIVE_SCALES_SERIES and capability == XQA_CAPABILITY
+    series = vllm_series(facts.vllm_version) if facts.vllm_version else None
+    return series in LIVE_SCALES_SERIES and facts.capability == XQA_CAPABILITY
 
 
-def _xqa_by_flashinfer(vllm_version: str | None, capability: tuple[int, int] | None, kv_cache_dtype: str, on_policy: str) -> bool:
+def _xqa_by_flashinfer(facts: DecodeFacts | BackendFacts) -> bool:
     """An engine whose FP8 (E4M3) cache vLLM's FLASHINFER backend decodes with XQA, with scales
     fp8_align keeps live: vLLM 0.25, SM90, on_policy off (bitwise decodes with TRITON_ATTN)."""
-    return _live_scales_release(vllm_version, capability) and kv_cache_dtype in XQA_KV_CACHE_DTYPES and on_policy != "bitwise"
-
-
-def _xqa_by_flashinfer_facts(facts: DecodeFacts) -> bool:
-    return _xqa_by_flashinfer(facts.vllm_version, facts.capability, facts.kv_cache_dtype, facts.on_policy)
+    return _live_scales_release(facts) and facts.kv_cache_dtype in XQA_KV_CACHE_DTYPES and facts.on_policy != "bitwise"
 
 
 def _flashinfer_hint(facts: DecodeFacts) -> str | None:
     """The WARNING for an FP8 (E4M3) cache decoded by FA3 on SM90 with a vLLM whose FLASHINFER
     backend decodes it with XQA and whose scales fp8_align keeps live there (vLLM 0.25), else None."""
-    if not (facts.attention_backend == XQA_BACKEND and _xqa_by_flashinfer_facts(facts)):
+    if not (facts.attention_backend == XQA_BACKEND and _xqa_by_flashinfer(facts)):
         return None
     return (
         f"this engine decodes its FP8 KV cache with {XQA_BACKEND} (FA3); on vLLM {facts.vllm_version} "
@@ -332,7 +328,7 @@ def make_flashinfer_scales_live(model: torch.nn.Module, facts: DecodeFacts) -> i
     """On vLLM 0.25 with an FP8 cache on SM90, make every FLASHINFER attention layer of `model` whose
     decode is XQA read its K/V scales live (`kv.flashinfer_scales.read_scales_live`, before the first forward, so CUDA
     graphs capture the buffers); returns how many. Elsewhere 0: pushes into such layers are refused."""
-    if not (_live_scales_release(facts.vllm_version, facts.capability) and facts.kv_cache_dtype.startswith("fp8")):
+    if not (_live_scales_release(facts) and facts.kv_cache_dtype.startswith("fp8")):
         return 0
     return sum(read_scales_live(layer) for layer in _attention_layers(model) if _decodes_with_xqa(layer))
 
