@@ -2,16 +2,20 @@
 configurations and TRITON_ATTN launch settings, each checked for bit-invariance and timed.
 
     python benchmarks/bitwise_kernels.py --out bitwise_kernels.json [--parts gemm,attention] [--tiles all|current]
+        [--kv-caches bf16,fp8] [--attention-settings all|current]
 
 GEMM: fp8_align's fixed-tile block-FP8 Triton GEMM (`bitwise.triton_kernels`) on the Qwen3-8B
 projection shapes with random E4M3 codes and FP32 scales. Per tile configuration: whether its rows
 are the same bits at M = 1, 7, 64, 256, 512 and 4096 as at M = 8192 (`m_invariant`), whether they
 equal the current `GEMM_TILE`'s bits (`equals_current`), and its time at the decode and training
 sizes next to vLLM's CUTLASS block-FP8 GEMM (the fast mode; its M-invariance and bits against the
-Triton GEMM checked the same way) and a BF16 cuBLAS matmul.
+Triton GEMM checked the same way), DeepGEMM's `fp8_gemm_nt` (the fast mode's GEMM; whole
+128-blocks only, so the Qwen3-8B shapes: its M-invariance and bits against the Triton GEMM, FP32
+scales) and a BF16 cuBLAS matmul.
 Attention: vLLM's TRITON_ATTN 2D kernel as the bitwise engine runs it (decode at batch 256 over a
-BF16 paged cache), per (tile size, warps, stages): whether a decode row equals the same token's row
-of a full-sequence (prefill) launch, and its time next to FlashAttention-3 (`num_splits=1`).
+paged cache, BF16 or E4M3 with per-tensor scales and a BF16 query), per (tile size, warps, stages):
+whether a decode row equals the same token's row of a full-sequence (prefill) launch, its time and
+the cache bytes it reads per second, next to FlashAttention-3 (`num_splits=1`) on the BF16 cache.
 """
 
 from __future__ import annotations
@@ -84,6 +88,14 @@ def gemm_part(tiles: list[dict[str, int]]) -> list[dict[str, Any]]:
         rows.append({"shape": name, "n": n, "k": k, "kernel": "cutlass_block_fp8", "m_invariant": cutlass_invariant,
                      "equals_current": torch.equal(cutlass_full, current), "k_le_3n": k <= 3 * n})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+        deepgemm = functools.partial(_deepgemm, x, xs, w, ws)
+        deepgemm_full = deepgemm(M_MAX)
+        rows.append({"shape": name, "n": n, "k": k, "kernel": "deepgemm_fp8_gemm_nt",
+                     "m_invariant": all(torch.equal(deepgemm(m), deepgemm_full[:m]) for m in M_CHECK),
+                     "m_invariant_m_1_to_512_step_17": all(torch.equal(deepgemm(m), deepgemm_full[:m]) for m in range(1, 513, 17)),
+                     "equals_current": torch.equal(deepgemm_full, current),
+                     "us": {str(m): round(do_bench(functools.partial(deepgemm, m), warmup=10, rep=50) * 1e3, 2) for m in M_TIME}})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
         wb = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         xb = torch.randn(M_MAX, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         for ref, fn in (
@@ -96,6 +108,20 @@ def gemm_part(tiles: list[dict[str, int]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _deepgemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, m: int) -> torch.Tensor:
+    """DeepGEMM's block-FP8 product of the first m rows, as fp8_align's DeepGEMM backend calls it:
+    activation scales in the TMA-aligned column-major layout, FP32 scales (no UE8M0 cast)."""
+    import vllm.model_executor.kernels.linear.scaled_mm.deep_gemm  # noqa: F401  (registers torch.ops.vllm.fp8_gemm_nt_op)
+
+    from fp8_align.quant.triton_groupwise import ScaleLayout, empty_scales
+
+    scale = empty_scales(m, xs.shape[1], ScaleLayout.COLUMN_MAJOR_TMA, x.device)
+    scale.copy_(xs[:m])
+    out = torch.empty(m, w.shape[0], dtype=torch.bfloat16, device=x.device)
+    torch.ops.vllm.fp8_gemm_nt_op(x[:m], scale, w, ws, out, False)
+    return out
+
+
 class _Launch:
     """`kernel[grid](**kwargs)` with num_warps / num_stages added (the vLLM wrapper passes none)."""
 
@@ -106,24 +132,36 @@ class _Launch:
         return lambda **kwargs: self.kernel[grid](**kwargs, **self.options)
 
 
-def attention_part(batch: int = 256, contexts: tuple[int, ...] = (512, 1536)) -> list[dict[str, Any]]:
-    """Decode over a paged BF16 cache (Qwen3-8B heads, 16-token blocks) per TRITON_ATTN setting."""
+#: TRITON_ATTN launch settings (tile, warps, stages); the first is what vLLM 0.22 runs in batch-invariant mode.
+ATTENTION_SETTINGS = [(32, 4, 3), (32, 4, 2), (32, 8, 3), (32, 4, 4), (64, 4, 3), (64, 4, 2), (64, 8, 3), (64, 4, 4),
+                      (128, 4, 3), (128, 4, 2), (128, 8, 3), (128, 4, 4)]  # fmt: skip
+
+
+def attention_part(
+    batch: int = 256, contexts: tuple[int, ...] = (512, 1536), kv_caches: tuple[str, ...] = ("bf16", "fp8"),
+    settings: list[tuple[int, int, int]] = ATTENTION_SETTINGS,
+) -> list[dict[str, Any]]:
+    """Decode over a paged cache (Qwen3-8B heads, 16-token blocks) per KV-cache dtype and TRITON_ATTN setting."""
     from vllm.v1.attention.ops import triton_unified_attention as tua
+    from vllm.v1.kv_cache_interface import KVQuantMode
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     heads, kv_heads, dim, block = 32, 8, 128, 16
     original_kernel, original_tile = tua.kernel_unified_attention, tua._get_tile_size
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for context in contexts:
+    for kv_cache, context in [(c, n) for c in kv_caches for n in contexts]:
         blocks = -(-context // block)
-        cache_k = torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
-        cache_v = torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        cache_dtype = torch.bfloat16 if kv_cache == "bf16" else torch.float8_e4m3fn
+        cache_k = (torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda") * 16).to(cache_dtype)
+        cache_v = (torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda") * 16).to(cache_dtype)
+        scale = 1.0 if kv_cache == "bf16" else 1 / 16
+        quant = {} if kv_cache == "bf16" else {"kv_quant_mode": KVQuantMode.FP8_PER_TENSOR}
         table = torch.randperm(batch * blocks, generator=gen, device="cuda").to(torch.int32).view(batch, blocks)
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        unit = torch.ones(batch, kv_heads, device="cuda")
+        unit = torch.full((batch, kv_heads), scale, device="cuda")
         # prefill of sequence 0: every position's query, the last one equal to the decode query
         q_pre = torch.randn(context, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
         q_pre[-1] = q[0]
@@ -133,35 +171,38 @@ def attention_part(batch: int = 256, contexts: tuple[int, ...] = (512, 1536)) ->
             out = torch.empty_like(query)
             tua.unified_attention(q=query, k=cache_k, v=cache_v, out=out, cu_seqlens_q=cu, max_seqlen_q=max_q, seqused_k=lens[:seqs],
                                   max_seqlen_k=context, softmax_scale=dim**-0.5, causal=True, window_size=(-1, -1),
-                                  block_table=table[:seqs], softcap=0, q_descale=None, k_descale=unit[:seqs], v_descale=unit[:seqs])  # fmt: skip
+                                  block_table=table[:seqs], softcap=0, q_descale=None, k_descale=unit[:seqs], v_descale=unit[:seqs],
+                                  **quant)  # fmt: skip
             return out
 
-        for tile in (32, 64, 128):
-            for warps, stages in ((4, 3), (4, 2), (8, 3), (4, 4)):
-                tua._get_tile_size = lambda *a, _t=tile, **kw: _t
-                tua.kernel_unified_attention = _Launch(original_kernel, num_warps=warps, num_stages=stages)
-                try:
-                    decode = call(q, cu_q, 1, batch)
-                    prefill = call(q_pre, cu_pre, context, 1)
-                    same = torch.equal(decode[0], prefill[-1])
-                    us = round(do_bench(lambda: call(q, cu_q, 1, batch), warmup=10, rep=50) * 1e3, 1)
-                    row = {"context": context, "tile": tile, "num_warps": warps, "num_stages": stages, "decode_equals_prefill": same, "decode_us": us}
-                except Exception as error:  # noqa: BLE001  (a setting that does not compile is a result)
-                    row = {"context": context, "tile": tile, "num_warps": warps, "num_stages": stages, "error": repr(error)[:300]}
-                finally:
-                    tua._get_tile_size, tua.kernel_unified_attention = original_tile, original_kernel
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        bytes_read = 2 * batch * context * kv_heads * dim * cache_k.element_size()
+        for tile, warps, stages in settings:
+            setting = {"kv_cache": kv_cache, "context": context, "tile": tile, "num_warps": warps, "num_stages": stages}
+            tua._get_tile_size = lambda *a, _t=tile, **kw: _t
+            tua.kernel_unified_attention = _Launch(original_kernel, num_warps=warps, num_stages=stages)
+            try:
+                decode = call(q, cu_q, 1, batch)
+                prefill = call(q_pre, cu_pre, context, 1)
+                same = torch.equal(decode[0], prefill[-1])
+                us = round(do_bench(lambda: call(q, cu_q, 1, batch), warmup=10, rep=50) * 1e3, 1)
+                row = {**setting, "decode_equals_prefill": same, "decode_us": us, "kv_read_gb_per_s": round(bytes_read / us / 1e3)}
+            except Exception as error:  # noqa: BLE001  (a setting that does not compile is a result)
+                row = {**setting, "error": repr(error)[:300]}
+            finally:
+                tua._get_tile_size, tua.kernel_unified_attention = original_tile, original_kernel
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        rows.append({"kv_cache": kv_cache, "context": context, "kv_bytes_per_call": bytes_read})
+        if kv_cache != "bf16":
+            continue
         out = torch.empty_like(q)
 
         def fa3() -> None:
             flash_attn_varlen_func(q=q, k=cache_k, v=cache_v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens, max_seqlen_k=context,
                                    softmax_scale=dim**-0.5, causal=True, block_table=table, fa_version=3, num_splits=1)  # fmt: skip
 
-        rows.append({"context": context, "kernel": "fa3_num_splits_1", "decode_us": round(do_bench(fa3, warmup=10, rep=50) * 1e3, 1)})
+        rows.append({"kv_cache": kv_cache, "context": context, "kernel": "fa3_num_splits_1", "decode_us": round(do_bench(fa3, warmup=10, rep=50) * 1e3, 1)})
         print(json.dumps(rows[-1]), flush=True)
-        bytes_read = 2 * batch * context * kv_heads * dim * 2
-        rows.append({"context": context, "kv_bytes_per_call": bytes_read})
     return rows
 
 
@@ -170,13 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="gemm,attention")
     parser.add_argument("--tiles", choices=("all", "current"), default="all", help="GEMM tile configurations to compare")
+    parser.add_argument("--kv-caches", default="bf16,fp8", help="attention: KV-cache dtypes, bf16 and/or fp8")
+    parser.add_argument("--attention-settings", choices=("all", "current"), default="all", help="attention: TRITON_ATTN launch settings")
     args = parser.parse_args(argv)
     import vllm
 
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
                               "vllm": vllm.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     tiles = TILES if args.tiles == "all" else TILES[:1]
-    for part, fn in (("gemm", functools.partial(gemm_part, tiles)), ("attention", attention_part)):
+    settings = ATTENTION_SETTINGS if args.attention_settings == "all" else ATTENTION_SETTINGS[:1]
+    attention = functools.partial(attention_part, kv_caches=tuple(args.kv_caches.split(",")), settings=settings)
+    for part, fn in (("gemm", functools.partial(gemm_part, tiles)), ("attention", attention)):
         if part in args.parts:
             report[part] = fn()
             args.out.write_text(json.dumps(report, indent=1))

@@ -54,6 +54,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "fp8_align": {"use_deep_gemm": False},
     "fp8_align_kv": {"use_deep_gemm": False, "kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"},
     "fp8_bitwise": {"on_policy": "bitwise"},
+    # bitwise over an FP8 cache (TRITON_ATTN reads E4M3 K/V with the layers' scales, BF16 queries)
+    "fp8_bitwise_kv": {"on_policy": "bitwise", "kv_cache_dtype": "fp8"},
     # the best rollout configuration (session 15): DeepGEMM linears, FP8 KV cache, XQA decode
     "fp8_align_kv_xqa_dg": {"use_deep_gemm": True, "kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"},
     # the same on vLLM 0.25+, whose FLASHINFER backend decodes an FP8 cache with XQA itself

@@ -36,7 +36,7 @@ from torch import nn
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align import FP8Config
 from fp8_align.hf_training import BitwiseForward
-from fp8_align.hf_training.bitwise import PackedBatch
+from fp8_align.hf_training.attention import PackedBatch
 from fp8_align.hf_training.linear import Fp8TrainingLinear
 
 

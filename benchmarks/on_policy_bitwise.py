@@ -2,16 +2,19 @@
 against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling and batch size.
 
     python benchmarks/on_policy_bitwise.py --out benchmarks/results/on_policy_bitwise.json
-        [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--batch-sizes 1,7,64,512]
-        [--max-tokens 96] [--work /root/bitwise_work]
+        [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--kv-cache-dtypes auto,fp8]
+        [--batch-sizes 1,7,64,512] [--max-tokens 96] [--work /root/bitwise_work]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
-bf16 (all linears BF16), fp8 (FP32 scales), fp8_pow2 (power-of-two weight and activation scales).
-Per (model, variant) one engine (its own process): 4 probe prompts of different lengths are
+bf16 (all linears BF16), fp8 (FP32 scales), fp8_pow2 (power-of-two weight and activation scales);
+each with a BF16 KV cache (`auto`) and, for the FP8 variants, an E4M3 cache (`fp8`): its per-layer
+K/V scales are calibrated by the engine on the probe prompts (`calibrate_kv_scales`) and read back
+for the trainer (`engine_kv_scales`, `BitwiseForward.set_kv_scales`), as an RL step does.
+Per (model, variant, KV cache) one engine (its own process): 4 probe prompts of different lengths are
 generated alone (batch size 1) and together with filler prompts up to batch sizes 7, 64 and 512,
 greedy and at temperature 1 (a fixed seed per request); every generated sequence is then scored by
-BitwiseForward on the same GPU. A row per (model, variant, sampling, batch size): tokens,
+BitwiseForward on the same GPU. A row per (model, variant, KV cache, sampling, batch size): tokens,
 max |engine logp - trainer logp| and the token multiplicative probability error
 mean(exp(|dlogp|)); per (model, variant, sampling) whether each probe's tokens and log-probs were
 the same bits at every batch size.
@@ -89,8 +92,8 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
     return max(diffs, default=0.0), sum(math.exp(d) for d in diffs) / max(len(diffs), 1)
 
 
-def run_one(model_name: str, variant: str, batch_sizes: list[int], max_tokens: int, work: Path) -> dict[str, Any]:
-    """One engine and the trainer forward for (model, variant); returns its rows."""
+def run_one(model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path) -> dict[str, Any]:
+    """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows."""
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -98,18 +101,22 @@ def run_one(model_name: str, variant: str, batch_sizes: list[int], max_tokens: i
 
     from fp8_align import FP8Config
     from fp8_align.hf_training import BitwiseForward
-    from fp8_align.vllm_plugin import engine_kwargs
+    from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs
 
     path, probes, fillers = prepare_model(model_name, work)
-    cfg = FP8Config(on_policy="bitwise", **VARIANTS[variant])
+    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, **VARIANTS[variant])
     start = time.perf_counter()
     llm = LLM(
         model=str(path), skip_tokenizer_init=True, max_num_seqs=512, max_model_len=MAX_MODEL_LEN,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, **engine_kwargs(cfg),
     )  # fmt: skip
     engine_start_s = time.perf_counter() - start
+    scales = None
+    if kv_cache_dtype == "fp8":
+        calibrate_kv_scales(llm, probes, include_q=False)
+        scales = engine_kv_scales(llm)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    trainer = BitwiseForward(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), cfg)
+    trainer = BitwiseForward(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), cfg, kv_scales=scales)
     rows, invariance = [], []
     for sampling in ("greedy", "sampled"):
         probe_runs: list[list[tuple[list[int], list[float]]]] = []
@@ -145,20 +152,21 @@ def run_one(model_name: str, variant: str, batch_sizes: list[int], max_tokens: i
             flat_trainer = [x for lp in trainer_logprobs for x in lp]
             max_abs, mult = _metrics(flat_engine, flat_trainer)
             rows.append({
-                "model": model_name, "variant": variant, "sampling": sampling, "batch_size": size,
+                "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling, "batch_size": size,
                 "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         invariance.append({
-            "model": model_name, "variant": variant, "sampling": sampling, "batch_sizes": batch_sizes,
+            "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling, "batch_sizes": batch_sizes,
             "probe_tokens_equal": all(run[i][0] == probe_runs[0][i][0] for run in probe_runs for i in range(len(probes))),
             "probe_logprobs_equal": all(run[i][1] == probe_runs[0][i][1] for run in probe_runs for i in range(len(probes))),
         })  # fmt: skip
         print(json.dumps(invariance[-1]), flush=True)
     del llm
     gc.collect()
-    return {"rows": rows, "invariance": invariance, "engine_start_s": {f"{model_name}/{variant}": round(engine_start_s, 1)}}
+    name = f"{model_name}/{variant}/{kv_cache_dtype}"
+    return {"rows": rows, "invariance": invariance, "engine_start_s": {name: round(engine_start_s, 1)}, "kv_scales": {name: scales}}
 
 
 def _device_and_versions() -> dict[str, str]:
@@ -178,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON report (one row per model, variant, sampling, batch size)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--kv-cache-dtypes", default="auto,fp8", help="auto (BF16) and/or fp8 (E4M3; FP8 variants only)")
     parser.add_argument("--batch-sizes", default="1,7,64,512")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_bitwise"))
-    parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if any(b != 1 and b < 4 for b in batch_sizes):
@@ -191,28 +200,35 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(run_one(*args.one, batch_sizes, args.max_tokens, args.work)))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
-    report.update(rows=[], invariance=[], engine_start_s={}, failures=[])
-    for model in args.models.split(","):
-        for variant in args.variants.split(","):
-            part = args.work / f"{model}_{variant}.json"
-            part.unlink(missing_ok=True)
-            log = args.work / f"{model}_{variant}.log"
-            cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, "--batch-sizes", args.batch_sizes,
-                   "--max-tokens", str(args.max_tokens), "--work", str(args.work)]  # fmt: skip
-            with log.open("w") as handle:
-                code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
-            if code or not part.is_file():
-                report["failures"].append({"model": model, "variant": variant, "returncode": code, "log_tail": log.read_text()[-3000:]})
-                print(f"FAILED {model}/{variant} (rc {code}); log {log}", flush=True)
-                continue
-            result = json.loads(part.read_text())
-            for key in ("rows", "invariance"):
-                report[key] += result[key]
-            report["engine_start_s"].update(result["engine_start_s"])
-            args.out.write_text(json.dumps(report, indent=1))
-            for row in result["rows"]:
-                print(f"{model:12s} {variant:9s} {row['sampling']:8s} b={row['batch_size']:<4d} tokens={row['tokens']:<6d} "
-                      f"max|dlogp|={row['max_abs_dlogp']:.3g} mult={row['mult_prob_error']:.6f}", flush=True)  # fmt: skip
+    report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    unknown = sorted(set(kv_dtypes) - {"auto", "fp8"})
+    if unknown:
+        parser.error(f"unknown KV-cache dtypes {unknown}; choose from auto, fp8")
+    runs = [(m, v, kv) for m in args.models.split(",") for v in args.variants.split(",") for kv in kv_dtypes
+            if kv == "auto" or VARIANTS[v].get("precision") == "fp8"]  # fmt: skip
+    for model, variant, kv in runs:
+        part = args.work / f"{model}_{variant}_{kv}.json"
+        part.unlink(missing_ok=True)
+        log = args.work / f"{model}_{variant}_{kv}.log"
+        cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
+               "--max-tokens", str(args.max_tokens), "--work", str(args.work)]  # fmt: skip
+        with log.open("w") as handle:
+            code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+        if code or not part.is_file():
+            report["failures"].append({"model": model, "variant": variant, "kv_cache_dtype": kv, "returncode": code,
+                                       "log_tail": log.read_text()[-3000:]})  # fmt: skip
+            print(f"FAILED {model}/{variant}/{kv} (rc {code}); log {log}", flush=True)
+            continue
+        result = json.loads(part.read_text())
+        for key in ("rows", "invariance"):
+            report[key] += result[key]
+        for key in ("engine_start_s", "kv_scales"):
+            report[key].update(result[key])
+        args.out.write_text(json.dumps(report, indent=1))
+        for row in result["rows"]:
+            print(f"{model:12s} {variant:9s} kv={kv:4s} {row['sampling']:8s} b={row['batch_size']:<4d} tokens={row['tokens']:<6d} "
+                  f"max|dlogp|={row['max_abs_dlogp']:.3g} mult={row['mult_prob_error']:.6f}", flush=True)  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1))
     return 1 if report["failures"] else 0
 

@@ -52,6 +52,11 @@ skip_tokenizer_init):
                kv_decode_kernel="auto"): what a user gets; on vLLM 0.25 / Hopper with the backend
                left to the engine (--attention-backend auto for it) fp8_align picks FLASHINFER
 
+    fp8_align_bitwise, fp8_align_bitwise_kv   FP8Config(on_policy="bitwise"): the bitwise engine
+               (vLLM 0.22: batch-invariant mode, TRITON_ATTN, fp8_align's fixed-tile GEMMs and
+               operators), with a BF16 cache or (_kv) an E4M3 cache whose K/V scales are calibrated
+               as fp8_align_kv's; what an RL loop with exact log-probs runs
+
 fp8_align and vllm_fp8 both use CUTLASS so that they differ only in where the weights are
 quantized: DeepGEMM JIT-compiles a kernel per warm-up M value at engine start, minutes for an
 8B model with a cold cache, which would swamp the start-time comparison; the _dg variants measure

@@ -106,3 +106,16 @@ def make_tiny_mixtral(path: Path, seed: int = 0, **overrides: int) -> Path:
     model = MixtralForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def tiny_hf_model(kind: str, num_layers: int = 2) -> torch.nn.Module:
+    """An in-memory BF16 Llama / Qwen2 / Qwen3 (`kind`) of hidden 256, 4 heads over 2 KV heads,
+    vocab 1000, 256 positions, `num_layers` decoder layers, seed 0: the bitwise trainer's CPU model."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": num_layers, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256}  # fmt: skip
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_class, model_class = classes[kind]
+    torch.manual_seed(0)
+    return model_class(config_class(**shape, **({"head_dim": 64} if kind == "qwen3" else {}))).to(torch.bfloat16)

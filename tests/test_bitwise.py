@@ -23,15 +23,20 @@ from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, apply_ro
 from fp8_align.config import FP8ConfigError
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError
 from fp8_align.hf_training import bitwise as bitwise_training
+from tests.model_factory import tiny_hf_model
 
 BITWISE = FP8Config(on_policy="bitwise")
 
 
 # --------------------------------------------------------------------------- config
-@pytest.mark.parametrize("extra", [{"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"}])
-def test_bitwise_refuses_an_fp8_kv_cache(extra: dict[str, str]) -> None:
-    with pytest.raises(FP8ConfigError, match="on_policy='bitwise' needs the BF16 KV cache"):
-        FP8Config.from_kwargs(on_policy="bitwise", **extra)
+def test_bitwise_takes_an_fp8_kv_cache_but_not_another_decode_kernel() -> None:
+    """An FP8 KV cache is part of the bitwise mode (TRITON_ATTN decodes it, the trainer reproduces
+    it); XQA decode would be a second kernel the trainer does not run, so it is refused."""
+    assert FP8Config(on_policy="bitwise", kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(FP8ConfigError, match="kv_decode_kernel='xqa' would decode with another"):
+        FP8Config.from_kwargs(on_policy="bitwise", kv_cache_dtype="fp8", kv_decode_kernel="xqa")
+    with pytest.raises(FP8ConfigError, match="precision='bf16' with an FP8 KV cache"):
+        FP8Config.from_kwargs(on_policy="bitwise", precision="bf16", kv_cache_dtype="fp8")
 
 
 def test_on_policy_reads_from_nemo_rl_and_rejects_unknown_modes() -> None:
@@ -79,10 +84,27 @@ def test_engine_problems_name_every_setting_to_change(tiny_llama: Path, monkeypa
     from fp8_align.vllm_plugin.on_policy import bitwise_engine_problems
 
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
-    problems = "\n".join(bitwise_engine_problems(_engine_config(tiny_llama, enable_prefix_caching=True)))
+    problems = "\n".join(bitwise_engine_problems(_engine_config(tiny_llama, enable_prefix_caching=True), BITWISE))
     for expected in ("CUDA GPUs only", "VLLM_BATCH_INVARIANT=1", "attention_backend must be 'TRITON_ATTN'",
                      "enable_prefix_caching must be False"):  # fmt: skip
         assert expected in problems, problems
+    assert "kv_cache_dtype" not in problems
+
+
+@pytest.mark.parametrize(("engine_cache", "config_cache"), [("fp8", "auto"), ("auto", "fp8")])
+def test_engine_problems_name_a_kv_cache_the_trainer_would_not_reproduce(
+    tiny_llama: Path, engine_cache: str, config_cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's KV cache must be the one the FP8Config (and so the trainer) says: an FP8 engine
+    cache under a BF16 config, or the other way round, is named with the setting to change."""
+    from fp8_align.vllm_plugin.on_policy import bitwise_engine_problems
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=config_cache)
+    problems = "\n".join(bitwise_engine_problems(_engine_config(tiny_llama, kv_cache_dtype=engine_cache), cfg))
+    assert f"the engine's kv_cache_dtype is {engine_cache!r} but FP8Config.kv_cache_dtype is {config_cache!r}" in problems
+    matching = "\n".join(bitwise_engine_problems(_engine_config(tiny_llama, kv_cache_dtype=config_cache), cfg))
+    assert "kv_cache_dtype" not in matching, matching
 
 
 def test_cpu_engine_refuses_bitwise_at_start(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +115,7 @@ def test_cpu_engine_refuses_bitwise_at_start(tiny_llama: Path, monkeypatch: pyte
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
     config = _engine_config(tiny_llama, **engine_kwargs(BITWISE))
     with pytest.raises(BitwiseModeError, match=r"cannot be bitwise on this engine:\n  - it runs on CUDA GPUs only"):
-        check_bitwise_engine(config)
+        check_bitwise_engine(config, BITWISE)
 
 
 # --------------------------------------------------------------------------- operators
@@ -209,17 +231,6 @@ def test_triton_kernels_match_references_and_do_not_depend_on_the_batch() -> Non
 
 
 # --------------------------------------------------------------------------- trainer forward
-def _tiny_model(kind: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256}  # fmt: skip
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
-    config_class, model_class = classes[kind]
-    torch.manual_seed(0)
-    return model_class(config_class(**shape, **({"head_dim": 64} if kind == "qwen3" else {}))).to(torch.bfloat16)
-
-
 SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
 PROMPT_LENS = [3, 10, 2]
 
@@ -228,7 +239,7 @@ PROMPT_LENS = [3, 10, 2]
 def test_bf16_forward_is_the_models_own(kind: str) -> None:
     """BitwiseForward reproduces the HF model: log-probs within 0.02 nats of transformers' own BF16
     forward (measured on these models: at most 0.008; the two round intermediate results differently)."""
-    model = _tiny_model(kind)
+    model = tiny_hf_model(kind)
     logprobs = BitwiseForward(model, FP8Config(on_policy="bitwise", precision="bf16")).token_logprobs(SEQUENCES, PROMPT_LENS)
     with torch.no_grad():
         for seq, prompt, got in zip(SEQUENCES, PROMPT_LENS, logprobs):
@@ -238,7 +249,7 @@ def test_bf16_forward_is_the_models_own(kind: str) -> None:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_a_sequence_scores_the_same_alone_and_packed(precision: str) -> None:
-    forward = BitwiseForward(_tiny_model("qwen3"), FP8Config(on_policy="bitwise", precision=precision))
+    forward = BitwiseForward(tiny_hf_model("qwen3"), FP8Config(on_policy="bitwise", precision=precision))
     packed = forward.token_logprobs(SEQUENCES, PROMPT_LENS)
     for i, seq in enumerate(SEQUENCES):
         assert torch.equal(forward.token_logprobs([seq], [PROMPT_LENS[i]])[0], packed[i])
@@ -260,7 +271,7 @@ def test_bf16_gradients_are_the_models_own() -> None:
     of the same loss, every parameter's gradient is within 5% (relative Frobenius norm). Measured
     here: at most 1.8%, the two forwards rounding intermediate results differently; a wrong
     backward (a missing term, a transposed weight, a wrong RoPE direction) is off by O(1)."""
-    model = _tiny_model("qwen3")
+    model = tiny_hf_model("qwen3")
     forward = BitwiseForward(model, FP8Config(on_policy="bitwise", precision="bf16"))
 
     def hf_loss() -> torch.Tensor:
@@ -279,7 +290,7 @@ def test_fp8_gradients_follow_plain_autograd_of_the_standard_ops(monkeypatch: py
     """FP8: the engine-kernel forward with its backward against plain autograd through each op's
     `gradient_fn` (BF16 torch ops, FP8 projections straight-through): within 20% per parameter.
     Measured here: at most 7.2%, BF16 rounding differences re-rounded by the FP8 quantizers."""
-    model = _tiny_model("qwen3")
+    model = tiny_hf_model("qwen3")
     cfg = FP8Config(on_policy="bitwise", precision="fp8")
 
     def loss() -> torch.Tensor:
@@ -316,6 +327,31 @@ def test_other_families_and_modes_are_refused() -> None:
     with pytest.raises(UnsupportedModelError, match="'gpt2'"):
         BitwiseForward(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)), BITWISE)
     with pytest.raises(ValueError, match="set on_policy='bitwise'"):
-        BitwiseForward(_tiny_model("llama"), FP8Config())
+        BitwiseForward(tiny_hf_model("llama"), FP8Config())
     with pytest.raises(ValueError, match="prompt_len 0"):
-        BitwiseForward(_tiny_model("llama"), BITWISE).token_logprobs([[1, 2, 3]], [0])
+        BitwiseForward(tiny_hf_model("llama"), BITWISE).token_logprobs([[1, 2, 3]], [0])
+
+
+@pytest.mark.parametrize(
+    ("sequences", "prompt_lens", "message"),
+    [
+        ([[1, 2, 3], [4, 5]], [1], "2 sequences but 1 prompt_lens"),
+        ([[1, 2, 3], [4, 5]], [1, 1, 1], "2 sequences but 3 prompt_lens"),
+        ([[1, 2, 3], [4, 1000]], [1, 1], "sequence 1, position 1: token id 1000 is outside the vocabulary \\[0, 1000\\)"),
+        ([[1, -2, 3]], [1], "sequence 0, position 1: token id -2 is outside the vocabulary"),
+        ([[1, 2, 3], [4, 5]], [1, 2], "sequence 1: prompt_len 2 is outside 1..1"),
+        ([[1, 2.0, 3]], [1], "token ids must be integers"),
+        ([[1, 2], []], [1, 1], "sequence 1 is empty"),
+        ([list(range(257))], [1], "sequence 0 has 257 tokens; the model has 256 positions"),
+        ([], [], "no sequences given"),
+    ],
+)
+def test_bad_input_is_refused_on_the_host_naming_the_sequence(sequences: list[list[int]], prompt_lens: list[int], message: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Each bad input raises ValueError naming the sequence and the limit before any kernel runs
+    (on CUDA an out-of-range id or position is a device-side assert; a length mismatch would drop
+    sequences silently): the embedding is never reached."""
+    forward = BitwiseForward(tiny_hf_model("llama"), BITWISE)
+    monkeypatch.setattr(bitwise_training.F, "embedding", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
+    with pytest.raises(ValueError, match=message):
+        forward.token_logprobs(sequences, prompt_lens)

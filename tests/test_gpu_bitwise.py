@@ -14,6 +14,7 @@ and engine-vs-trainer agreement are exact. The whole-engine proof is benchmarks/
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,62 +117,81 @@ def test_rope_kernel_is_the_reference_and_rows_do_not_depend_on_the_batch(head_s
         assert torch.equal(q_rows, q_out[rows]) and torch.equal(k_rows, k_out[rows])
 
 
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (9, 3, 64)])
-def test_triton_attention_decode_step_equals_the_full_sequence(heads: int, kv_heads: int, head_size: int) -> None:
+def test_triton_attention_decode_step_equals_the_full_sequence(heads: int, kv_heads: int, head_size: int, kv_cache: str) -> None:
     """A token attended in a decode step (one query per sequence, several sequences, other batch
-    mates) is the trainer's full-sequence row of that token, bit for bit, and close to FP32 attention."""
-    from fp8_align.hf_training.bitwise import ATTENTION_BLOCK_SIZE, PackedBatch, attention_reference, paged_triton_attention
+    mates, a fragmented cache) is the trainer's full-sequence row of that token, bit for bit, over a
+    BF16 cache and over an E4M3 cache written with per-layer scales; and close to the FP32 reference
+    of the same cache contents (2e-2: BF16 probabilities and products in the kernel). The FP8 cache's
+    own effect is larger than that, so the scales demonstrably reach the kernel."""
+    from fp8_align.hf_training.attention import ATTENTION_BLOCK_SIZE, KVCacheScales, PackedBatch, attention_reference, paged_triton_attention
     from fp8_align.vllm_plugin.compat import batch_invariant_kernels
 
-    unified_attention = batch_invariant_kernels()[2]
+    kernels = batch_invariant_kernels()
     lengths = [5, 77, 300, 129]
     tokens = sum(lengths)
     q, k, v = _randn(tokens, heads * head_size, seed=10), _randn(tokens, kv_heads * head_size, seed=11), _randn(tokens, kv_heads * head_size, seed=12)
+    k = k * 8  # |K| up to ~40: the K scale matters
+    scales = None if kv_cache == "bf16" else KVCacheScales(torch.tensor([48.0 / 448], device="cuda"), torch.tensor([6.0 / 448], device="cuda"))
     batch = PackedBatch.from_lengths(lengths, "cuda")
-    full = paged_triton_attention(unified_attention, q, k, v, batch, head_size)
-    torch.testing.assert_close(full.float(), attention_reference(q, k, v, batch, head_size).float(), rtol=2e-2, atol=2e-2)
+    full = paged_triton_attention(kernels, q, k, v, batch, head_size, scales)
+    reference = attention_reference(q, k, v, batch, head_size, kv_scales=scales)
+    torch.testing.assert_close(full.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    if scales is not None:
+        unquantized = attention_reference(q, k, v, batch, head_size)
+        assert (reference.float() - unquantized.float()).abs().max() > 4e-2
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     for cut in (1, 2, 17):  # decode the last `cut` tokens' positions of each sequence, one query each
         for back in range(cut):
             # sequence i truncated to its first (length - back) tokens; its last token is the query
-            prefix_lens = [n - back for n in lengths if n - back > 0]
             picks = [(s, n - back) for s, n in zip(starts, lengths) if n - back > 0]
             q_rows = torch.stack([q[s + n - 1] for s, n in picks])
-            decode = _decode_step(unified_attention, q_rows, k, v, picks, head_size)
+            decode = _decode_step(kernels, q_rows, k, v, picks, head_size, scales)
             expected = torch.stack([full[s + n - 1] for s, n in picks])
-            assert torch.equal(decode, expected), (cut, back, prefix_lens)
+            assert torch.equal(decode, expected), (cut, back, kv_cache)
     assert ATTENTION_BLOCK_SIZE == 16
 
 
-def _decode_step(unified_attention: object, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: list[tuple[int, int]], head_size: int) -> torch.Tensor:
-    """One decode step as the engine runs it: each sequence's K/V prefix in paged blocks (here in
-    reverse block order, as a fragmented cache would be), one query per sequence."""
-    from fp8_align.hf_training.bitwise import ATTENTION_BLOCK_SIZE
+def _decode_step(
+    kernels: Any, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: list[tuple[int, int]], head_size: int, scales: Any
+) -> torch.Tensor:
+    """One decode step as the engine runs it: each sequence's K/V prefix written by vLLM's cache
+    write into paged blocks (here in reverse block order, as a fragmented cache would be; E4M3 with
+    `scales`, else BF16), one query per sequence."""
+    from fp8_align.hf_training.attention import ATTENTION_BLOCK_SIZE
 
     kv_heads, heads = k.shape[-1] // head_size, q_rows.shape[-1] // head_size
     counts = [-(-n // ATTENTION_BLOCK_SIZE) for _, n in picks]
     total = sum(counts)
-    key_cache = torch.zeros(total, ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=k.dtype, device="cuda")
+    dtype = k.dtype if scales is None else torch.float8_e4m3fn
+    key_cache = torch.zeros(total, ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=dtype, device="cuda")
     value_cache = torch.zeros_like(key_cache)
     block_table = torch.zeros(len(picks), max(counts), dtype=torch.int32, device="cuda")
-    next_block = total
+    rows, slots, next_block = [], [], total
     for i, ((start, n), count) in enumerate(zip(picks, counts)):
         for b in range(count):
             next_block -= 1
             block_table[i, b] = next_block
-            rows = slice(start + b * ATTENTION_BLOCK_SIZE, start + min((b + 1) * ATTENTION_BLOCK_SIZE, n))
-            filled = rows.stop - rows.start
-            key_cache[next_block, :filled] = k[rows].view(filled, kv_heads, head_size)
-            value_cache[next_block, :filled] = v[rows].view(filled, kv_heads, head_size)
+        rows.append(torch.arange(start, start + n, device="cuda"))
+        positions = torch.arange(n, device="cuda")
+        slots.append(block_table[i, positions // ATTENTION_BLOCK_SIZE].long() * ATTENTION_BLOCK_SIZE + positions % ATTENTION_BLOCK_SIZE)
+    index = torch.cat(rows)
+    unit = torch.ones(1, dtype=torch.float32, device="cuda")
+    k_scale, v_scale = (unit, unit) if scales is None else (scales.k_scale, scales.v_scale)
+    kernels.write_kv_cache(
+        k[index].view(-1, kv_heads, head_size), v[index].view(-1, kv_heads, head_size), key_cache, value_cache, torch.cat(slots),
+        "auto" if scales is None else "fp8", k_scale, v_scale,
+    )  # fmt: skip
     seqs = len(picks)
     out = torch.empty(seqs, heads, head_size, dtype=q_rows.dtype, device="cuda")
-    unit = torch.ones(1, dtype=torch.float32, device="cuda").expand(seqs, kv_heads)
-    unified_attention(
+    unified_kwargs = {} if scales is None else {"kv_quant_mode": kernels.fp8_kv_quant_mode}
+    kernels.unified_attention(
         q=q_rows.view(seqs, heads, head_size).contiguous(), k=key_cache, v=value_cache, out=out,
         cu_seqlens_q=torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), max_seqlen_q=1,
         seqused_k=torch.tensor([n for _, n in picks], dtype=torch.int32, device="cuda"), max_seqlen_k=max(n for _, n in picks),
         softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1), block_table=block_table, softcap=0,
-        q_descale=None, k_descale=unit, v_descale=unit,
+        q_descale=None, k_descale=k_scale.expand(seqs, kv_heads), v_descale=v_scale.expand(seqs, kv_heads), **unified_kwargs,
     )  # fmt: skip
     return out.view(seqs, heads * head_size)
 

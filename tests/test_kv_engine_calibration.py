@@ -29,7 +29,7 @@ from fp8_align.vllm_plugin import patches
 from fp8_align.vllm_plugin.kv import calibration as kv_calibration
 from fp8_align.vllm_plugin.kv import probe
 from fp8_align.vllm_plugin.kv.calibration import KVCalibrationError, calibrate_kv_scales
-from fp8_align.vllm_plugin.kv.scales import push_kv_scales, read_kv_scales
+from fp8_align.vllm_plugin.kv.scales import KVScaleError, engine_kv_scales, push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
 from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, EngineRunner, fp8_kv_unsupported_reason
 from tests.gpu_models import IN_PROCESS_LLM_KWARGS, SMALL, save_random_qwen3
@@ -200,6 +200,22 @@ def test_bad_prompts_raise_before_the_engine_is_touched(prompts: Any, message: s
         calibrate_kv_scales(_UntouchableLLM(), prompts)
 
 
+def test_engine_kv_scales_refuses_workers_that_disagree() -> None:
+    """Workers holding different scales cannot say which ones a rollout used. A stand-in engine
+    (its collective_rpc returns two workers' scales): a CPU engine runs one worker."""
+
+    class TwoWorkers:
+        def __init__(self, second: float) -> None:
+            self.second = second
+
+        def collective_rpc(self, method: Any, args: tuple[Any, ...] = ()) -> list[dict[int, dict[str, float]]]:
+            return [{0: {"k_scale": 0.5, "v_scale": 0.25, "q_scale": 1.0}}, {0: {"k_scale": self.second, "v_scale": 0.25, "q_scale": 1.0}}]
+
+    assert engine_kv_scales(TwoWorkers(0.5)) == {0: {"k_scale": 0.5, "v_scale": 0.25, "q_scale": 1.0}}
+    with pytest.raises(KVScaleError, match="2 workers hold different K/V scales"):
+        engine_kv_scales(TwoWorkers(0.125))
+
+
 def test_token_ids_outside_the_vocabulary_raise_before_the_engine_runs() -> None:
     # Only the model config is there: any use of the engine would raise AttributeError instead.
     llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 512)))
@@ -357,6 +373,7 @@ def test_kv_amax_is_exactly_what_the_kv_cache_holds(engines: _EngineSlot) -> Non
         layer: {key.replace("amax", "scale"): _fp32_scale(value) for key, value in amax.items()} for layer, amax in batch.amaxes.items()
     }
     assert read_kv_scales(llm) == [batch.scales]
+    assert engine_kv_scales(llm) == batch.scales  # what a bitwise trainer is given for the next rollout
     assert llm.collective_rpc(_engine_state)[0]["shadowed"] == {}  # the probe is gone
     print(f"\ncalibration of {batch.tokens} tokens: {batch.seconds:.4f} s; amaxes {batch.amaxes}")
 

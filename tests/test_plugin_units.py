@@ -201,6 +201,37 @@ def test_installed_vllm_resets_kv_scales_and_the_patch_restores_them():
     assert Attention.process_weights_after_loading is original
 
 
+def test_bitwise_fp8_kv_engine_keeps_queries_bf16_until_undone():
+    """`bf16_queries`: vLLM gives attention layers an FP8 query quantizer where the backend takes FP8
+    queries and the cache is FP8; the bitwise engine removes it (idempotently) and `undo_patches()`
+    gives it back. The layers are instances of vLLM's own `Attention` class built without its
+    `__init__` (which needs a CUDA backend to create a quantizer at all)."""
+    import torch
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from fp8_align.vllm_plugin import patches
+    from fp8_align.vllm_plugin.on_policy import keep_queries_bf16
+
+    model = torch.nn.Module()
+    layers = []
+    for index in range(2):
+        layer = Attention.__new__(Attention)
+        torch.nn.Module.__init__(layer)
+        layer.query_quant = object()  # what vLLM's QuantFP8 would be
+        model.add_module(f"attn{index}", layer)
+        layers.append((layer, layer.query_quant))
+    plain = Attention.__new__(Attention)
+    torch.nn.Module.__init__(plain)
+    plain.query_quant = None  # a BF16 cache: nothing to remove
+    model.add_module("plain", plain)
+
+    assert keep_queries_bf16(model) == 2
+    assert all(layer.query_quant is None for layer, _ in layers)
+    assert keep_queries_bf16(model) == 0
+    patches.undo_patches()
+    assert all(layer.query_quant is quantizer for layer, quantizer in layers) and plain.query_quant is None
+
+
 def test_fp8_layer_state_survives_executor_pickling():
     """Worker results cross vLLM's multiprocessing/Ray executors as pickle protocol 5 with
     out-of-band buffers; FP8 codes go as uint8 and come back as the same float8 bits."""

@@ -105,10 +105,12 @@ def test_variant_specs(tmp_path: Path, variant: str) -> None:
 
         cfg = FP8Config(**moe["fp8_config"])
         assert cfg.use_deep_gemm == deep_gemm
-        # fp8_align_kv: the backend's own decode; _auto: the default, as a user runs it
-        assert cfg.kv_decode_kernel == ("xqa" if "_xqa" in variant else "auto" if "_auto" in variant else "backend")
-        assert cfg.kv_cache_dtype == ("fp8" if "_xqa" in variant or "_auto" in variant else "auto")
-        assert moe["calibrate_kv"] == variant.startswith("fp8_align_kv")
+        # fp8_align_kv: the backend's own decode; _auto: the default, as a user runs it; _bitwise: TRITON_ATTN's
+        bitwise = "_bitwise" in variant
+        assert cfg.on_policy == ("bitwise" if bitwise else "off")
+        assert cfg.kv_decode_kernel == ("xqa" if "_xqa" in variant else "auto" if "_auto" in variant or bitwise else "backend")
+        assert cfg.kv_cache_dtype == ("fp8" if "_xqa" in variant or "_auto" in variant or variant == "fp8_align_bitwise_kv" else "auto")
+        assert moe["calibrate_kv"] == ("_kv" in variant)  # the engine calibrates its K/V scales before the timed rollouts
 
 
 def test_attention_backend_per_variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -328,3 +330,34 @@ def test_page_size_and_layout_reach_every_engine(tmp_path: Path) -> None:
     assert "VLLM_KV_CACHE_LAYOUT" not in runner.variant_spec("bf16", "qwen3-8b", tmp_path, tmp_path, [], {"model_runner": None})["env"]
     name = report.results_name("qwen3-8b", ["long"], {**settings, "gpu_memory_utilization": 0.85})
     assert name == "rollout_throughput_long_block_size_64_kv_cache_layout_hnd.json"
+
+
+def _rollout_report(device: str, variants: dict[str, dict[str, list[float]]]) -> dict[str, object]:
+    """A rollout report as rollout_throughput.py writes it, with only what bitwise_speed reads."""
+    return {
+        "device": device, "vllm": "0.22.0", "torch": "2.11.0", "date_utc": "2026-11-27T00:00:00+00:00",
+        "variants": {name: {"kv_cache_tokens": 1000, "by_shape": {shape: {"output_tok_per_s_each": each, "preemptions_each": [0] * len(each)}
+                                                                 for shape, each in shapes.items()}}
+                     for name, shapes in variants.items()},
+    }  # fmt: skip
+
+
+def test_bitwise_speed_summary_checks_the_targets_on_medians() -> None:
+    """bitwise_speed.json from reports of one machine: every repeat kept, targets judged on medians
+    (long: >= 0.9x the fast mode and >= 1.9x BF16; short: >= 1.35x BF16); reports of two devices,
+    a missing or a doubled variant are refused."""
+    from benchmarks import bitwise_speed
+
+    first = _rollout_report("H100", {"bf16": {"long": [10.0, 11.0, 12.0], "short": [20.0, 20.0, 21.0]},
+                                     "fp8_align_kv_auto_dg": {"long": [22.0, 20.0, 21.0], "short": [30.0, 30.0, 30.0]}})  # fmt: skip
+    second = _rollout_report("H100", {"fp8_align_bitwise_kv": {"long": [19.0, 21.0, 20.0], "short": [26.0, 28.0, 27.0]}})
+    summary = bitwise_speed.summarize([first, second])
+    assert summary["shapes"]["long"] == {"bf16": [10.0, 11.0, 12.0], "fp8_fast": [22.0, 20.0, 21.0], "fp8_bitwise_kv": [19.0, 21.0, 20.0]}
+    assert [(t["shape"], t["value"], t["met"]) for t in summary["targets"]] == [
+        ("long", round(20 / 21, 3), True), ("long", round(20 / 11, 3), False), ("short", 1.35, True)]  # fmt: skip
+    with pytest.raises(ValueError, match="disagree on device"):
+        bitwise_speed.summarize([first, _rollout_report("H200", {"fp8_align_bitwise_kv": {"long": [1.0]}})])
+    with pytest.raises(ValueError, match="no report has \\['fp8_align_bitwise_kv'\\]"):
+        bitwise_speed.summarize([first])
+    with pytest.raises(ValueError, match="in two reports"):
+        bitwise_speed.summarize([first, second, second])

@@ -4,11 +4,12 @@
 #   STAGE: stage (copy the carried .gpukit/part_* or .gpukit25/part_*, .gpumodel/smol.zst.part_* and .gpute/te.part_* to /root/stage)
 #        | setup (kit + SmolLM2) | te-build (TransformerEngine, in the background) | te-wait
 #        | tests | proof[=MODELS] ($PROOF_ARGS: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
-#        | grpo (3 seeds of the bf16 and fp8_bitwise arms at once; $GRPO_ARGS: more arguments)
+#        | grpo (3 seeds of the arms $GRPO_ARMS, default bf16,fp8_bitwise, at once; $GRPO_ARGS: more arguments)
 #        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
 #        | profile (one decode step of the fast mode and of the bitwise mode, kernel families; Qwen3-8B shape)
-#        | kernels[=all] (benchmarks/bitwise_kernels.py: CUTLASS and the current Triton tile checked for
-#          M-invariance and timed; =all: every tile configuration and the TRITON_ATTN settings too)
+#        | kernels[=all] (benchmarks/bitwise_kernels.py: CUTLASS, DeepGEMM and the current Triton tile checked
+#          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache; =all: every
+#          GEMM tile configuration and TRITON_ATTN launch setting)
 # Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise*.json, on_policy_cost.json, grpo_bitwise/, logs.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out" /root/stage
@@ -24,7 +25,8 @@ for stage in "$@"; do
       te_build_pid=$! ;;
     te-wait) wait "${te_build_pid:?te-build did not run in this call}"; echo "te setup rc=$?"; tail -3 "$out/te_setup.log" ;;
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/test_gpu_bitwise.py > "$out/pytest_bitwise.txt" 2>&1
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_bitwise.py tests/test_gpu_bitwise_rollout.py \
+        > "$out/pytest_bitwise.txt" 2>&1
       tail -25 "$out/pytest_bitwise.txt" ;;
     proof*)
       models="${stage#proof}"; models="${models#=}"
@@ -42,7 +44,7 @@ for stage in "$@"; do
       tail -c 8000 /root/cost_work/*.log > "$out/cost_engine_logs.txt" 2>/dev/null ;;
     grpo)
       for seed in 0 1 2; do
-        python3 benchmarks/grpo_alignment.py --arms bf16,fp8_bitwise --parallel --seed "$seed" --steps 30 --validate-every 10 \
+        python3 benchmarks/grpo_alignment.py --arms "${GRPO_ARMS:-bf16,fp8_bitwise}" --parallel --seed "$seed" --steps 30 --validate-every 10 \
           ${GRPO_ARGS:---max-seconds 420} --out "$out/grpo_bitwise/seed$seed" > "$out/grpo_bitwise_seed$seed.log" 2>&1 &
       done
       wait; tail -n 4 "$out"/grpo_bitwise/seed*/*.log
@@ -52,9 +54,9 @@ for stage in "$@"; do
       echo "rc=$?"; tail -30 "$out/bench_error_cuda.log" ;;
     te) bash benchmarks/box/te_box_run.sh tests ops ;;
     kernels*)
-      if [ "$stage" = "kernels=all" ]; then kernel_args=(--tiles all); else kernel_args=(--tiles current --parts gemm); fi
+      if [ "$stage" = "kernels=all" ]; then kernel_args=(--tiles all); else kernel_args=(--tiles current --attention-settings current); fi
       python3 benchmarks/bitwise_kernels.py --out "$out/bitwise_kernels.json" "${kernel_args[@]}" > "$out/bitwise_kernels.log" 2>&1
-      echo "rc=$?"; grep -h cutlass "$out/bitwise_kernels.log" | head -12 ;;
+      echo "rc=$?"; grep -hE "cutlass|deepgemm|\"fp8\"" "$out/bitwise_kernels.log" | cut -c1-300 | head -40 ;;
     profile)
       python3 benchmarks/decode_profile.py --results "$out/decode_profile" --batch fp8_align=140,fp8_bitwise=140 \
         > "$out/decode_profile.log" 2>&1

@@ -3,6 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
+#        | model | bitwise=STAGE[,STAGE...]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -14,8 +15,11 @@
 # per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
 # and MLA GPU tests (Triton and DeepGEMM experts, the tiny Moonlight); probe-nvcc says whether the box has a CUDA compiler;
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare;
-# $PROFILE_ARGS, default by the bundle's vLLM: `--batch fp8_align_kv_xqa_dg=512` on 0.22,
-# `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER` on 0.25.1).
+# $PROFILE_ARGS, default by the bundle's vLLM: `--batch fp8_align_kv_xqa_dg=512 --model-runner v2` on 0.22,
+# `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER --model-runner v2` on 0.25.1).
+# model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
+# bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
+# output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
 # Rollouts (rollout-VARIANTS@BACKEND: on one GPU with that attention backend, a report of its own):
 # Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
@@ -97,6 +101,10 @@ while [ $# -gt 0 ]; do
       DG_JIT_CACHE_DIR=/root/dg_cold_tiny python3 benchmarks/box/engine_plan_check.py > "$out/engine_plan_check.log" 2>&1
       grep -E "engine plan|fill|prepare-deepgemm|XQA decode calls|Error" "$out/engine_plan_check.log" | cut -c1-600 | tail -12 ;;
     setup) [ "${FLASHINFER_JIT:-0}" = 1 ] && echo "FlashInfer JIT on: $(command -v nvcc)" || ls "$aot" ;;
+    model) source benchmarks/box/gpu_model_setup.sh || exit 1 ;;
+    bitwise=*)
+      IFS=, read -r -a bitwise_stages <<< "${stage#bitwise=}"
+      OUT="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}" bash benchmarks/box/bitwise_box_run.sh setup "${bitwise_stages[@]}"; true ;;
     dg-prepare*) model="${stage#dg-prepare}"; model="${model#=}"; dg_prepare "${model:-qwen3-8b}" || exit 1 ;;
     dg-probe)
       DG_JIT_CACHE_DIR=/root/dg_probe_cache python3 benchmarks/box/deepgemm_grouped_probe.py "$out/deepgemm_grouped_probe.json" \
@@ -108,12 +116,12 @@ while [ $# -gt 0 ]; do
     profile)
       # the best configuration of the bundle's vLLM: fp8_align's XQA route on 0.22, FlashInfer's on 0.25+
       case "$(python3 -c 'import vllm; print(vllm.__version__)')" in
-        0.22.*) best="--batch fp8_align_kv_xqa_dg=512" ;;
-        *) best="--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER" ;;
+        0.22.*) best="--batch fp8_align_kv_xqa_dg=512 --model-runner v2" ;;
+        *) best="--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER --model-runner v2" ;;
       esac
       # shellcheck disable=SC2086
       python3 benchmarks/decode_profile.py --results "$out/profile" ${PROFILE_ARGS:-$best} \
-        --deepgemm-cache "${PROFILE_DG_CACHE:-/root/dg_cache}" --model-runner v2 > "$out/decode_profile.log" 2>&1
+        --deepgemm-cache "${PROFILE_DG_CACHE:-/root/dg_cache}" > "$out/decode_profile.log" 2>&1
       find "$out/profile" -name "*trace.json*" -size +8M -delete  # the table (profiler_out_0.txt) is what is read
       tail -5 "$out/decode_profile.log" ;;
     probe-nvcc)

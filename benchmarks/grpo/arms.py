@@ -32,6 +32,7 @@ ARMS: dict[str, Arm] = {
         Arm("fp8_aligned_tis", "FP8 gen / FP8 train + TIS", True, False, True, True),
         Arm("fp8kv_aligned_tis", "FP8 gen + FP8 KV / FP8 train + TIS", True, True, True, True),
         Arm("fp8_bitwise", "FP8 gen / bitwise FP8 train", True, False, True, False, bitwise=True),
+        Arm("fp8_bitwise_kv", "FP8 gen + FP8 KV / bitwise FP8 train", True, True, True, False, bitwise=True),
     )
 }
 

@@ -26,7 +26,7 @@ from fp8_align.error_bench.scoring import pad_logprobs
 from fp8_align.config import FP8Config
 from fp8_align.is_correction import truncated_importance_weights
 from fp8_align.metrics import mismatch_metrics
-from fp8_align.vllm_plugin import push_kv_scales
+from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, push_kv_scales
 
 from .arms import Arm, RunSettings
 from .engine import check_engine_weights, push_weights, sample, start_engine
@@ -37,9 +37,18 @@ from .task import Problem, exact_match_reward, prompt_token_ids, split_problems,
 KV_CALIBRATION_SEQUENCES = 64
 
 
-def push_trainer_kv_scales(llm: Any, policy: GRPOPolicy, packed: PackedSequences) -> None:
-    """Scales from the trainer's forward over the first KV_CALIBRATION_SEQUENCES of `packed`, pushed to the engine."""
-    push_kv_scales(llm, policy.kv_scales(packed, range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))))
+def update_kv_scales(llm: Any, policy: GRPOPolicy, packed: PackedSequences) -> None:
+    """New FP8 KV-cache scales for the next rollout, from the first KV_CALIBRATION_SEQUENCES of
+    `packed`. A bitwise trainer (which scores through the engine's kernels, not the HF modules the
+    trainer-side calibrator hooks): the engine measures them (`calibrate_kv_scales`, which pushes)
+    and the trainer takes exactly what the engine holds (`engine_kv_scales`). Otherwise the
+    trainer's forward measures them and they are pushed to the engine."""
+    rows = range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))
+    if policy.bitwise is None:
+        push_kv_scales(llm, policy.kv_scales(packed, rows))
+        return
+    calibrate_kv_scales(llm, [packed.sequence(row) for row in rows], include_q=False)
+    policy.bitwise.set_kv_scales(engine_kv_scales(llm))
 
 
 def validation_accuracy(llm: Any, prompts: list[list[int]], problems: list[Problem], max_tokens: int) -> float:
@@ -80,7 +89,7 @@ def run_arm(arm: Arm, settings: RunSettings, checkpoint: Path, out_path: Path, s
         # the first rollout's scales: the trainer's forward over validation prompts + their answers
         answers = [tokenizer.encode(p.answer, add_special_tokens=False) for p in validation]
         packed = pack_sequences(validation_prompts, answers)
-        push_trainer_kv_scales(llm, policy, packed)
+        update_kv_scales(llm, policy, packed)
     for step in range(settings.steps):
         if time.perf_counter() - started > settings.max_seconds:
             doc["stopped"] = f"time budget of {settings.max_seconds:.0f} s reached before step {step}"
@@ -134,7 +143,7 @@ def _train_step(
     check_engine_weights(llm, checked, policy.model.get_submodule(checked).weight, fp8)
     if arm.kv_cache_fp8:
         clock = time.perf_counter()
-        push_trainer_kv_scales(llm, policy, packed)
+        update_kv_scales(llm, policy, packed)
         seconds["kv_scales"] = time.perf_counter() - clock
     seconds["total"] = sum(seconds.values())
     return {

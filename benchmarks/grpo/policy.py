@@ -46,6 +46,10 @@ class PackedSequences:
     def num_sequences(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def sequence(self, row: int) -> list[int]:
+        """Prompt + completion token ids of sequence `row`, without padding."""
+        return self.input_ids[row, : int(self.prompt_lengths[row] + self.completion_lengths[row])].tolist()
+
 
 def pack_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> PackedSequences:
     """Pack prompt + completion token ids (each prompt >= 1 token, completion >= 1 token)."""
@@ -150,7 +154,7 @@ class GRPOPolicy:
     def _bitwise_logprobs(self, bitwise: BitwiseForward, packed: PackedSequences, rows: Sequence[int]) -> Tensor:
         """`logprobs` through BitwiseForward: the rows' sequences packed without padding."""
         prompts = [int(packed.prompt_lengths[r]) for r in rows]
-        sequences = [packed.input_ids[r, : p + int(packed.completion_lengths[r])].tolist() for r, p in zip(rows, prompts)]
+        sequences = [packed.sequence(r) for r in rows]
         padded = pad_sequence(bitwise.token_logprobs(sequences, prompts), batch_first=True)  # 0.0 past each completion
         return F.pad(padded, (0, packed.targets.shape[1] - padded.shape[1]))
 

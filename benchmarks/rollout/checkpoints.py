@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -74,23 +76,32 @@ _FP8_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(ga
 def ensure_bf16_checkpoint(path: Path) -> float | None:
     """Random-init Qwen3-8B-shaped model in bf16 (seed 0), saved with save_pretrained.
 
-    Returns the seconds it took, or None when it already existed.
+    Returns the seconds it took, or None when it already existed. Safe when several processes ask
+    at once (rollouts on the GPUs of one host): one writes it, under a lock, into a temporary folder
+    renamed into place, and the others wait for it.
     """
-    if (path / "config.json").exists():
-        return None
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "config.json").exists():
+            return None
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    start = time.perf_counter()
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B, dtype="bfloat16"))
-    torch.set_default_dtype(torch.float32)
-    model.save_pretrained(path, max_shard_size="4GB")
-    del model
-    torch.cuda.empty_cache()
-    return time.perf_counter() - start
+        start = time.perf_counter()
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B, dtype="bfloat16"))
+        torch.set_default_dtype(torch.float32)
+        partial = path.with_name(f"{path.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial, max_shard_size="4GB")
+        del model
+        torch.cuda.empty_cache()
+        shutil.rmtree(path, ignore_errors=True)
+        partial.rename(path)
+        return time.perf_counter() - start
 
 
 def ensure_vllm_fp8_checkpoint(bf16_path: Path, fp8_path: Path) -> float | None:

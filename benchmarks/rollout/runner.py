@@ -17,7 +17,8 @@ from benchmarks.rollout.checkpoints import MODELS, is_moe
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
 VARIANTS = ("bf16", "fp8_align", "vllm_fp8", "fp8_align_kv", "vllm_fp8_kv", "fp8_align_kv_xqa", "fp8_align_dg", "fp8_align_kv_xqa_dg",
-            "vllm_fp8_dg", "vllm_fp8_kv_dg", "fp8_align_kv_dg", "vllm_fp8_online_kv_dg", "fp8_align_kv_auto_dg")  # fmt: skip
+            "vllm_fp8_dg", "vllm_fp8_kv_dg", "fp8_align_kv_dg", "vllm_fp8_online_kv_dg", "fp8_align_kv_auto_dg", "fp8_align_bitwise",
+            "fp8_align_bitwise_kv")  # fmt: skip
 #: vLLM's online block-FP8 method (BF16 checkpoint quantized at load), vLLM 0.25+.
 VLLM_ONLINE_BLOCK_FP8 = "fp8_per_block"
 #: Prompts in the engine-side KV-scale calibration batch of `fp8_align_kv`.
@@ -217,7 +218,7 @@ def variant_spec(
         "model": str(fp8_path if variant.startswith("vllm_fp8") and not online else bf16_path), "load_format": MODELS[model].load_format,
         "fp8_align": variant.startswith("fp8_align"), "kv_cache_dtype": "fp8" if "_kv" in variant else "auto",
         "fp8_config": {"use_deep_gemm": deep_gemm, **_kv_decode_config(variant)},
-        "calibrate_kv": variant.startswith("fp8_align_kv"), "env": env, "shapes": shapes,
+        "calibrate_kv": variant.startswith("fp8_align") and "_kv" in variant, "env": env, "shapes": shapes,
         "llm_kwargs": llm_kwargs, **settings, "attention_backend": attention_backend_of(settings.get("attention_backend"), variant),
     }  # fmt: skip
 
@@ -225,8 +226,11 @@ def variant_spec(
 def _kv_decode_config(variant: str) -> dict[str, str]:
     """The FP8Config KV-decode fields of an fp8_align variant: `_xqa` asks for XQA (0.22's route),
     `_auto` is what a user gets by default (an FP8 cache, kv_decode_kernel "auto": on vLLM 0.25 /
-    Hopper fp8_align picks FLASHINFER where the engine's backend is unset), the others keep the
-    attention backend's own decode."""
+    Hopper fp8_align picks FLASHINFER where the engine's backend is unset), `_bitwise` runs
+    FP8Config(on_policy="bitwise") (TRITON_ATTN's one kernel decodes, over an E4M3 cache with
+    `_bitwise_kv`), the others keep the attention backend's own decode."""
+    if "_bitwise" in variant:
+        return {"on_policy": "bitwise", "kv_cache_dtype": "fp8" if "_kv" in variant else "auto"}
     if "_xqa" in variant:
         return {"kv_cache_dtype": "fp8", "kv_decode_kernel": "xqa"}
     if "_auto" in variant:

@@ -101,7 +101,8 @@ class FP8Config(BaseModel):
         "RMSNorm, SiLU-and-mul and RoPE ops and a block-FP8 GEMM with one tile configuration for every "
         "token count), and `fp8_align.hf_training.BitwiseForward` runs the same kernels in the trainer, "
         "so the log-probs that generated each token equal the trainer's bit for bit. Llama, Qwen2 and "
-        "Qwen3 models, one CUDA GPU, BF16 KV cache; anything else is refused at engine start. "
+        "Qwen3 models, one CUDA GPU, a BF16 or (kv_cache_dtype='fp8') E4M3 KV cache with per-layer scales the "
+        "trainer is given (BitwiseForward.set_kv_scales); anything else is refused at engine start. "
         "Build the engine with `engine_kwargs(cfg)`.",
     )
     strict: bool = Field(
@@ -223,11 +224,10 @@ class FP8Config(BaseModel):
                 "precision='bf16' with an FP8 KV cache is not a recipe fp8_align "
                 "aligns; set precision='fp8' or kv_cache_dtype='auto'."
             )
-        if self.on_policy == "bitwise" and self.kv_cache_dtype != "auto":
+        if self.on_policy == "bitwise" and self.kv_decode_kernel == "xqa":
             raise ValueError(
-                "on_policy='bitwise' needs the BF16 KV cache: an FP8 KV cache quantizes K/V with scales the "
-                "trainer's full-sequence attention does not see, so decode and training attention differ. "
-                "Set kv_cache_dtype='auto' (and fp8_attention=False, kv_decode_kernel='auto') or on_policy='off'."
+                "on_policy='bitwise' decodes with TRITON_ATTN's batch-invariant kernel, the one the trainer runs; "
+                "kv_decode_kernel='xqa' would decode with another. Leave kv_decode_kernel='auto'."
             )
         if self.fp8_param and self.fp8 is None:
             raise ValueError("fp8_param=True keeps training parameters in FP8 and needs fp8='e4m3' (training in FP8)")

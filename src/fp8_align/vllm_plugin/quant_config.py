@@ -71,7 +71,7 @@ class Fp8AlignQuantConfig(QuantizationConfig):
         if not self._engine_checked:
             vllm_config = get_current_vllm_config()
             if self.fp8_config.on_policy == "bitwise":
-                check_bitwise_engine(vllm_config)
+                check_bitwise_engine(vllm_config, self.fp8_config)
             self.attention_backend_chosen = default_attention_backend(self.fp8_config, vllm_config)
             self._engine_checked = True
         apply_patches(self.fp8_config)

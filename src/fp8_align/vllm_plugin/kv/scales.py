@@ -69,6 +69,17 @@ def read_kv_scales(llm: Any) -> list[KVScales]:
     return llm.collective_rpc(_read_kv_scales_in_worker)
 
 
+def engine_kv_scales(llm: Any) -> KVScales:
+    """The scales every attention layer of `llm` holds now, {layer: {"k_scale", "v_scale",
+    "q_scale"}}: the ones each rollout uses until the next push or calibration (the scales a
+    bitwise trainer scores that rollout with, `BitwiseForward.set_kv_scales`). Raises KVScaleError
+    when the workers hold different scales."""
+    per_worker = read_kv_scales(llm)
+    if any(scales != per_worker[0] for scales in per_worker[1:]):
+        raise KVScaleError(f"the engine's {len(per_worker)} workers hold different K/V scales; push_kv_scales writes the same to all")
+    return per_worker[0]
+
+
 def validate_kv_scales(scales: Mapping[int, Mapping[str, float]]) -> KVScales:
     """Plain-float copy of `scales`, each value rounded to FP32 (the attention buffers' dtype, so
     buffers and host copies hold the same number); raises KVScaleError naming the first bad layer

@@ -1,0 +1,167 @@
+"""Attention of packed sequences for `BitwiseForward`: where each token sits (`PackedBatch`), the
+pure-torch reference, and vLLM's TRITON_ATTN kernel over a paged copy of K/V written as a
+bitwise engine writes its KV cache: BF16, or E4M3 with the engine's per-layer scales
+(`KVCacheScales`, `FP8Config(kv_cache_dtype="fp8")`).
+
+With an FP8 cache the engine's attention reads every key and value back from E4M3 codes, prefill
+and decode alike (the cache is written before attention runs); the query stays BF16 (a bitwise
+engine does not quantize it, `vllm_plugin.on_policy.keep_queries_bf16`). The trainer writes its
+copy with the engine's own cache-write kernel and scales and runs the engine's kernel on it, so
+each token's attention output is the engine's bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from fp8_align.bitwise.reference import fp8_kv_cache_reference
+
+if TYPE_CHECKING:  # vLLM is imported only where its kernels run (CUDA)
+    from fp8_align.vllm_plugin.compat import BatchInvariantKernels
+
+#: KV-cache block size of the trainer's paged K/V copy (vLLM's default for TRITON_ATTN on CUDA;
+#: the kernel's reduction runs over fixed 32-token tiles of the sequence whatever the block size).
+ATTENTION_BLOCK_SIZE = 16
+#: `kv_cache_dtype` of an E4M3 cache, as vLLM's cache-write kernel takes it.
+FP8_KV_CACHE_DTYPE = "fp8"
+
+
+@dataclass(frozen=True)
+class KVCacheScales:
+    """One decoder layer's FP8 KV-cache scales: FP32 [1] dequantization multipliers on the
+    trainer's device (vLLM's `_k_scale` / `_v_scale`: codes are `E4M3(x / scale)`)."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory without waiting for queued device
+    work (a pageable copy would stall the host until the stream drains)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Where each token of packed sequences sits, as device index tensors made once per forward
+    (every attention call and its backward reuse them: no host-to-device copy per layer).
+
+    `row`/`position` [T] int64: each token's sequence and place in it (the padded batch of
+    `attention_reference`); `slot` [T] int64, `block_table` [B, max blocks] int32, `cu_seqlens`
+    [B + 1] int32, `lengths` [B] int32: the paged K/V layout of `paged_triton_attention`
+    (`ATTENTION_BLOCK_SIZE`-token blocks, each sequence's blocks in order)."""
+
+    seq_lens: tuple[int, ...]
+    row: torch.Tensor
+    position: torch.Tensor
+    slot: torch.Tensor
+    block_table: torch.Tensor
+    cu_seqlens: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(-(-length // ATTENTION_BLOCK_SIZE) for length in self.seq_lens)
+
+    @classmethod
+    def from_lengths(cls, seq_lens: Sequence[int], device: torch.device | str) -> PackedBatch:
+        """The layout of sequences of `seq_lens` tokens (each >= 1) packed in that order, on `device`."""
+        lengths = [int(n) for n in seq_lens]
+        blocks = [-(-n // ATTENTION_BLOCK_SIZE) for n in lengths]
+        block_table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+        rows, positions, slots, first = [], [], [], 0
+        for i, (length, count) in enumerate(zip(lengths, blocks)):
+            block_table[i, :count] = torch.arange(first, first + count, dtype=torch.int32)
+            rows.append(torch.full((length,), i))
+            positions.append(torch.arange(length))
+            slots.append(torch.arange(length) + first * ATTENTION_BLOCK_SIZE)
+            first += count
+        length_tensor = torch.tensor(lengths, dtype=torch.int32)
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), length_tensor.cumsum(0, dtype=torch.int32)])
+        return cls(
+            tuple(lengths), host_to_device(torch.cat(rows), device), host_to_device(torch.cat(positions), device),
+            host_to_device(torch.cat(slots), device), host_to_device(block_table, device), host_to_device(cu_seqlens, device),
+            host_to_device(length_tensor, device),
+        )  # fmt: skip
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: PackedBatch,
+    head_size: int,
+    compute_dtype: torch.dtype = torch.float32,
+    kv_scales: KVCacheScales | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed sequences: q [T, Hq * D], k/v [T, Hk * D] (grouped heads) ->
+    [T, Hq * D] in q's dtype, computed in `compute_dtype` (FP32: the reference; q's dtype: the
+    standard attention whose gradient the trainer's backward is) with scale D ** -0.5. With
+    `kv_scales`, K and V are first read back from an E4M3 cache (`fp8_kv_cache_reference`). The
+    sequences are padded at their ends into one [B, H, L, D] batch for torch's scaled-dot-product
+    attention (one fused kernel, forward and backward: flash on CUDA in BF16); a query never sees
+    a padded key, every key it may see comes before it."""
+    if kv_scales is not None:
+        k, v = fp8_kv_cache_reference(k, kv_scales.k_scale), fp8_kv_cache_reference(v, kv_scales.v_scale)
+    heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
+    count, longest = len(batch.seq_lens), max(batch.seq_lens)
+
+    def padded(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        grid = x.new_zeros(count, longest, num_heads, head_size).index_put((batch.row, batch.position), x.reshape(-1, num_heads, head_size))
+        return grid.transpose(1, 2).to(compute_dtype)  # [B, H, L, D]
+
+    qs = padded(q, heads)
+    ks = padded(k, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
+    vs = padded(v, kv_heads).repeat_interleave(heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=head_size**-0.5)
+    return out.transpose(1, 2)[batch.row, batch.position].reshape(q.shape[0], heads * head_size).to(q.dtype)
+
+
+def paged_triton_attention(
+    kernels: BatchInvariantKernels,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: PackedBatch,
+    head_size: int,
+    kv_scales: KVCacheScales | None = None,
+) -> torch.Tensor:
+    """`attention_reference`'s contract computed by vLLM's TRITON_ATTN kernel as a bitwise engine
+    calls it: K/V written by vLLM's cache-write kernel into a paged cache of
+    `ATTENTION_BLOCK_SIZE`-token blocks (`batch`'s layout), BF16 with unit scales, or with
+    `kv_scales` E4M3 codes read back with those scales (the kernel's per-tensor FP8 mode, BF16
+    query); every query of a sequence attends to its prefix, softmax scale D ** -0.5."""
+    tokens, device = q.shape[0], q.device
+    heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
+    blocks, seqs = batch.num_blocks, len(batch.seq_lens)
+    cache_dtype = k.dtype if kv_scales is None else torch.float8_e4m3fn
+    key_cache = torch.zeros(blocks, ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=cache_dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    if kv_scales is None:
+        unit = torch.ones(1, dtype=torch.float32, device=device)
+        k_scale = v_scale = unit
+        quant: dict[str, object] = {}
+    else:
+        k_scale, v_scale = kv_scales.k_scale, kv_scales.v_scale
+        quant = {"kv_quant_mode": kernels.fp8_kv_quant_mode}
+    kernels.write_kv_cache(
+        k.reshape(tokens, kv_heads, head_size), v.reshape(tokens, kv_heads, head_size), key_cache, value_cache, batch.slot,
+        "auto" if kv_scales is None else FP8_KV_CACHE_DTYPE, k_scale, v_scale,
+    )  # fmt: skip
+    out = torch.empty(tokens, heads, head_size, dtype=q.dtype, device=device)
+    kernels.unified_attention(
+        q=q.reshape(tokens, heads, head_size).contiguous(), k=key_cache, v=value_cache, out=out,
+        cu_seqlens_q=batch.cu_seqlens, max_seqlen_q=max(batch.seq_lens), seqused_k=batch.lengths,
+        max_seqlen_k=max(batch.seq_lens), softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1),
+        block_table=batch.block_table, softcap=0, q_descale=None, k_descale=k_scale.expand(seqs, kv_heads),
+        v_descale=v_scale.expand(seqs, kv_heads), **quant,
+    )  # fmt: skip
+    return out.reshape(tokens, heads * head_size)
