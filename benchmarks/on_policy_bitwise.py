@@ -104,6 +104,7 @@ def run_one(model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: lis
     from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs
 
     path, probes, fillers = prepare_model(model_name, work)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # calibrate_kv_scales: collective_rpc with functions
     cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, **VARIANTS[variant])
     start = time.perf_counter()
     llm = LLM(
