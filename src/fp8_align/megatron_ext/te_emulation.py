@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from fp8_align.config import TE_FP32_SCALES_ENV_VAR
+from fp8_align.nemo_rl_config import TE_FP32_SCALES_ENV_VAR
 from fp8_align.quant.scales import (
     E4M3_MAX,
     check_float_input,

@@ -31,8 +31,11 @@ class Fp8AlignQuantConfig(QuantizationConfig):
     def __init__(self, fp8_config: FP8Config | None = None) -> None:
         super().__init__()
         self.fp8_config = config_from_engine(None) if fp8_config is None else fp8_config
-        #: Engine settings checked and defaulted (once per engine, at its first layer).
+        #: Engine settings checked and defaulted, patches applied (once per engine, at its first layer).
         self._engine_checked = False
+        #: The model's decoder-layer count and routed experts per MoE layer (read once per engine).
+        self._depth = 0
+        self._routed_experts = 0
         #: The attention backend fp8_align chose for this engine (`engine_plan.default_attention_backend`), or None.
         self.attention_backend_chosen: str | None = None
 
@@ -63,8 +66,9 @@ class Fp8AlignQuantConfig(QuantizationConfig):
         """The method for one module vLLM builds: block FP8 or BF16 for linears and routed experts
         (`fp8_align.layer_selection.decide_layer`; each decision is recorded and BF16 ones logged),
         None for everything else (embeddings, lm_head; attention gets vLLM's KV-cache method).
-        At the engine's first linear (built before its first attention layer) the engine's settings
-        are checked and its attention backend defaulted (`engine_plan.default_attention_backend`)."""
+        At the engine's first linear (built before its first attention layer), once: the engine's
+        settings are checked, its attention backend defaulted (`engine_plan.default_attention_backend`),
+        the patches for its config applied and the model's depth read."""
         is_experts = isinstance(layer, routed_experts_class())
         if not (is_experts or isinstance(layer, LinearBase)):
             return None
@@ -73,10 +77,12 @@ class Fp8AlignQuantConfig(QuantizationConfig):
             if self.fp8_config.on_policy == "bitwise":
                 check_bitwise_engine(vllm_config, self.fp8_config)
             self.attention_backend_chosen = default_attention_backend(self.fp8_config, vllm_config)
+            apply_patches(self.fp8_config)
+            text_config = vllm_config.model_config.hf_text_config
+            self._depth, self._routed_experts = int(text_config.num_hidden_layers), num_routed_experts(text_config)
             self._engine_checked = True
-        apply_patches(self.fp8_config)
         merged_from = () if is_experts else _merged_from(prefix, self.packed_modules_mapping)
-        decision = _decide(layer, prefix, self.fp8_config, is_experts, merged_from)
+        decision = _decide(layer, prefix, self.fp8_config, is_experts, merged_from, self._depth, self._routed_experts)
         record_decision(layer, decision, self.fp8_config)
         if is_experts:
             return _experts_method(self.fp8_config, layer, prefix) if decision.fp8 else None
@@ -91,10 +97,10 @@ def _merged_from(prefix: str, packed_modules_mapping: dict[str, list[str]]) -> t
 
 
 def _decide(
-    layer: torch.nn.Module, prefix: str, cfg: FP8Config, is_experts: bool, merged_from: tuple[str, ...]
+    layer: torch.nn.Module, prefix: str, cfg: FP8Config, is_experts: bool, merged_from: tuple[str, ...], depth: int, experts: int
 ) -> LayerDecision:
-    text_config = _hf_text_config()
-    depth, experts = int(text_config.num_hidden_layers), num_routed_experts(text_config)
+    """The recipe's decision for one linear or routed-experts module of a model of `depth` decoder
+    layers and `experts` routed experts per MoE layer."""
     if not is_experts:
         return decide_layer(
             prefix,
@@ -133,7 +139,3 @@ def register_quantization_method() -> None:
     """Register `Fp8AlignQuantConfig` under `quantization="fp8_align"` (idempotent)."""
     if QUANTIZATION_NAME not in QUANTIZATION_METHODS:
         register_quantization_config(QUANTIZATION_NAME)(Fp8AlignQuantConfig)
-
-
-def _hf_text_config() -> Any:
-    return get_current_vllm_config().model_config.hf_text_config
