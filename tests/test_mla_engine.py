@@ -97,7 +97,7 @@ def test_a_released_kv_b_weight_is_refused() -> None:
     The attention module is a stand-in (no AMX on every CI machine); the check is fp8_align's."""
     from fp8_align.vllm_plugin.checkpoint import WeightSyncError
     from fp8_align.vllm_plugin.layer_state import STATE_ATTR, Fp8AlignLayerState
-    from fp8_align.vllm_plugin.mla import check_mla_weights_kept
+    from fp8_align.vllm_plugin.refit.mla import check_mla_weights_kept
 
     kv_b = torch.nn.Linear(8, 8)
     setattr(kv_b, STATE_ATTR, Fp8AlignLayerState("linear", "model.layers.0.self_attn.kv_b_proj"))

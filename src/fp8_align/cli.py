@@ -21,8 +21,8 @@ from fp8_align.error_bench.error import (
 )
 from fp8_align.error_bench.generate import GenerationError
 from fp8_align.error_bench.prompts import PromptFileError
-from fp8_align.vllm_plugin.kernels.deepgemm_cache import prepare_deepgemm_cache
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
+from fp8_align.vllm_plugin.kernels.deepgemm.cache import prepare_deepgemm_cache
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import (
     DEFAULT_MAX_BATCHED_TOKENS,
     ExpertShape,
     decoder_linear_shapes,

@@ -34,7 +34,7 @@ import torch
 from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.compat import attention_backend_name, flashinfer_decodes_with_xqa, set_attention_backend
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import warmups
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import warmups
 from fp8_align.vllm_plugin.kv.flashinfer_scales import LIVE_SCALES_SERIES, read_scales_live
 from fp8_align.vllm_plugin.kv.xqa_decode import (
     XQA_CAPABILITY,
@@ -286,7 +286,7 @@ def _xqa_module_error(model: torch.nn.Module, page_size: int | None) -> str | No
 
 
 def _deepgemm_state() -> str:
-    """DeepGEMM's JIT-cache state from this process's warm-ups (`deepgemm_inventory.warmups`)."""
+    """DeepGEMM's JIT-cache state from this process's warm-ups (`deepgemm.inventory.warmups`)."""
     runs = warmups()
     if not runs:
         return "no warm-up ran in this process (VLLM_DEEP_GEMM_WARMUP=skip): kernels compile at first use"

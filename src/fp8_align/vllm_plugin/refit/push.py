@@ -64,7 +64,7 @@ from fp8_align.vllm_plugin.checkpoint import (
 from fp8_align.vllm_plugin.kv.scales import read_layer_scales, write_layer_scales
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod
-from fp8_align.vllm_plugin.mla import refresh_mla_absorbed_weights
+from fp8_align.vllm_plugin.refit.mla import refresh_mla_absorbed_weights
 from fp8_align.vllm_plugin.refit.experts import (
     expert_prefixes,
     prepacked_bf16_expert_prefixes,

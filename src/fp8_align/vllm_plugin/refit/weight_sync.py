@@ -63,7 +63,7 @@ from fp8_align.vllm_plugin.checkpoint import (
 from fp8_align.vllm_plugin.kv.scales import KVScales, split_kv_scale_entries, streamed_scale_layers, write_streamed_scales
 from fp8_align.vllm_plugin.layer_state import fp8_align_layers, is_fp8_align_layer
 from fp8_align.vllm_plugin.linear.method import Fp8AlignBf16LinearMethod
-from fp8_align.vllm_plugin.mla import check_mla_weights_kept, refresh_mla_absorbed_weights
+from fp8_align.vllm_plugin.refit.mla import check_mla_weights_kept, refresh_mla_absorbed_weights
 from fp8_align.vllm_plugin.refit.experts import (
     prepacked_bf16_expert_prefixes,
     refuse_prepacked_experts,

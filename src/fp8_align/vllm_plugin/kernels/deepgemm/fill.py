@@ -4,7 +4,7 @@ An engine's DeepGEMM warm-up (`kernels.gpu.DeepGemmBlockFp8Kernel.warm_up`) comp
 its cache lacks one after another, ~0.8 s each on an H100 (about 1,700 for an 8B model: over 20
 minutes). When the cache is not marked prepared for this engine, the first warm-up instead runs
 `fp8-align prepare-deepgemm` for every cold shape of the model as a child process (the command
-splits the M values over `deepgemm_inventory.compile_jobs` processes on the engine's GPU and marks each shape), and
+splits the M values over `inventory.compile_jobs` processes on the engine's GPU and marks each shape), and
 the warm-ups then load what it compiled. Tensor-parallel ranks of one machine share the cache
 directory: `fill_lock` lets one rank fill while the others wait and then find the marks.
 The command runs as a child process: its compile processes get CUDA contexts of their own, and
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import MARKS_DIR, LinearShape, decoder_linear_shapes, is_prepared
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import MARKS_DIR, LinearShape, decoder_linear_shapes, is_prepared
 
 
 def model_deepgemm_shapes(config: Mapping[str, Any], tensor_parallel_size: int) -> list[LinearShape]:

@@ -10,8 +10,8 @@ with the same vLLM turns the engine's warm-up into loads.
 
 `prepare_deepgemm_cache` makes those calls (`DeepGemmBlockFp8Kernel.run_for_m_values`, the
 engine's own) split over `jobs` processes and marks each shape prepared
-(`deepgemm_inventory.mark_prepared`), which the engine checks before its warm-up; `fp8-align
-prepare-deepgemm` is its command line. The shapes come from `deepgemm_inventory`
+(`inventory.mark_prepared`), which the engine checks before its warm-up; `fp8-align
+prepare-deepgemm` is its command line. The shapes come from `inventory`
 (`decoder_linear_shapes`, `parse_shapes`); the engine logs the shapes it warmed up
 (`DeepGEMM warm-up N= K=`).
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_align.vllm_plugin.kernels.base import BLOCK
-from fp8_align.vllm_plugin.kernels.deepgemm_inventory import (
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import (
     DEFAULT_MAX_BATCHED_TOKENS,
     JIT_CACHE_ENV_VAR,
     ExpertShape,
@@ -190,7 +190,7 @@ def prepare_deepgemm_cache(
     from vllm import envs
 
     # imported here: kernels.gpu loads vLLM's CUDA kernels (shape parsing runs anywhere)
-    from fp8_align.vllm_plugin.kernels.gpu import deepgemm_cache_setup, deepgemm_warmup_m_values
+    from fp8_align.vllm_plugin.kernels.deepgemm.warmup import deepgemm_cache_setup, deepgemm_warmup_m_values
 
     eligible = [s for s in shapes if s.runs_on_deepgemm]
     grouped = [e for e in experts if e.runs_on_deepgemm]
@@ -289,4 +289,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         _worker(json.loads(sys.argv[2]), int(sys.argv[3]))
     else:
-        sys.exit("usage: python -m fp8_align.vllm_plugin.kernels.deepgemm_cache --worker JSON DEVICE (run by prepare_deepgemm_cache)")
+        sys.exit("usage: python -m fp8_align.vllm_plugin.kernels.deepgemm.cache --worker JSON DEVICE (run by prepare_deepgemm_cache)")
