@@ -20,6 +20,7 @@ from fp8_align.errors import FP8ConfigError
 #: through `policy.megatron_cfg.env_vars`.
 TE_FP32_SCALES_ENV_VAR = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 
+#: FP8Config fields read from (and written to) `policy.generation.vllm_cfg` under their own names.
 GENERATION_FIELDS = (
     "precision",
     "use_deep_gemm",
@@ -41,6 +42,7 @@ _NEMO_RL_GENERATION_ALIASES = {
     "pow2_weight_scaling_factors": "use_weight_pow2_scale",
     "pow2_activation_scaling_factors": "use_activation_pow2_scale",
 }
+#: FP8Config fields of `policy.megatron_cfg.fp8_cfg`.
 TRAINING_FIELDS = ("fp8", "fp8_recipe", "fp8_param", "allow_recipe_mismatch")
 #: `fp8_cfg` keys NeMo RL's Megatron worker reads that change no numerics (memory housekeeping).
 _NEMO_RL_FP8_CFG_RUNTIME_KEYS = frozenset({"force_clear_fp8_caches"})

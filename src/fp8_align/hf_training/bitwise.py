@@ -6,7 +6,8 @@ sync see the usual tensors) and computes, over packed sequences: embedding, RMSN
 residual add, the projections stacked as vLLM stacks them (q|k|v, gate|up: one product each, with
 the same GEMM calls as the engine; block FP8 through the plugin's fixed-tile backend for the layers
 the recipe quantizes, vLLM's batch-invariant matmul for BF16 ones), RMSNorm of q/k per head (Qwen3),
-RoPE with the FP32 table, attention with vLLM's TRITON_ATTN kernel over a paged copy of K/V,
+RoPE with the FP32 table, attention with vLLM's TRITON_ATTN kernel over a paged copy of K/V
+(BF16, or E4M3 with the engine's per-layer scales: `hf_training.attention`),
 SiLU-and-mul, the final norm, lm_head and the log-softmax of the sampler. Each op is an autograd
 function whose forward is the engine's kernel and whose backward is the standard gradient of the
 op at the model's precision (BF16), as a BF16 trainer computes it: in closed form for the linears,
