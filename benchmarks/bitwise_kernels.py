@@ -2,7 +2,7 @@
 configurations and TRITON_ATTN launch settings, each checked for bit-invariance and timed.
 
     python benchmarks/bitwise_kernels.py --out bitwise_kernels.json [--parts gemm,attention] [--tiles all|current]
-        [--kv-caches bf16,fp8] [--attention-settings all|current]
+        [--kv-caches bf16,fp8] [--attention-settings all|current] [--fp8-tilings all|current]
 
 GEMM: fp8_align's fixed-tile block-FP8 Triton GEMM (`bitwise.triton_kernels`) on the Qwen3-8B
 projection shapes with random E4M3 codes and FP32 scales. Per tile configuration: whether its rows
@@ -16,6 +16,8 @@ Attention: vLLM's TRITON_ATTN 2D kernel as the bitwise engine runs it (decode at
 paged cache, BF16 or E4M3 with per-tensor scales and a BF16 query), per (tile size, warps, stages):
 whether a decode row equals the same token's row of a full-sequence (prefill) launch, its time and
 the cache bytes it reads per second, next to FlashAttention-3 (`num_splits=1`) on the BF16 cache.
+FP8 attention: fp8_align's FP8-cache kernel (`bitwise.fp8_cache_attention`, what the bitwise
+engine runs over an E4M3 cache) per `AttentionTiling`, the same checks and figures at batch 512.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, AttentionTiling, fp8_cache_attention
 from fp8_align.bitwise.triton_kernels import GEMM_TILE, block_fp8_gemm_fixed_tile
 
 #: (name, N, K) of the Qwen3-8B projections (fused qkv and gate_up, as the engine holds them).
@@ -206,13 +209,57 @@ def attention_part(
     return rows
 
 
+#: fp8_cache_attention tilings compared; the first is ATTENTION_TILING.
+FP8_TILINGS = [ATTENTION_TILING] + [
+    AttentionTiling(16, tile, warps, stages) for tile in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)
+    if (tile, warps, stages) != (ATTENTION_TILING.tile, ATTENTION_TILING.num_warps, ATTENTION_TILING.num_stages)
+]  # fmt: skip
+
+
+def fp8_attention_part(tilings: list[AttentionTiling], batch: int = 512, contexts: tuple[int, ...] = (512, 1536)) -> list[dict[str, Any]]:
+    """Decode over a paged E4M3 cache (Qwen3-8B heads, 16-token blocks scattered) per tiling."""
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for context in contexts:
+        blocks = -(-context // block)
+        cache_k = (torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda") * 16).to(torch.float8_e4m3fn)
+        cache_v = (torch.randn(batch * blocks, block, kv_heads, dim, generator=gen, device="cuda") * 16).to(torch.float8_e4m3fn)
+        scale = torch.full((1,), 1 / 16, device="cuda")
+        table = torch.randperm(batch * blocks, generator=gen, device="cuda").to(torch.int32).view(batch, blocks)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        q_pre = torch.randn(context, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        q_pre[-1] = q[0]
+        starts_pre = torch.tensor([0, context], dtype=torch.int32, device="cuda")
+        bytes_read = 2 * batch * context * kv_heads * dim
+        for tiling in tilings:
+            setting = {"kernel": "fp8_cache_attention", "batch": batch, "context": context, **tiling.__dict__, "current": tiling == ATTENTION_TILING}
+
+            def call(query: torch.Tensor, starts: torch.Tensor, seqs: int, _tiling: AttentionTiling = tiling) -> torch.Tensor:
+                return fp8_cache_attention(query, cache_k, cache_v, table[:seqs], starts, lens[:seqs], dim**-0.5, scale, scale,
+                                           torch.empty_like(query), _tiling)  # fmt: skip
+
+            try:
+                same = torch.equal(call(q, starts, batch)[0], call(q_pre, starts_pre, 1)[-1])
+                us = round(do_bench(lambda: call(q, starts, batch), warmup=10, rep=50) * 1e3, 1)
+                row = {**setting, "decode_equals_prefill": same, "decode_us": us, "kv_read_gb_per_s": round(bytes_read / us / 1e3)}
+            except Exception as error:  # noqa: BLE001  (a tiling that does not compile is a result)
+                row = {**setting, "error": repr(error)[:300]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", default="gemm,attention")
+    parser.add_argument("--parts", default="gemm,attention,fp8_attention")
     parser.add_argument("--tiles", choices=("all", "current"), default="all", help="GEMM tile configurations to compare")
     parser.add_argument("--kv-caches", default="bf16,fp8", help="attention: KV-cache dtypes, bf16 and/or fp8")
     parser.add_argument("--attention-settings", choices=("all", "current"), default="all", help="attention: TRITON_ATTN launch settings")
+    parser.add_argument("--fp8-tilings", choices=("all", "current"), default="all", help="fp8_attention: fp8_cache_attention tilings")
     args = parser.parse_args(argv)
     import vllm
 
@@ -221,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     tiles = TILES if args.tiles == "all" else TILES[:1]
     settings = ATTENTION_SETTINGS if args.attention_settings == "all" else ATTENTION_SETTINGS[:1]
     attention = functools.partial(attention_part, kv_caches=tuple(args.kv_caches.split(",")), settings=settings)
-    for part, fn in (("gemm", functools.partial(gemm_part, tiles)), ("attention", attention)):
+    fp8_attention = functools.partial(fp8_attention_part, FP8_TILINGS if args.fp8_tilings == "all" else FP8_TILINGS[:1])
+    for part, fn in (("gemm", functools.partial(gemm_part, tiles)), ("attention", attention), ("fp8_attention", fp8_attention)):
         if part in args.parts:
             report[part] = fn()
             args.out.write_text(json.dumps(report, indent=1))

@@ -47,13 +47,13 @@ def _nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_kv_read_back_is_the_nearest_e4m3_code_times_the_scale() -> None:
-    """With a power-of-two scale `code * scale` is exact in BF16, so the read-back divided by the
+    """With a power-of-two scale `code * scale` is exact, so the FP32 read-back divided by the
     scale must be exactly the nearest E4M3 value of x / scale (ties to even), saturated at 448."""
     g = torch.Generator().manual_seed(0)
     scale = torch.tensor([2.0**-3])
     x = torch.cat([(torch.randn(4000, generator=g) * 30).to(torch.bfloat16), torch.tensor([100.0, -70.0, 0.0], dtype=torch.bfloat16)])
     read_back = fp8_kv_cache_reference(x, scale)
-    assert read_back.dtype == torch.bfloat16
+    assert read_back.dtype == torch.float32
     assert torch.equal(read_back.float() / scale, _nearest_e4m3(x.float() / scale))
     assert read_back[-3:].tolist() == [56.0, -56.0, 0.0]  # 100 / 2^-3 = 800 and -560 saturate at +-448
 

@@ -153,12 +153,28 @@ def test_triton_attention_decode_step_equals_the_full_sequence(heads: int, kv_he
     assert ATTENTION_BLOCK_SIZE == 16
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (9, 3, 64), (16, 16, 64)])
+def test_fp8_cache_attention_rows_are_invariant_and_close_to_the_reference(heads: int, kv_heads: int, head_size: int) -> None:
+    """fp8_align's FP8-cache kernel, compiled: every token's row has the same bits in a whole
+    prefill, in each 37-query chunk of a chunked prefill and in decode steps beside the other
+    sequences (tests/fp8_attention_cases.py), and is within 2e-2 of the FP32 reference of the same
+    cache contents (FP16 probabilities, BF16 output; the largest error is printed for the log)."""
+    from tests.fp8_attention_cases import check_case, make_case
+
+    case = make_case([1, 5, 77, 300, 129, 1100], heads, kv_heads, head_size, "cuda")
+    error = check_case(case, chunk=37)
+    print(f"fp8_cache_attention {heads}/{kv_heads}x{head_size}: max |kernel - FP32 reference| {error:.5f}")
+    assert error < 2e-2
+
+
 def _decode_step(
     kernels: Any, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: list[tuple[int, int]], head_size: int, scales: Any
 ) -> torch.Tensor:
     """One decode step as the engine runs it: each sequence's K/V prefix written by vLLM's cache
     write into paged blocks (here in reverse block order, as a fragmented cache would be; E4M3 with
-    `scales`, else BF16), one query per sequence."""
+    `scales`, attended by fp8_align's FP8-cache kernel, else BF16 and TRITON_ATTN), one query per
+    sequence."""
+    from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
     from fp8_align.hf_training.attention import ATTENTION_BLOCK_SIZE
 
     kv_heads, heads = k.shape[-1] // head_size, q_rows.shape[-1] // head_size
@@ -184,14 +200,17 @@ def _decode_step(
         "auto" if scales is None else "fp8", k_scale, v_scale,
     )  # fmt: skip
     seqs = len(picks)
+    query = q_rows.view(seqs, heads, head_size).contiguous()
     out = torch.empty(seqs, heads, head_size, dtype=q_rows.dtype, device="cuda")
-    unified_kwargs = {} if scales is None else {"kv_quant_mode": kernels.fp8_kv_quant_mode}
+    query_start = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([n for _, n in picks], dtype=torch.int32, device="cuda")
+    if scales is not None:
+        fp8_cache_attention(query, key_cache, value_cache, block_table, query_start, seq_lens, head_size**-0.5, k_scale, v_scale, out)
+        return out.view(seqs, heads * head_size)
     kernels.unified_attention(
-        q=q_rows.view(seqs, heads, head_size).contiguous(), k=key_cache, v=value_cache, out=out,
-        cu_seqlens_q=torch.arange(seqs + 1, dtype=torch.int32, device="cuda"), max_seqlen_q=1,
-        seqused_k=torch.tensor([n for _, n in picks], dtype=torch.int32, device="cuda"), max_seqlen_k=max(n for _, n in picks),
-        softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1), block_table=block_table, softcap=0,
-        q_descale=None, k_descale=k_scale.expand(seqs, kv_heads), v_descale=v_scale.expand(seqs, kv_heads), **unified_kwargs,
+        q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=query_start, max_seqlen_q=1, seqused_k=seq_lens,
+        max_seqlen_k=max(n for _, n in picks), softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1),
+        block_table=block_table, softcap=0, q_descale=None, k_descale=k_scale.expand(seqs, kv_heads), v_descale=v_scale.expand(seqs, kv_heads),
     )  # fmt: skip
     return out.view(seqs, heads * head_size)
 

@@ -201,35 +201,47 @@ def test_installed_vllm_resets_kv_scales_and_the_patch_restores_them():
     assert Attention.process_weights_after_loading is original
 
 
-def test_bitwise_fp8_kv_engine_keeps_queries_bf16_until_undone():
-    """`bf16_queries`: vLLM gives attention layers an FP8 query quantizer where the backend takes FP8
-    queries and the cache is FP8; the bitwise engine removes it (idempotently) and `undo_patches()`
-    gives it back. The layers are instances of vLLM's own `Attention` class built without its
-    `__init__` (which needs a CUDA backend to create a quantizer at all)."""
+def test_bitwise_fp8_kv_engine_attends_with_fp8_aligns_kernel_until_undone():
+    """`bitwise_fp8_attention`: on the attention layers of a bitwise FP8-cache engine, vLLM's own
+    `TritonAttentionImpl` (built here as vLLM builds it; the layers are vLLM's `Attention` class
+    built without its `__init__`, which needs a CUDA backend to create a query quantizer at all)
+    gets fp8_align's forward and loses the FP8 query quantizer, idempotently; `undo_patches()` gives
+    both back; a layer the kernel cannot serve (a sliding window, a BF16 cache) is refused by name."""
     import torch
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
     from fp8_align.vllm_plugin import patches
-    from fp8_align.vllm_plugin.on_policy import keep_queries_bf16
+    from fp8_align.vllm_plugin.on_policy import BitwiseModeError, attend_over_fp8_cache, bitwise_fp8_attention_forward
+
+    def layer(**impl_kwargs) -> Attention:
+        module = Attention.__new__(Attention)
+        torch.nn.Module.__init__(module)
+        settings = {"sliding_window": None, "kv_cache_dtype": "fp8", **impl_kwargs}
+        module.impl = TritonAttentionImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes=None, **settings)
+        module.query_quant = object()  # what vLLM's QuantFP8 would be
+        return module
 
     model = torch.nn.Module()
-    layers = []
-    for index in range(2):
-        layer = Attention.__new__(Attention)
-        torch.nn.Module.__init__(layer)
-        layer.query_quant = object()  # what vLLM's QuantFP8 would be
-        model.add_module(f"attn{index}", layer)
-        layers.append((layer, layer.query_quant))
-    plain = Attention.__new__(Attention)
-    torch.nn.Module.__init__(plain)
-    plain.query_quant = None  # a BF16 cache: nothing to remove
-    model.add_module("plain", plain)
-
-    assert keep_queries_bf16(model) == 2
-    assert all(layer.query_quant is None for layer, _ in layers)
-    assert keep_queries_bf16(model) == 0
+    layers = [layer(), layer()]
+    for index, module in enumerate(layers):
+        model.add_module(f"attn{index}", module)
+    quantizers = [module.query_quant for module in layers]
+    class_forward = TritonAttentionImpl.forward
+    assert attend_over_fp8_cache(model) == 2
+    for module in layers:
+        assert module.query_quant is None
+        assert module.impl.forward.__func__ is bitwise_fp8_attention_forward and module.impl.forward.__self__ is module.impl
+    assert attend_over_fp8_cache(model) == 0
     patches.undo_patches()
-    assert all(layer.query_quant is quantizer for layer, quantizer in layers) and plain.query_quant is None
+    assert [module.query_quant for module in layers] == quantizers
+    assert all(module.impl.forward.__func__ is class_forward for module in layers)
+
+    for bad, named in (({"sliding_window": 128}, "sliding_window"), ({"kv_cache_dtype": "auto"}, "kv_cache_dtype")):
+        refused = torch.nn.Module()
+        refused.add_module("attn", layer(**bad))
+        with pytest.raises(BitwiseModeError, match=f"attention layer attn .*{named}"):
+            attend_over_fp8_cache(refused)
 
 
 def test_fp8_layer_state_survives_executor_pickling():

@@ -7,9 +7,10 @@
 #        | grpo (3 seeds of the arms $GRPO_ARMS, default bf16,fp8_bitwise, at once; $GRPO_ARGS: more arguments)
 #        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
 #        | profile (one decode step of the fast mode and of the bitwise mode, kernel families; Qwen3-8B shape)
-#        | kernels[=all] (benchmarks/bitwise_kernels.py: CUTLASS, DeepGEMM and the current Triton tile checked
-#          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache; =all: every
-#          GEMM tile configuration and TRITON_ATTN launch setting)
+#        | kernels[=all|=attention] (benchmarks/bitwise_kernels.py: CUTLASS, DeepGEMM and the current Triton tile checked
+#          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache, fp8_cache_attention's
+#          current tiling; =all: every GEMM tile configuration, TRITON_ATTN launch setting and fp8_cache_attention
+#          tiling; =attention: the attention parts only, every fp8_cache_attention tiling)
 # Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise*.json, on_policy_cost.json, grpo_bitwise/, logs.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out" /root/stage
@@ -54,9 +55,13 @@ for stage in "$@"; do
       echo "rc=$?"; tail -30 "$out/bench_error_cuda.log" ;;
     te) bash benchmarks/box/te_box_run.sh tests ops ;;
     kernels*)
-      if [ "$stage" = "kernels=all" ]; then kernel_args=(--tiles all); else kernel_args=(--tiles current --attention-settings current); fi
+      case "$stage" in
+        kernels=all) kernel_args=(--tiles all) ;;
+        kernels=attention) kernel_args=(--parts attention,fp8_attention --attention-settings current --fp8-tilings all) ;;
+        *) kernel_args=(--tiles current --attention-settings current --fp8-tilings current) ;;
+      esac
       python3 benchmarks/bitwise_kernels.py --out "$out/bitwise_kernels.json" "${kernel_args[@]}" > "$out/bitwise_kernels.log" 2>&1
-      echo "rc=$?"; grep -hE "cutlass|deepgemm|\"fp8\"" "$out/bitwise_kernels.log" | cut -c1-300 | head -40 ;;
+      echo "rc=$?"; grep -hE "cutlass|deepgemm|\"fp8\"|fp8_cache_attention" "$out/bitwise_kernels.log" | cut -c1-300 | head -60 ;;
     profile)
       python3 benchmarks/decode_profile.py --results "$out/decode_profile" --batch fp8_align=140,fp8_bitwise=140 \
         > "$out/decode_profile.log" 2>&1

@@ -49,10 +49,11 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_kv_cache_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """K or V [..., D] as attention reads it back from an E4M3 KV cache written with the per-tensor
-    FP32 `scale` (vLLM's per-layer `k_scale`/`v_scale`, [1] or scalar): codes `E4M3(x / scale)`
-    saturated to +-448, read as `code * scale` in FP32 and rounded once to x's dtype."""
-    return (quantize_with_scale(x.float(), scale).float() * scale).to(x.dtype)
+    """K or V [..., D] as attention over an E4M3 KV cache written with the per-tensor FP32 `scale`
+    (vLLM's per-layer `k_scale`/`v_scale`, [1] or scalar) reads it: codes `E4M3(x / scale)`
+    saturated to +-448, times `scale`, in FP32 (`fp8_cache_attention` applies the scale to the
+    scores and outputs instead, the same product up to FP32 rounding)."""
+    return quantize_with_scale(x.float(), scale).float() * scale
 
 
 def apply_rope(

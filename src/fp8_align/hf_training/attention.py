@@ -1,12 +1,12 @@
 """Attention of packed sequences for `BitwiseForward`: where each token sits (`PackedBatch`), the
-pure-torch reference, and vLLM's TRITON_ATTN kernel over a paged copy of K/V written as a
-bitwise engine writes its KV cache: BF16, or E4M3 with the engine's per-layer scales
-(`KVCacheScales`, `FP8Config(kv_cache_dtype="fp8")`).
+pure-torch reference, and the engine's attention kernel over a paged copy of K/V written as a
+bitwise engine writes its KV cache: BF16 (vLLM's TRITON_ATTN kernel), or E4M3 with the engine's
+per-layer scales (`KVCacheScales`, `FP8Config(kv_cache_dtype="fp8")`: fp8_align's
+`fp8_cache_attention`, which the engine runs through `vllm_plugin.on_policy.attend_over_fp8_cache`).
 
-With an FP8 cache the engine's attention reads every key and value back from E4M3 codes, prefill
-and decode alike (the cache is written before attention runs); the query stays BF16 (a bitwise
-engine does not quantize it, `vllm_plugin.on_policy.keep_queries_bf16`). The trainer writes its
-copy with the engine's own cache-write kernel and scales and runs the engine's kernel on it, so
+With an FP8 cache the engine's attention reads every key and value from E4M3 codes, prefill and
+decode alike (the cache is written before attention runs), with the BF16 query. The trainer writes
+its copy with the engine's own cache-write kernel and scales and runs the same kernel on it, so
 each token's attention output is the engine's bits.
 """
 
@@ -21,11 +21,16 @@ import torch.nn.functional as F
 
 from fp8_align.bitwise.reference import fp8_kv_cache_reference
 
+try:
+    from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
+except ImportError:  # CPU builds of torch come without Triton; the CPU path runs attention_reference
+    fp8_cache_attention = None
+
 if TYPE_CHECKING:  # vLLM is imported only where its kernels run (CUDA)
     from fp8_align.vllm_plugin.compat import BatchInvariantKernels
 
 #: KV-cache block size of the trainer's paged K/V copy (vLLM's default for TRITON_ATTN on CUDA;
-#: the kernel's reduction runs over fixed 32-token tiles of the sequence whatever the block size).
+#: both kernels reduce over fixed tiles of the sequence whatever the block size).
 ATTENTION_BLOCK_SIZE = 16
 #: `kv_cache_dtype` of an E4M3 cache, as vLLM's cache-write kernel takes it.
 FP8_KV_CACHE_DTYPE = "fp8"
@@ -134,11 +139,11 @@ def paged_triton_attention(
     head_size: int,
     kv_scales: KVCacheScales | None = None,
 ) -> torch.Tensor:
-    """`attention_reference`'s contract computed by vLLM's TRITON_ATTN kernel as a bitwise engine
-    calls it: K/V written by vLLM's cache-write kernel into a paged cache of
-    `ATTENTION_BLOCK_SIZE`-token blocks (`batch`'s layout), BF16 with unit scales, or with
-    `kv_scales` E4M3 codes read back with those scales (the kernel's per-tensor FP8 mode, BF16
-    query); every query of a sequence attends to its prefix, softmax scale D ** -0.5."""
+    """`attention_reference`'s contract computed by the kernel a bitwise engine runs: K/V written
+    by vLLM's cache-write kernel into a paged cache of `ATTENTION_BLOCK_SIZE`-token blocks
+    (`batch`'s layout), BF16 and attended by TRITON_ATTN's `unified_attention`, or with `kv_scales`
+    E4M3 codes attended by `fp8_cache_attention` (BF16 query); every query of a sequence attends to
+    its prefix, softmax scale D ** -0.5."""
     tokens, device = q.shape[0], q.device
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
     blocks, seqs = batch.num_blocks, len(batch.seq_lens)
@@ -146,22 +151,24 @@ def paged_triton_attention(
     key_cache = torch.zeros(blocks, ATTENTION_BLOCK_SIZE, kv_heads, head_size, dtype=cache_dtype, device=device)
     value_cache = torch.zeros_like(key_cache)
     if kv_scales is None:
-        unit = torch.ones(1, dtype=torch.float32, device=device)
-        k_scale = v_scale = unit
-        quant: dict[str, object] = {}
+        k_scale = v_scale = torch.ones(1, dtype=torch.float32, device=device)
     else:
         k_scale, v_scale = kv_scales.k_scale, kv_scales.v_scale
-        quant = {"kv_quant_mode": kernels.fp8_kv_quant_mode}
     kernels.write_kv_cache(
         k.reshape(tokens, kv_heads, head_size), v.reshape(tokens, kv_heads, head_size), key_cache, value_cache, batch.slot,
         "auto" if kv_scales is None else FP8_KV_CACHE_DTYPE, k_scale, v_scale,
     )  # fmt: skip
+    query = q.reshape(tokens, heads, head_size).contiguous()
     out = torch.empty(tokens, heads, head_size, dtype=q.dtype, device=device)
+    if kv_scales is not None:
+        if fp8_cache_attention is None:
+            raise RuntimeError("the FP8-cache attention kernel needs Triton on CUDA; install the triton that matches torch")
+        fp8_cache_attention(query, key_cache, value_cache, batch.block_table, batch.cu_seqlens, batch.lengths, head_size**-0.5, k_scale, v_scale, out)
+        return out.reshape(tokens, heads * head_size)
     kernels.unified_attention(
-        q=q.reshape(tokens, heads, head_size).contiguous(), k=key_cache, v=value_cache, out=out,
-        cu_seqlens_q=batch.cu_seqlens, max_seqlen_q=max(batch.seq_lens), seqused_k=batch.lengths,
-        max_seqlen_k=max(batch.seq_lens), softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1),
-        block_table=batch.block_table, softcap=0, q_descale=None, k_descale=k_scale.expand(seqs, kv_heads),
-        v_descale=v_scale.expand(seqs, kv_heads), **quant,
+        q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=batch.cu_seqlens, max_seqlen_q=max(batch.seq_lens),
+        seqused_k=batch.lengths, max_seqlen_k=max(batch.seq_lens), softmax_scale=head_size**-0.5, causal=True,
+        window_size=(-1, -1), block_table=batch.block_table, softcap=0, q_descale=None, k_descale=k_scale.expand(seqs, kv_heads),
+        v_descale=v_scale.expand(seqs, kv_heads),
     )  # fmt: skip
     return out.reshape(tokens, heads * head_size)

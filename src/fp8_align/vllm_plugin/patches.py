@@ -60,9 +60,10 @@ replace how vLLM builds and post-processes FP8 layers and KV scales, so one of t
 `bitwise_rms_norm`, `bitwise_silu_and_mul` and `bitwise_rope` (vLLM 0.22, only for
 `FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul and
 RotaryEmbedding classes with fp8_align's batch-invariant operators (`vllm_plugin.on_policy`).
-With an FP8 KV cache, the scoped instance patch `bf16_queries` (`on_policy.keep_queries_bf16`,
-applied by the model-loading hook to that engine's attention layers) removes vLLM's FP8 query
-quantizer (`Attention.query_quant`); `undo_patches()` gives it back.
+With an FP8 KV cache, the scoped instance patch `bitwise_fp8_attention`
+(`on_policy.attend_over_fp8_cache`, applied by the model-loading hook to that engine's attention
+layers) replaces each layer's `TritonAttentionImpl.forward` with fp8_align's FP8-cache kernel and
+removes vLLM's FP8 query quantizer (`Attention.query_quant`); `undo_patches()` gives both back.
 """
 
 from __future__ import annotations
@@ -92,11 +93,11 @@ from fp8_align.vllm_plugin.load_memory import log_load_memory
 from fp8_align.vllm_plugin.on_policy import (
     BITWISE_SERIES,
     attach_rope_tables,
+    attend_over_fp8_cache,
     bitwise_rms_norm_forward,
     bitwise_rope_forward,
     bitwise_silu_and_mul_forward,
-    keep_queries_bf16,
-    restore_query_quantization,
+    restore_fp8_cache_attention,
 )
 from fp8_align.vllm_plugin.refit.weight_sync import install_weight_sync, uninstall_all
 
@@ -159,7 +160,7 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
         if "bitwise_rope" in _applied:
             logger.info("fp8_align: FP32 RoPE table on %d rotary layers (on_policy='bitwise')", attach_rope_tables(model, model_config.hf_text_config))
         if fp8_config is not None and fp8_config.on_policy == "bitwise" and fp8_config.kv_cache_dtype == "fp8":
-            logger.info("fp8_align: BF16 queries over the FP8 KV cache in %d attention layers (bf16_queries)", keep_queries_bf16(model))
+            logger.info("fp8_align: bitwise FP8-cache attention in %d layers (bitwise_fp8_attention)", attend_over_fp8_cache(model))
         if fp8_config is not None and plan_engine(model, fp8_config, vllm_config).xqa:
             _apply_patch(XQA_PATCH)
 
@@ -426,8 +427,8 @@ def _restore_env() -> None:
 
 
 def undo_patches() -> None:
-    """Restore everything `apply_patches`, `set_moe_activation_rounding`, `probe_attention` and
-    `read_scales_live` changed."""
+    """Restore everything `apply_patches`, `set_moe_activation_rounding`, `probe_attention`,
+    `read_scales_live` and `bitwise_fp8_attention` changed."""
     for patch, original in _applied.values():
         setattr(patch.owner(), patch.attribute, original)
     _applied.clear()
@@ -435,7 +436,7 @@ def undo_patches() -> None:
     uninstall_all()
     unprobe_all()
     stop_reading_live()
-    restore_query_quantization()
+    restore_fp8_cache_attention()
 
 
 def applied_patches() -> list[str]:
