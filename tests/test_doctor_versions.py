@@ -21,7 +21,7 @@ from fp8_align.versions import (
 H100 = EnvironmentFacts(
     python="3.12.3", torch="2.11.0+cu130", torch_cuda="13.0", cuda_available=True, gpu_name="NVIDIA H100 80GB HBM3",
     compute_capability=(9, 0), vllm="0.22.0", deep_gemm=True, megatron_core="0.19.2",
-    transformer_engine="2.9.0", te_block_scaling=True,
+    transformer_engine="2.9.0", te_block_scaling=True, triton="3.6.0",
 )
 
 
@@ -40,6 +40,10 @@ def test_hopper_with_everything_can_run_the_whole_recipe():
         ({"te_block_scaling": False}, "training", "no Float8BlockScaling"),
         ({"transformer_engine": None, "te_block_scaling": False}, "training", "TransformerEngine not installed"),
         ({"deep_gemm": False}, "use_deep_gemm", "DeepGEMM not found"),
+        ({"vllm": "0.25.1"}, "on_policy='bitwise'", "runs on vLLM 0.22; the installed vLLM is 0.25.1"),
+        ({"compute_capability": None, "cuda_available": False, "gpu_name": None}, "on_policy='bitwise'", "no CUDA GPU visible"),
+        ({"compute_capability": (8, 0)}, "on_policy='bitwise'", "compute capability >= 8.9"),
+        ({"triton": None}, "on_policy='bitwise'", "Triton not installed"),
     ],
 )
 def test_each_missing_piece_is_reported_with_its_reason(change, option, reason):
@@ -83,3 +87,23 @@ def test_version_gate():
     assert warning and "Running anyway" in warning
     with pytest.raises(UnsupportedVLLMVersionError, match="cannot parse"):
         check_vllm_version("banana", {})
+
+
+def test_the_feature_table_in_the_docs_is_the_codes() -> None:
+    """docs/vllm_versions.md's feature table has one row per `FEATURE_SERIES` entry, in order, each
+    naming exactly that feature's series; every gate that reads the table reads its own row."""
+    from pathlib import Path
+
+    from fp8_align.versions import FEATURE_SERIES, TESTED_VLLM_SERIES, series_text
+    from fp8_align.vllm_plugin import on_policy, patches
+    from fp8_align.vllm_plugin.kv import flashinfer_scales, probe, xqa_decode
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vllm_versions.md").read_text()
+    section = text.split("## Which feature runs on which release", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert [(name, series) for name, series, *_ in rows] == [(f"`{name}`", series_text(s)) for name, s in FEATURE_SERIES.items()]
+    gates = [patches.PATCHED_SERIES, patches.KV_SCALES_SERIES, probe.PROBE_VERSIONS, on_policy.BITWISE_SERIES,
+             xqa_decode.XQA_SERIES, flashinfer_scales.LIVE_SCALES_SERIES]  # fmt: skip
+    assert gates == list(FEATURE_SERIES.values())
+    assert all(set(series) <= set(TESTED_VLLM_SERIES) for series in FEATURE_SERIES.values())

@@ -192,8 +192,14 @@ def _hopper(**changes: object) -> TrainingEnvironment:
 
 
 def test_a_matching_hopper_setup_passes() -> None:
+    """Each config passes on the machine that matches it and fails on the one that matches the other
+    (the TE rounding is really compared, not skipped)."""
     validate_training_setup(FP8Config(), _hopper(), num_layers=NUM_LAYERS)
     validate_training_setup(CONFIGS["pow2"], _hopper(te_pow2_scales=True, cuda_version=(13, 0)))
+    with pytest.raises(TrainingSetupError, match="power-of-two scales but generation uses FP32"):
+        validate_training_setup(FP8Config(), _hopper(te_pow2_scales=True, cuda_version=(13, 0)))
+    with pytest.raises(TrainingSetupError, match="FP32 scales but generation uses power-of-two"):
+        validate_training_setup(CONFIGS["pow2"], _hopper())
 
 
 @pytest.mark.parametrize(
@@ -252,14 +258,20 @@ def test_fp32_scales_with_the_default_rule_are_warned_about(caplog: pytest.LogCa
 
 
 def test_accepted_mismatch_skips_the_rounding_checks() -> None:
-    cfg = FP8Config(use_weight_pow2_scale=True, allow_recipe_mismatch=True)
-    validate_training_setup(cfg, _hopper(te_pow2_scales=False))
+    """The same rounding mismatch that is refused without `allow_recipe_mismatch` passes with it."""
+    validate_training_setup(FP8Config(use_weight_pow2_scale=True, allow_recipe_mismatch=True), _hopper(te_pow2_scales=False))
+    pow2 = {"use_weight_pow2_scale": True, "use_activation_pow2_scale": True}
+    validate_training_setup(FP8Config(**pow2, allow_recipe_mismatch=True), _hopper(te_pow2_scales=False))
+    with pytest.raises(TrainingSetupError, match="FP32 scales but generation uses power-of-two"):
+        validate_training_setup(FP8Config(**pow2), _hopper(te_pow2_scales=False))
 
 
 def test_bf16_training_needs_nothing_from_the_machine() -> None:
-    validate_training_setup(
-        FP8Config(fp8=None), _hopper(cuda_available=False, compute_capability=None, te_version=None)
-    )
+    """A machine with no GPU and no TE passes for BF16 training and fails for FP8 training."""
+    bare = _hopper(cuda_available=False, compute_capability=None, te_version=None, te_has_block_scaling=False, te_pow2_scales=None)
+    validate_training_setup(FP8Config(fp8=None), bare)
+    with pytest.raises(TrainingSetupError, match="needs a CUDA GPU"):
+        validate_training_setup(FP8Config(), bare)
 
 
 def test_detected_environment_matches_this_process() -> None:

@@ -9,7 +9,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fp8_align.versions import installed_vllm_version, is_tested_vllm, tested_range_text
+from fp8_align.versions import FEATURE_SERIES, installed_vllm_version, is_tested_vllm, series_text, tested_range_text, vllm_series
+
+#: The feature table's entry the bitwise option reads.
+BITWISE_FEATURE = "on_policy='bitwise' (CUDA)"
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class EnvironmentFacts:
     transformer_engine: str | None
     te_block_scaling: bool
     te_import_error: str | None = None
+    triton: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ def detect_environment() -> EnvironmentFacts:
         transformer_engine=_dist_version("transformer-engine", "transformer_engine", "transformer-engine-torch"),
         te_block_scaling=te_block_scaling,
         te_import_error=te_import_error,
+        triton=_dist_version("triton", "pytorch-triton"),
     )
 
 
@@ -127,6 +132,7 @@ def recipe_options(facts: EnvironmentFacts) -> list[RecipeOption]:
             facts.vllm is not None,
             "vLLM not installed" if facts.vllm is None else "supported by the installed vLLM's attention backends (see docs for per-backend limits)",
         ),
+        RecipeOption("on_policy='bitwise' (engine log-probs = trainer's, bit for bit)", *_bitwise_usable(facts)),
         RecipeOption(
             "training fp8_recipe=blockwise (TransformerEngine)",
             hopper and _cuda_at_least(facts.torch_cuda, 12, 9) and facts.te_block_scaling,
@@ -134,6 +140,21 @@ def recipe_options(facts: EnvironmentFacts) -> list[RecipeOption]:
         ),
     ]
     return options
+
+
+def _bitwise_usable(facts: EnvironmentFacts) -> tuple[bool, str]:
+    """Whether FP8Config(on_policy="bitwise") can run with these facts, and why (not)."""
+    series = FEATURE_SERIES[BITWISE_FEATURE]
+    cc = facts.compute_capability
+    if cc is None:
+        return False, "no CUDA GPU visible (its kernels are Triton on CUDA; on CPU use on_policy='off')"
+    if cc < (8, 9):
+        return False, f"needs FP8 tensor cores (compute capability >= 8.9; proven on H100/H200), this GPU is sm{cc[0]}{cc[1]}"
+    if facts.vllm is None or vllm_series(facts.vllm) not in series:
+        return False, f"runs on vLLM {series_text(series)}; the installed vLLM is {facts.vllm or 'none'}"
+    if facts.triton is None:
+        return False, "Triton not installed (the bitwise kernels are Triton kernels)"
+    return True, f"CUDA sm{cc[0]}{cc[1]}, vLLM {facts.vllm}, Triton {facts.triton}"
 
 
 def _training_reason(facts: EnvironmentFacts, hopper: bool) -> str:
@@ -173,6 +194,7 @@ def format_report(report: DoctorReport) -> str:
         f"  torch               {f.torch} (CUDA {f.torch_cuda or 'none'})",
         f"  GPU                 {gpu}",
         f"  vLLM                {vllm}",
+        f"  Triton              {f.triton or 'not installed'}",
         f"  DeepGEMM            {'available' if f.deep_gemm else 'not found'}",
         f"  megatron-core       {f.megatron_core or 'not installed'}",
         f"  TransformerEngine   {f.transformer_engine or 'not installed'}"

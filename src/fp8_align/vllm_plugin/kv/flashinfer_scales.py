@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
+from fp8_align.versions import FEATURE_SERIES
+
 #: vLLM series whose FlashInferImpl was read for this: bmm2_scale cached at the first forward,
 #: get_xqa_bmm1_scale(layer, q_data_type) from host floats, both passed to
 #: trtllm_batch_decode_with_kv_cache (0.25.1).
-LIVE_SCALES_SERIES = ((0, 25),)
+LIVE_SCALES_SERIES = FEATURE_SERIES["live K/V scales on attention_backend='FLASHINFER' (CUDA, Hopper)"]
 #: The vLLM attention implementation class that keeps K/V scales as launch arguments.
 FLASHINFER_IMPL = "FlashInferImpl"
 _LIVE_ATTR = "fp8_align_live_kv_scales"

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fp8_align.versions import ALLOW_UNTESTED_ENV_VAR, UnsupportedVLLMVersionError, installed_vllm_version, vllm_series
+from fp8_align.versions import ALLOW_UNTESTED_ENV_VAR, FEATURE_SERIES, UnsupportedVLLMVersionError, installed_vllm_version, vllm_series
 
 logger = logging.getLogger("vllm.fp8_align")
 
@@ -30,7 +30,7 @@ PROBED_METHODS = ("do_kv_cache_update", "forward")
 #: slot_mapping)` and `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)`
 #: in Python, also when the model around them is torch.compiled or runs in piecewise CUDA graphs.
 #: (The series `patches.PATCHED_SERIES` covers.)
-PROBE_VERSIONS = ((0, 20), (0, 22), (0, 25), (0, 27), (0, 29), (0, 32))
+PROBE_VERSIONS = FEATURE_SERIES["calibrate_kv_scales (engine-side K/V calibration)"]
 
 
 class AttentionProbe(Protocol):

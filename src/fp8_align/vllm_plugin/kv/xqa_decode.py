@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from fp8_align.versions import FEATURE_SERIES
+
 #: XQA scratch: 8 MiB of semaphores (zeroed once) plus the multi-block partial results.
 XQA_WORKSPACE_BYTES = 256 << 20
 #: Compute capability XQA's FP8-KV kernel (`mha_sm90.cu`) is built for.
@@ -36,7 +38,7 @@ XQA_CAPABILITY = (9, 0)
 #: output, output_scale, output_block_scale) and FlashAttentionMetadata (max_query_len, seq_lens,
 #: block_table, use_cascade) were checked for this route: 0.22.0 (CUDA) and 0.22.1.
 #: vLLM 0.25+ routes SM90 FP8-KV decode to XQA itself (its FLASHINFER backend).
-XQA_SERIES = ((0, 22),)
+XQA_SERIES = FEATURE_SERIES["kv_decode_kernel='xqa' route (CUDA, Hopper)"]
 #: vLLM `kv_cache_dtype` values of an E4M3 cache, the one XQA's FP8 kernel reads.
 XQA_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 #: Attribute set on an attention implementation whose decode batches go to XQA.
