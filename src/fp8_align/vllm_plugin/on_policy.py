@@ -34,12 +34,12 @@ from fp8_align.bitwise import MODEL_TYPES
 from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
 from fp8_align.config import FP8Config
-from fp8_align.versions import FEATURE_SERIES, installed_vllm_version, vllm_series
+from fp8_align.versions import BITWISE_FEATURE, FEATURE_SERIES, installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, BITWISE_ENGINE_KWARGS
 
 #: vLLM series whose batch-invariant mode, TRITON_ATTN kernel and model code (Llama, Qwen2, Qwen3
 #: forwards; RMSNorm, SiluAndMul, RotaryEmbedding layers) the bitwise engine was built and proven on.
-BITWISE_SERIES = FEATURE_SERIES["on_policy='bitwise' (CUDA)"]
+BITWISE_SERIES = FEATURE_SERIES[BITWISE_FEATURE]
 #: The attention backend whose decode and prefill run one kernel with one tile size in that mode.
 ATTENTION_BACKEND = BITWISE_ENGINE_KWARGS["attention_backend"]
 #: Buffer holding the FP32 RoPE table on each of the engine's rotary layers.
