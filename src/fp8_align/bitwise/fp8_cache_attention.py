@@ -38,7 +38,7 @@ class AttentionTiling:
 
     block_m: int = 16
     tile: int = 64
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 3
 
 
