@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...]
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS]
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -157,6 +157,14 @@ while [ $# -gt 0 ]; do
         --deepgemm-cache /root/dg_cache --variants "$variants" --results "$out/report$gpus" > "$log" 2>&1
       tail -12 "$log"
       mkdir -p "$out/engine_logs_$tag" && cp "$work"/*/*.log "$out/engine_logs_$tag/" 2>/dev/null; true ;;
+    rl-step*)
+      # rl-step[=VARIANTS]: benchmarks/rl_step_time.py (one GRPO step per variant, the Qwen3-8B shape cut to fit one
+      # GPU; $RL_STEP_ARGS: more arguments), after dg-prepare for fp8_fast; chains of a par split the variants
+      variants="${stage#rl-step}"; variants="${variants#=}"; tag="${variants//,/_}"; tag="${tag:-all}"
+      python3 benchmarks/rl_step_time.py --out "$out/rl_step_time_$tag.json" ${variants:+--variants "$variants"} \
+        --deepgemm-cache /root/dg_cache --work "/root/rl_step_work_$tag" ${RL_STEP_ARGS:-} > "$out/rl_step_time_$tag.log" 2>&1
+      echo "rc=$?"; tail -5 "$out/rl_step_time_$tag.log"
+      for log in /root/rl_step_work_"$tag"/*.log; do [ -f "$log" ] && tail -c 20000 "$log" > "$out/rl_step_${tag}_${log##*/}"; done; true ;;
     xqa-sweep)
       # XQA decode alone by page size and layout at the rollout's decode batch (benchmarks/attention_decode.py)
       for batch in 512 256; do
