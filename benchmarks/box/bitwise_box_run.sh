@@ -7,6 +7,7 @@
 #        | grpo (3 seeds of the arms $GRPO_ARMS, default bf16,fp8_bitwise, at once; $GRPO_ARGS: more arguments)
 #        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
 #        | profile (one decode step of the fast mode and of the bitwise mode, kernel families; Qwen3-8B shape)
+#        | ncu (Nsight Compute, full set, on one decode launch of fp8_cache_attention: report and its details page)
 #        | kernels[=all|=attention] (benchmarks/bitwise_kernels.py: CUTLASS, DeepGEMM and the current Triton tile checked
 #          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache, fp8_cache_attention's
 #          current tiling; =all: every GEMM tile configuration, TRITON_ATTN launch setting and fp8_cache_attention
@@ -62,6 +63,13 @@ for stage in "$@"; do
       esac
       python3 benchmarks/bitwise_kernels.py --out "$out/bitwise_kernels.json" "${kernel_args[@]}" > "$out/bitwise_kernels.log" 2>&1
       echo "rc=$?"; grep -hE "cutlass|deepgemm|\"fp8\"|fp8_cache_attention" "$out/bitwise_kernels.log" | cut -c1-300 | head -60 ;;
+    ncu)  # Nsight Compute on one decode launch of fp8_cache_attention (batch 512, 512 tokens): stalls, occupancy, DRAM
+      ncu -k regex:_fp8_cache_attention_kernel --launch-skip 2 --launch-count 1 --set full -f -o "$out/fp8_attention" \
+        python3 benchmarks/bitwise_kernels.py --out "$out/ncu_bitwise_kernels.json" --parts fp8_attention --fp8-tilings current \
+        > "$out/ncu.log" 2>&1
+      echo "rc=$?"; ncu --import "$out/fp8_attention.ncu-rep" --page details > "$out/fp8_attention_ncu.txt" 2>&1
+      grep -E "DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per Thread|Warp Cycles Per Issued|Theoretical Occupancy" \
+        "$out/fp8_attention_ncu.txt" | head -12 ;;
     profile)
       python3 benchmarks/decode_profile.py --results "$out/decode_profile" --batch fp8_align=140,fp8_bitwise=140 \
         > "$out/decode_profile.log" 2>&1
