@@ -64,7 +64,7 @@ for stage in "$@"; do
       python3 benchmarks/bitwise_kernels.py --out "$out/bitwise_kernels.json" "${kernel_args[@]}" > "$out/bitwise_kernels.log" 2>&1
       echo "rc=$?"; grep -hE "cutlass|deepgemm|\"fp8\"|fp8_cache_attention" "$out/bitwise_kernels.log" | cut -c1-300 | head -60 ;;
     ncu)  # Nsight Compute on one decode launch of fp8_cache_attention (batch 512, 512 tokens): stalls, occupancy, DRAM
-      ncu -k regex:_fp8_cache_attention_kernel --launch-skip 2 --launch-count 1 --set full -f -o "$out/fp8_attention" \
+      ncu -k regex:_fp8_cache_attention_kernel --launch-skip 2 --launch-count 1 --kill on --set full -f -o "$out/fp8_attention" \
         python3 benchmarks/bitwise_kernels.py --out "$out/ncu_bitwise_kernels.json" --parts fp8_attention --fp8-tilings current \
         > "$out/ncu.log" 2>&1
       echo "rc=$?"; ncu --import "$out/fp8_attention.ncu-rep" --page details > "$out/fp8_attention_ncu.txt" 2>&1
