@@ -212,8 +212,8 @@ def attention_part(
 
 #: fp8_cache_attention tilings compared; the first is ATTENTION_TILING.
 FP8_TILINGS = [ATTENTION_TILING] + [
-    AttentionTiling(16, tile, warps, stages) for tile in (32, 64, 128) for warps in (1, 2, 4) for stages in (1, 2, 3)
-    if (tile, warps, stages) != (ATTENTION_TILING.tile, ATTENTION_TILING.num_warps, ATTENTION_TILING.num_stages)
+    tiling for tile in (64, 128) for warps in (1, 2, 4) for stages in (1, 2, 3) for split in (False, True)
+    if (tiling := AttentionTiling(16, tile, warps, stages, split)) != ATTENTION_TILING
 ]  # fmt: skip
 
 

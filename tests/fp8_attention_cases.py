@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
+from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, AttentionTiling, fp8_cache_attention
 from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference
 from fp8_align.quant.scales import quantize_with_scale
 
@@ -39,9 +39,9 @@ class PagedCase:
     def starts(self) -> list[int]:
         return [sum(self.lengths[:i]) for i in range(len(self.lengths))]
 
-    def attend(self, picks: list[tuple[int, int, int]]) -> torch.Tensor:
-        """One kernel launch: for each (sequence, first query position, query count) the queries at
-        those positions over the sequence's keys up to the last of them -> [queries, Hq*D]."""
+    def attend(self, picks: list[tuple[int, int, int]], tiling: AttentionTiling = ATTENTION_TILING) -> torch.Tensor:
+        """One kernel launch with `tiling`: for each (sequence, first query position, query count)
+        the queries at those positions over the sequence's keys up to the last of them -> [queries, Hq*D]."""
         heads, dim = self.q.shape[1] // self.head_size, self.head_size
         device = self.q.device
         rows = torch.cat([torch.arange(self.starts[s] + first, self.starts[s] + first + count) for s, first, count in picks])
@@ -52,7 +52,7 @@ class PagedCase:
         table = self.block_table[[s for s, _, _ in picks]].contiguous()
         out = torch.empty_like(query)
         fp8_cache_attention(query, self.key_cache, self.value_cache, table, query_start, seq_lens, dim**-0.5,
-                            self.scales.k_scale, self.scales.v_scale, out)  # fmt: skip
+                            self.scales.k_scale, self.scales.v_scale, out, tiling)  # fmt: skip
         return out.view(query.shape[0], heads * dim)
 
 
@@ -84,19 +84,20 @@ def make_case(lengths: list[int], heads: int, kv_heads: int, head_size: int, dev
                      to(key_cache), to(value_cache), to(block_table))  # fmt: skip
 
 
-def check_case(case: PagedCase, chunk: int) -> float:
-    """Assert the rows' bit equality across prefill, chunked prefill (chunks of `chunk` queries)
-    and decode; return the largest |kernel - FP32 reference| over all tokens."""
-    full = case.attend([(s, 0, n) for s, n in enumerate(case.lengths)])
+def check_case(case: PagedCase, chunk: int, tiling: AttentionTiling = ATTENTION_TILING) -> float:
+    """Assert the rows' bit equality (kernel launched with `tiling`) across prefill, chunked
+    prefill (chunks of `chunk` queries) and decode; return the largest |kernel - FP32 reference|
+    over all tokens."""
+    full = case.attend([(s, 0, n) for s, n in enumerate(case.lengths)], tiling)
     starts = case.starts
     for s, n in enumerate(case.lengths):
         for first in range(0, n, chunk):
             count = min(chunk, n - first)
-            chunked = case.attend([(s, first, count)])
+            chunked = case.attend([(s, first, count)], tiling)
             assert torch.equal(chunked, full[starts[s] + first : starts[s] + first + count]), ("chunked prefill", s, first)
     for back in (0, 1, 2, 9):  # decode steps at several depths, every sequence long enough in one batch
         picks = [(s, n - 1 - back, 1) for s, n in enumerate(case.lengths) if n - 1 - back >= 0]
-        decode = case.attend(picks)
+        decode = case.attend(picks, tiling)
         expected = torch.stack([full[starts[s] + first] for s, first, _ in picks])
         assert torch.equal(decode, expected), ("decode", back)
     batch = PackedBatch.from_lengths(case.lengths, case.q.device)

@@ -13,6 +13,7 @@ and engine-vs-trainer agreement are exact. The whole-engine proof is benchmarks/
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -153,17 +154,20 @@ def test_triton_attention_decode_step_equals_the_full_sequence(heads: int, kv_he
     assert ATTENTION_BLOCK_SIZE == 16
 
 
+@pytest.mark.parametrize("split_head", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (9, 3, 64), (16, 16, 64)])
-def test_fp8_cache_attention_rows_are_invariant_and_close_to_the_reference(heads: int, kv_heads: int, head_size: int) -> None:
-    """fp8_align's FP8-cache kernel, compiled: every token's row has the same bits in a whole
-    prefill, in each 37-query chunk of a chunked prefill and in decode steps beside the other
-    sequences (tests/fp8_attention_cases.py), and is within 2e-2 of the FP32 reference of the same
-    cache contents (FP16 probabilities, BF16 output; the largest error is printed for the log)."""
+def test_fp8_cache_attention_rows_are_invariant_and_close_to_the_reference(heads: int, kv_heads: int, head_size: int, split_head: bool) -> None:
+    """fp8_align's FP8-cache kernel, compiled, with the engine's tiling and with the head dimension
+    taken the other way (`split_head`): every token's row has the same bits in a whole prefill, in
+    each 37-query chunk of a chunked prefill and in decode steps beside the other sequences
+    (tests/fp8_attention_cases.py), and is within 2e-2 of the FP32 reference of the same cache
+    contents (FP16 probabilities, BF16 output; the largest error is printed for the log)."""
+    from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING
     from tests.fp8_attention_cases import check_case, make_case
 
     case = make_case([1, 5, 77, 300, 129, 1100], heads, kv_heads, head_size, "cuda")
-    error = check_case(case, chunk=37)
-    print(f"fp8_cache_attention {heads}/{kv_heads}x{head_size}: max |kernel - FP32 reference| {error:.5f}")
+    error = check_case(case, chunk=37, tiling=dataclasses.replace(ATTENTION_TILING, split_head=split_head))
+    print(f"fp8_cache_attention {heads}/{kv_heads}x{head_size} split_head={split_head}: max |kernel - FP32 reference| {error:.5f}")
     assert error < 2e-2
 
 

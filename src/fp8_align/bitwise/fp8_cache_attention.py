@@ -40,6 +40,9 @@ class AttentionTiling:
     tile: int = 64
     num_warps: int = 2
     num_stages: int = 3
+    #: both products in two halves of the head dimension (Q.K^T accumulated low half then high
+    #: half into one FP32 sum, P.V per half): half the operand registers, each sum in the same order
+    split_head: bool = False
 
 
 #: The one tiling the bitwise engine and `BitwiseForward` run (chosen on the H200:
@@ -49,13 +52,20 @@ _LOG2E = math.log2(math.e)
 
 
 @triton.jit
+def _codes(cache_ptr, physical, slot, kv_head, stride_block, stride_slot, stride_head, dims, mask):
+    """A tile's codes [keys, dims] of one KV head, widened to FP16 (exact)."""
+    offsets = physical[:, None] * stride_block + slot[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
+    return tl.load(cache_ptr + offsets, mask=mask, other=0.0).to(tl.float16)
+
+
+@triton.jit
 def _fp8_cache_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr,
     softmax_scale_log2, num_seqs,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head, stride_block_table,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLIT_HEAD: tl.constexpr,
 ):  # fmt: skip
     """Program (p, h): query block p of the packed batch (`query_start // BLOCK_Q + seq` is the first
     block of sequence `seq`), KV head h."""
@@ -84,20 +94,26 @@ def _fp8_cache_attention_kernel(
     query_pos = local_block * BLOCK_Q + rows // GROUP  # position among this step's query tokens
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (query_pos < query_len)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_SIZE
     token = (query_start + query_pos).to(tl.int64)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
-    ).to(tl.float16)  # fmt: skip
+    q_rows = q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
+    out_rows = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
+    if SPLIT_HEAD:
+        dims_lo = tl.arange(0, HEAD_PAD // 2)
+        dims_hi = HEAD_PAD // 2 + dims_lo
+        q_lo = tl.load(q_rows + dims_lo[None, :], mask=row_ok[:, None] & (dims_lo < HEAD_SIZE)[None, :], other=0.0).to(tl.float16)
+        q_hi = tl.load(q_rows + dims_hi[None, :], mask=row_ok[:, None] & (dims_hi < HEAD_SIZE)[None, :], other=0.0).to(tl.float16)
+        acc_lo = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
+    else:
+        dims = tl.arange(0, HEAD_PAD)
+        q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & (dims < HEAD_SIZE)[None, :], other=0.0).to(tl.float16)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     score_scale = tl.load(k_scale_ptr) * softmax_scale_log2
     key_limit = context + query_pos  # the last key each row may see
     num_keys = context + tl.minimum((local_block + 1) * BLOCK_Q, query_len)
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     offsets = tl.arange(0, TILE)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_block_table
     for start in range(0, num_keys, TILE):
@@ -105,16 +121,16 @@ def _fp8_cache_attention_kernel(
         key_ok = key < num_keys
         physical = tl.load(table_row + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = key % BLOCK_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + physical[:, None] * stride_k_block + slot[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(tl.float16)  # fmt: skip
-        v = tl.load(
-            v_cache_ptr + physical[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(tl.float16)  # fmt: skip
-        scores = tl.dot(q, tl.trans(k)) * score_scale
+        if SPLIT_HEAD:
+            mask_lo = key_ok[:, None] & (dims_lo < HEAD_SIZE)[None, :]
+            mask_hi = key_ok[:, None] & (dims_hi < HEAD_SIZE)[None, :]
+            k_lo = _codes(k_cache_ptr, physical, slot, kv_head, stride_k_block, stride_k_slot, stride_k_head, dims_lo, mask_lo)
+            k_hi = _codes(k_cache_ptr, physical, slot, kv_head, stride_k_block, stride_k_slot, stride_k_head, dims_hi, mask_hi)
+            scores = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo))) * score_scale
+        else:
+            mask = key_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+            k = _codes(k_cache_ptr, physical, slot, kv_head, stride_k_block, stride_k_slot, stride_k_head, dims, mask)
+            scores = tl.dot(q, tl.trans(k)) * score_scale
         visible = row_ok[:, None] & (key[None, :] <= key_limit[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -122,14 +138,25 @@ def _fp8_cache_attention_kernel(
         rescale = tl.exp2(running_max - shift)
         p = tl.exp2(scores - shift[:, None])
         total = total * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(tl.float16), v)
+        if SPLIT_HEAD:
+            v_lo = _codes(v_cache_ptr, physical, slot, kv_head, stride_v_block, stride_v_slot, stride_v_head, dims_lo, mask_lo)
+            acc_lo = acc_lo * rescale[:, None] + tl.dot(p.to(tl.float16), v_lo)
+            v_hi = _codes(v_cache_ptr, physical, slot, kv_head, stride_v_block, stride_v_slot, stride_v_head, dims_hi, mask_hi)
+            acc_hi = acc_hi * rescale[:, None] + tl.dot(p.to(tl.float16), v_hi)
+        else:
+            v = _codes(v_cache_ptr, physical, slot, kv_head, stride_v_block, stride_v_slot, stride_v_head, dims, mask)
+            acc = acc * rescale[:, None] + tl.dot(p.to(tl.float16), v)
         running_max = new_max
 
-    out = acc / total[:, None] * tl.load(v_scale_ptr)
-    tl.store(
-        out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
-    )  # fmt: skip
+    v_scale = tl.load(v_scale_ptr)
+    if SPLIT_HEAD:
+        out_lo = acc_lo / total[:, None] * v_scale
+        out_hi = acc_hi / total[:, None] * v_scale
+        tl.store(out_rows + dims_lo[None, :], out_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_lo < HEAD_SIZE)[None, :])
+        tl.store(out_rows + dims_hi[None, :], out_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_hi < HEAD_SIZE)[None, :])
+    else:
+        out = acc / total[:, None] * v_scale
+        tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_SIZE)[None, :])
 
 
 def fp8_cache_attention(
@@ -160,6 +187,8 @@ def fp8_cache_attention(
         raise ValueError(f"the KV cache must hold float8_e4m3fn codes (got {key_cache.dtype}, {value_cache.dtype})")
     if heads % kv_heads or q.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError(f"{heads} query heads over {kv_heads} KV heads with contiguous head dimensions expected")
+    if tiling.split_head and triton.next_power_of_2(head_size) < 32:
+        raise ValueError(f"split_head needs a head dimension of 32 or more (got {head_size}): each half is an MMA's K")
     group = heads // kv_heads
     block_m = max(tiling.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
@@ -172,6 +201,7 @@ def fp8_cache_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
         GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tiling.tile, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tiling.tile, SPLIT_HEAD=tiling.split_head,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
     return out
