@@ -105,12 +105,14 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One engine and trainer for `variant`; a warm-up step, then `args.steps` timed steps."""
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with functions
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer initializes CUDA in this process
-    if args.deepgemm_cache:
-        os.environ.setdefault("DG_JIT_CACHE_DIR", str(args.deepgemm_cache))
+    fp8 = VARIANTS[variant]
+    deep_gemm = fp8 is not None and fp8.use_deep_gemm and fp8.on_policy == "off"
+    os.environ["VLLM_USE_DEEP_GEMM"] = "1" if deep_gemm else "0"  # as rollout_throughput.py's _dg variants
+    if deep_gemm and args.deepgemm_cache:
+        os.environ["DG_JIT_CACHE_DIR"] = str(args.deepgemm_cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     checkpoint = args.work / f"{args.shape.replace('-', '_')}_{args.layers}l_random_bf16"
     write_checkpoint(checkpoint, args.shape, args.layers, device)
-    fp8 = VARIANTS[variant]
     seq_len = args.prompt_tokens + args.max_tokens
     llm_kwargs = {
         "max_model_len": seq_len, "max_num_seqs": args.prompts * args.group, "skip_tokenizer_init": True,
