@@ -49,10 +49,10 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
 
-from benchmarks.grpo.engine import push_weights, start_engine  # noqa: E402
+from benchmarks.grpo.engine import push_weights, sample, start_engine  # noqa: E402
 from benchmarks.grpo.loop import update_kv_scales  # noqa: E402
 from benchmarks.grpo.policy import GRPOPolicy, pack_sequences  # noqa: E402
-from benchmarks.rollout.checkpoints import QWEN3_8B  # noqa: E402
+from benchmarks.rollout.checkpoints import QWEN3_8B, ensure_bf16_checkpoint  # noqa: E402
 from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
 
@@ -69,38 +69,6 @@ SHAPES = {
 PHASES = ("rollout", "trainer_logprobs", "train", "weight_sync", "kv_scales")
 
 
-def write_checkpoint(path: Path, shape: str, layers: int, device: str) -> None:
-    """Random BF16 Qwen3 checkpoint of `shape` cut to `layers` decoder layers (seed 0), written once."""
-    if (path / "config.json").exists():
-        return
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**dict(SHAPES[shape], num_hidden_layers=layers), dtype="bfloat16"))
-    torch.set_default_dtype(torch.float32)
-    model.save_pretrained(path, max_shard_size="4GB")
-
-
-def rollout(llm: Any, prompts: list[list[int]], group: int, max_tokens: int, seed: int) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
-    """`group` samples of exactly `max_tokens` tokens per prompt at T=1: (prompts, completions,
-    log-probs), one entry per sample."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(n=group, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed, detokenize=False)
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    samples: tuple[list[list[int]], list[list[int]], list[list[float]]] = ([], [], [])
-    for prompt, result in zip(prompts, results):
-        for completion in result.outputs:
-            tokens = list(completion.token_ids)
-            samples[0].append(prompt)
-            samples[1].append(tokens)
-            samples[2].append([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
-    return samples
-
-
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One engine and trainer for `variant`; a warm-up step, then `args.steps` timed steps."""
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with functions
@@ -112,7 +80,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         os.environ["DG_JIT_CACHE_DIR"] = str(args.deepgemm_cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     checkpoint = args.work / f"{args.shape.replace('-', '_')}_{args.layers}l_random_bf16"
-    write_checkpoint(checkpoint, args.shape, args.layers, device)
+    ensure_bf16_checkpoint(checkpoint, dict(SHAPES[args.shape], num_hidden_layers=args.layers), device)
     seq_len = args.prompt_tokens + args.max_tokens
     llm_kwargs = {
         "max_model_len": seq_len, "max_num_seqs": args.prompts * args.group, "skip_tokenizer_init": True,
@@ -129,13 +97,13 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
-        prompt_ids, completions, gen_logprobs = rollout(llm, prompts, args.group, args.max_tokens, seed=step)
+        rollouts = sample(llm, prompts, args.group, args.max_tokens, temperature=1.0, seed=step * len(prompts), ignore_eos=True)
         seconds["rollout"] = time.perf_counter() - clock
-        packed = pack_sequences(prompt_ids, completions)
+        packed = pack_sequences([prompts[r.prompt_index] for r in rollouts], [r.token_ids for r in rollouts])
         clock = time.perf_counter()
         old_logprobs = policy.all_logprobs(packed)
         seconds["trainer_logprobs"] = _synced(clock, device)
-        engine_logprobs = pad_logprobs(gen_logprobs)[0].to(old_logprobs.device)
+        engine_logprobs = pad_logprobs([r.logprobs for r in rollouts])[0].to(old_logprobs.device)
         advantages = torch.randn(packed.num_sequences, generator=gen)
         clock = time.perf_counter()
         policy.update(packed, advantages, old_logprobs, packed.mask.to(old_logprobs.device, torch.float32), clip_eps=0.2, num_minibatches=1)

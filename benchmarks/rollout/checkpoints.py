@@ -73,8 +73,9 @@ VLLM_FP8_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", 
 _FP8_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
-def ensure_bf16_checkpoint(path: Path) -> float | None:
-    """Random-init Qwen3-8B-shaped model in bf16 (seed 0), saved with save_pretrained.
+def ensure_bf16_checkpoint(path: Path, config: dict[str, Any] = QWEN3_8B, device: str = "cuda") -> float | None:
+    """Random-init Qwen3 model of `config` (default the Qwen3-8B shape) in bf16 (seed 0), built on
+    `device` and saved with save_pretrained.
 
     Returns the seconds it took, or None when it already existed. Safe when several processes ask
     at once (rollouts on the GPUs of one host): one writes it, under a lock, into a temporary folder
@@ -91,8 +92,8 @@ def ensure_bf16_checkpoint(path: Path) -> float | None:
         start = time.perf_counter()
         torch.manual_seed(0)
         torch.set_default_dtype(torch.bfloat16)
-        with torch.device("cuda"):
-            model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B, dtype="bfloat16"))
+        with torch.device(device):
+            model = Qwen3ForCausalLM(Qwen3Config(**config, dtype="bfloat16"))
         torch.set_default_dtype(torch.float32)
         partial = path.with_name(f"{path.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)

@@ -100,13 +100,16 @@ def _fp8_cache_attention_kernel(
     if SPLIT_HEAD:
         dims_lo = tl.arange(0, HEAD_PAD // 2)
         dims_hi = HEAD_PAD // 2 + dims_lo
-        q_lo = tl.load(q_rows + dims_lo[None, :], mask=row_ok[:, None] & (dims_lo < HEAD_SIZE)[None, :], other=0.0).to(tl.float16)
-        q_hi = tl.load(q_rows + dims_hi[None, :], mask=row_ok[:, None] & (dims_hi < HEAD_SIZE)[None, :], other=0.0).to(tl.float16)
+        lo_ok = dims_lo < HEAD_SIZE
+        hi_ok = dims_hi < HEAD_SIZE
+        q_lo = tl.load(q_rows + dims_lo[None, :], mask=row_ok[:, None] & lo_ok[None, :], other=0.0).to(tl.float16)
+        q_hi = tl.load(q_rows + dims_hi[None, :], mask=row_ok[:, None] & hi_ok[None, :], other=0.0).to(tl.float16)
         acc_lo = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
         acc_hi = tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32)
     else:
         dims = tl.arange(0, HEAD_PAD)
-        q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & (dims < HEAD_SIZE)[None, :], other=0.0).to(tl.float16)
+        dim_ok = dims < HEAD_SIZE
+        q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float16)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     score_scale = tl.load(k_scale_ptr) * softmax_scale_log2
     key_limit = context + query_pos  # the last key each row may see
@@ -122,13 +125,13 @@ def _fp8_cache_attention_kernel(
         physical = tl.load(table_row + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = key % BLOCK_SIZE
         if SPLIT_HEAD:
-            mask_lo = key_ok[:, None] & (dims_lo < HEAD_SIZE)[None, :]
-            mask_hi = key_ok[:, None] & (dims_hi < HEAD_SIZE)[None, :]
+            mask_lo = key_ok[:, None] & lo_ok[None, :]
+            mask_hi = key_ok[:, None] & hi_ok[None, :]
             k_lo = _codes(k_cache_ptr, physical, slot, kv_head, stride_k_block, stride_k_slot, stride_k_head, dims_lo, mask_lo)
             k_hi = _codes(k_cache_ptr, physical, slot, kv_head, stride_k_block, stride_k_slot, stride_k_head, dims_hi, mask_hi)
             scores = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo))) * score_scale
         else:
-            mask = key_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+            mask = key_ok[:, None] & dim_ok[None, :]
             k = _codes(k_cache_ptr, physical, slot, kv_head, stride_k_block, stride_k_slot, stride_k_head, dims, mask)
             scores = tl.dot(q, tl.trans(k)) * score_scale
         visible = row_ok[:, None] & (key[None, :] <= key_limit[:, None])
@@ -152,11 +155,11 @@ def _fp8_cache_attention_kernel(
     if SPLIT_HEAD:
         out_lo = acc_lo / total[:, None] * v_scale
         out_hi = acc_hi / total[:, None] * v_scale
-        tl.store(out_rows + dims_lo[None, :], out_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_lo < HEAD_SIZE)[None, :])
-        tl.store(out_rows + dims_hi[None, :], out_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_hi < HEAD_SIZE)[None, :])
+        tl.store(out_rows + dims_lo[None, :], out_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & lo_ok[None, :])
+        tl.store(out_rows + dims_hi[None, :], out_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & hi_ok[None, :])
     else:
         out = acc / total[:, None] * v_scale
-        tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_SIZE)[None, :])
+        tl.store(out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def fp8_cache_attention(
