@@ -20,10 +20,12 @@ untimed warm-up step and `--steps` timed ones. A step:
 - kv_scales (FP8 KV variants): `grpo.loop.update_kv_scales`, the trainer's calibration forward
   pushed to the engine (fp8_fast) or the engine's calibration read back by the bitwise trainer.
 
-Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode's default engine:
-`FP8Config(kv_cache_dtype="fp8")`, DeepGEMM on `--deepgemm-cache`, FP8 KV with the default decode;
-the aligned FP8 trainer), fp8_bitwise_kv (`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`,
-`BitwiseForward`). Writes seconds per phase for every timed step, their medians, and each variant's
+Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode as `bitwise_speed.py` times it
+on vLLM 0.22: `FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa")`, DeepGEMM on
+`--deepgemm-cache`; the aligned FP8 trainer with the engine's GEMM kernels,
+`apply_fp8_training(forward_kernel="engine")`), fp8_bitwise_kv
+(`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `BitwiseForward`). On a GPU every engine
+runs vLLM's V2 model runner, as the rollout benchmarks do. Writes seconds per phase for every timed step, their medians, and each variant's
 median step time and BF16's over it (`speedup_vs_bf16`). `--shape tiny` (hidden 128, vocab 512) runs
 the bf16 variant on a CPU machine, to try the script before a GPU run.
 """
@@ -59,7 +61,7 @@ from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
 #: Variant -> the engine's FP8Config (None: stock BF16); the trainer follows it (GRPOPolicy).
 VARIANTS: dict[str, FP8Config | None] = {
     "bf16": None,
-    "fp8_fast": FP8Config(kv_cache_dtype="fp8"),
+    "fp8_fast": FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa"),
     "fp8_bitwise_kv": FP8Config(on_policy="bitwise", kv_cache_dtype="fp8"),
 }
 SHAPES = {
@@ -79,6 +81,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     if deep_gemm and args.deepgemm_cache:
         os.environ["DG_JIT_CACHE_DIR"] = str(args.deepgemm_cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     checkpoint = args.work / f"{args.shape.replace('-', '_')}_{args.layers}l_random_bf16"
     ensure_bf16_checkpoint(checkpoint, dict(SHAPES[args.shape], num_hidden_layers=args.layers), device)
     seq_len = args.prompt_tokens + args.max_tokens
@@ -89,7 +93,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     clock = time.perf_counter()
     llm = start_engine(checkpoint, fp8, 0, llm_kwargs)
     engine_start_s = time.perf_counter() - clock
-    policy = GRPOPolicy(checkpoint, device, fp8, lr=1e-6, max_tokens_per_forward=args.max_tokens_per_forward)
+    fp8_forward_kernel = "engine" if device == "cuda" else "emulation"
+    policy = GRPOPolicy(checkpoint, device, fp8, lr=1e-6, max_tokens_per_forward=args.max_tokens_per_forward, fp8_forward_kernel=fp8_forward_kernel)
     gen = torch.Generator().manual_seed(1)
     vocab = int(policy.model.config.vocab_size)
     steps = []

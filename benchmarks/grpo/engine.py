@@ -41,11 +41,12 @@ class Rollout:
 
 def start_engine(checkpoint: Path, fp8: FP8Config | None, seed: int, llm_kwargs: dict[str, Any]) -> Any:
     """`vllm.LLM` on the BF16 checkpoint: stock BF16 when `fp8` is None, else
-    `quantization="fp8_align"` with `fp8` (its kv_cache_dtype included)."""
+    `quantization="fp8_align"` with `fp8` (its kv_cache_dtype included), `llm_kwargs` merged in by
+    `engine_kwargs` (a bitwise engine refuses at start any of them its mode cannot run)."""
     from vllm import LLM
 
-    quant = engine_kwargs(fp8) if fp8 is not None else {}
-    return LLM(model=str(checkpoint), dtype="bfloat16", seed=seed, **llm_kwargs, **quant)
+    kwargs = engine_kwargs(fp8, **llm_kwargs) if fp8 is not None else llm_kwargs
+    return LLM(model=str(checkpoint), dtype="bfloat16", seed=seed, **kwargs)
 
 
 def sample(

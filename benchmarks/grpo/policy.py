@@ -99,7 +99,8 @@ def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
 
 class GRPOPolicy:
     """The trainer: BF16 HF model (+ aligned FP8 forward when `fp8` is given, the engine's own
-    kernels when `fp8.on_policy` is "bitwise"), FP32 AdamW masters."""
+    kernels when `fp8.on_policy` is "bitwise"), FP32 AdamW masters. `fp8_forward_kernel`: the
+    aligned FP8 forward's `apply_fp8_training(forward_kernel=...)` ("emulation" or "engine")."""
 
     def __init__(
         self,
@@ -109,6 +110,7 @@ class GRPOPolicy:
         lr: float,
         grad_clip: float = 1.0,
         max_tokens_per_forward: int = 8192,
+        fp8_forward_kernel: str = "emulation",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -121,7 +123,7 @@ class GRPOPolicy:
             self.bitwise = BitwiseForward(self.model, fp8)
             self.fp8_layers = sorted(self.bitwise.fp8_names)
         else:
-            self.fp8_layers = apply_fp8_training(self.model, fp8) if fp8 is not None else []
+            self.fp8_layers = apply_fp8_training(self.model, fp8, forward_kernel=fp8_forward_kernel) if fp8 is not None else []
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
