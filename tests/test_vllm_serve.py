@@ -45,9 +45,8 @@ from tests.model_factory import make_tiny_llama, make_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 
-#: The offline references' engine settings, the same as SERVE_ARGS.
-OFFLINE_ENGINE = {**ENGINE, "compilation_config": {"mode": 0}}
-#: Small engine (explicit 64 MiB KV cache, see tests/engines.py), eager model (starts in ~30 s),
+#: The offline references' ENGINE as server arguments: small engine (explicit 64 MiB KV cache, see
+#: tests/engines.py), eager model (starts in ~30 s),
 #: sampled tokens reported as "token_id:N" so no detokenization is involved.
 SERVE_ARGS = ("--dtype", "bfloat16", "--seed", "0", "--gpu-memory-utilization", "0.25",
               "--kv-cache-memory-bytes", str(64 * 2**20), "--max-model-len", "256",
@@ -104,7 +103,7 @@ def offline(checkpoint, tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
     configs = {"bf16": None, "fp8": {}, "fp8_first_layer_bf16": FIRST_LAYER_BF16}
     return {
         name: run_generation({"model": str(checkpoint), "fp8_config": cfg, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                              "llm_kwargs": OFFLINE_ENGINE}, out / f"{name}.pt")["outputs"]
+                              "llm_kwargs": ENGINE}, out / f"{name}.pt")["outputs"]
         for name, cfg in configs.items()
     }
 
