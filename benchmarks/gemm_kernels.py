@@ -37,7 +37,7 @@ from triton.testing import do_bench
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
 from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 from fp8_align.vllm_plugin.kernels import gpu as gk

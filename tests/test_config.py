@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from fp8_align import CONFIG_ENV_VAR, FP8Config, FP8ConfigError
-from fp8_align.quant import DEFAULT_SCALE_RULE, Rounding
+from fp8_align.rounding import DEFAULT_SCALE_RULE, Rounding
 
 
 def test_defaults_are_the_aligned_blockwise_recipe():

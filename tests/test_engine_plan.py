@@ -17,7 +17,7 @@ import torch
 
 from fp8_align import FP8Config
 from fp8_align.config import FP8ConfigError
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin import engine_plan
 from fp8_align.vllm_plugin.engine_plan import DecodeFacts, choose_decode_kernel, plan_engine
 from fp8_align.vllm_plugin.kernels.deepgemm import inventory as deepgemm_inventory

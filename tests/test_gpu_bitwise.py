@@ -62,7 +62,7 @@ def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[in
     accumulation bound of the FP32 reference per shard, and the same bits for every sub-batch."""
     from types import SimpleNamespace
 
-    from fp8_align.quant.rounding import Rounding
+    from fp8_align.rounding import Rounding
     from fp8_align.quant.shards import quantize_shards
     from fp8_align.vllm_plugin.kernels.fixed_tile import FixedTileBlockFp8Kernel
     from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState

@@ -16,7 +16,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import E4M3_MAX, fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fp8_align import FP8Config, FP8ConfigError
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine, engine_kwargs, quantization_config_dict
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fp8_align.errors import FP8ConfigError
 from fp8_align.nemo_rl_config import load_nemo_rl_yaml, nemo_rl_layout, read_nemo_rl
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE, Rounding, ScaleRule
+from fp8_align.rounding import DEFAULT_SCALE_RULE, Rounding, ScaleRule
 
 __all__ = ["CONFIG_ENV_VAR", "FP8Config", "FP8ConfigError"]
 

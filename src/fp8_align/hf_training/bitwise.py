@@ -41,7 +41,7 @@ from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attentio
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
 from fp8_align.quant.dispatch import quantize_weights_into
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.quant.shards import empty_shard_outputs, shard_slices
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.kernels.registry import select_kernel

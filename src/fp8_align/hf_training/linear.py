@@ -30,7 +30,7 @@ from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import is_fused_experts, recipe_fp8_modules, replace_submodule
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
 from fp8_align.quant.dispatch import quantize_weight_into
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 

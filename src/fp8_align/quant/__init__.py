@@ -12,18 +12,13 @@ from fp8_align.quant.blockwise import (
 )
 from fp8_align.quant.groupwise import DEFAULT_GROUP_SIZE, dequantize_groupwise, quantize_activation_groupwise
 from fp8_align.quant.linear import blockwise_fp8_linear, fp8_block_gemm
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE, SCALE_RULES, Rounding, ScaleRule
 from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, round_up_to_pow2, scale_from_amax
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_GROUP_SIZE",
-    "DEFAULT_SCALE_RULE",
     "E4M3_MAX",
     "FP8_DTYPE",
-    "SCALE_RULES",
-    "Rounding",
-    "ScaleRule",
     "blockwise_fp8_linear",
     "blockwise_scale_shape",
     "dequantize_blockwise",

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 from fp8_align.quant.scales import check_finite, check_float_input, quantization_factors, quantize_with_factor
 
 DEFAULT_BLOCK_SIZE = (128, 128)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from fp8_align.quant.blockwise import quantize_weight_blockwise
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 
 
 def quantize_weight_into(

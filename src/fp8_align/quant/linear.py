@@ -9,7 +9,7 @@ import torch
 
 from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE, blockwise_scale_shape
 from fp8_align.quant.groupwise import quantize_activation_groupwise
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 
 
 def fp8_block_gemm(

@@ -21,7 +21,7 @@ from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.groupwise import quantize_activation_groupwise
 from fp8_align.quant.linear import fp8_block_gemm
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 from fp8_align.quant.scales import FP8_DTYPE
 
 #: Shard names of one expert, in vLLM's loader terms: gate (w1), up (w3), down (w2).

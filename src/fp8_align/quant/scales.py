@@ -2,7 +2,7 @@
 
 A stored scale here is always the *dequantization* multiplier (`scale_inv` in TransformerEngine
 and DeepGEMM terms): `x ~= code * scale_inv`. Two rules compute it from a group's amax
-(`fp8_align.quant.rounding.SCALE_RULES`, `FP8Config.scale_rule`):
+(`fp8_align.rounding.SCALE_RULES`, `FP8Config.scale_rule`):
 
 - "amax_over_max" (default): `scale_inv = amax / 448` (pow2: rounded UP to a power of two) and
   `code = fp8(clamp(x / scale_inv, +-448))`.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE, check_scale_rule
+from fp8_align.rounding import DEFAULT_SCALE_RULE, check_scale_rule
 
 #: Largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0

@@ -11,7 +11,7 @@ import torch
 
 from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
 from fp8_align.quant.dispatch import quantize_weight_into
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 from fp8_align.quant.scales import FP8_DTYPE
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE, check_scale_rule
+from fp8_align.rounding import DEFAULT_SCALE_RULE, check_scale_rule
 from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, FP32_TINY, check_float_input
 
 BLOCK = DEFAULT_BLOCK_SIZE[0]

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE, check_scale_rule
+from fp8_align.rounding import DEFAULT_SCALE_RULE, check_scale_rule
 from fp8_align.quant.scales import E4M3_MAX, FP32_TINY
 from fp8_align.quant.triton_blockwise import BLOCK, quantization_factors_triton, quantize_with_factor_triton
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
 
 #: The module attribute holding a layer's `Fp8AlignLayerState`.

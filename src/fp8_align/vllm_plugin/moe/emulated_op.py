@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fp8_align.quant.moe import block_fp8_moe_reference
-from fp8_align.quant.rounding import DEFAULT_SCALE_RULE
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 
 
 @torch.library.custom_op("fp8_align::emulated_block_fp8_moe", mutates_args=())

@@ -20,7 +20,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.moe import expert_shard_rows, quantize_experts
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.checkpoint import SYNC_DTYPES, WeightSyncError
 from fp8_align.vllm_plugin.compat import initialize_online_processing, moe_activation_name
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState

@@ -51,7 +51,7 @@ import torch
 
 from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
-from fp8_align.quant.rounding import Rounding
+from fp8_align.rounding import Rounding
 from fp8_align.quant.shards import shard_slices
 from fp8_align.vllm_plugin.checkpoint import (
     RefitError,
