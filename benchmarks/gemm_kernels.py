@@ -37,6 +37,7 @@ from triton.testing import do_bench
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.rounding import Rounding
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton
 from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
 from fp8_align.vllm_plugin.kernels import gpu as gk
@@ -57,7 +58,7 @@ def _layer(n: int, k: int) -> torch.nn.Module:
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align = Fp8AlignLayerState("linear", f"bench[{n}x{k}]", shard_sizes=[n])
+    layer.fp8_align = Fp8AlignLayerState("linear", f"bench[{n}x{k}]", Rounding(), shard_sizes=[n])
     layer.bf16_weight = w
     return layer
 
@@ -82,7 +83,7 @@ def gemm_rows(target: Any) -> list[dict[str, Any]]:
                     continue
                 x_fp8, x_scale = quantize_activation_triton(x, False, int(kernel.scale_layout))
                 gemm_ms = median_ms(lambda: kernel.gemm(layer, x_fp8, x_scale, torch.bfloat16))
-                linear_ms = median_ms(lambda: kernel.apply(layer, x, None, False))
+                linear_ms = median_ms(lambda: kernel.apply(layer, x, None))
                 for op, ms in (("gemm", gemm_ms), ("linear", linear_ms)):
                     rows.append({"shape": shape_name, "phase": phase, "M": m, "N": n, "K": k, "kernel": kernel.name, "op": op,
                                  "ms": ms, "tflops": flops / ms / 1e9, "speedup_vs_bf16": bf16_ms / ms})  # fmt: skip

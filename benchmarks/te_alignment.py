@@ -36,9 +36,7 @@ from fp8_align.megatron_ext import alignment_report, te_pow2_scales_from_env
 from fp8_align.megatron_ext.alignment import transformer_engine_quantize
 from fp8_align.megatron_ext.hf_bridge import head_dim, megatron_state_dict_from_hf
 from fp8_align.quant import dequantize_blockwise, quantize_activation_groupwise, quantize_weight_blockwise
-
-#: fp8_align's generation-side scale rules (FP8Config.scale_rule).
-SCALE_RULES = ("amax_over_max", "transformer_engine")
+from fp8_align.rounding import SCALE_RULES
 
 
 def fused_layout_agreement(hf_state: dict[str, torch.Tensor], hf_config: Any, pow2: bool, rule: str) -> dict[str, Any]:

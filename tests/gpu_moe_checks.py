@@ -77,7 +77,7 @@ def layer_vs_reference(model: torch.nn.Module, tokens: int, top_k: int) -> dict[
     picked = select(x, layer.w13_weight, layer.w2_weight) if select is not None else fused_experts
     got = layer.quant_method.apply(layer, x, weights, ids, None, None)
     ref = block_fp8_moe_reference(x, weights, ids, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
-                                  layer.w2_weight_scale_inv, layer.quant_method.cfg.use_activation_pow2_scale)  # fmt: skip
+                                  layer.w2_weight_scale_inv, layer.fp8_align.rounding.activation_pow2)  # fmt: skip
     diff = (got.float() - ref.float()).abs()
     return {"max_abs_diff": float(diff.max()), "max_abs_ref": float(ref.float().abs().max()),
             "mean_abs_diff": float(diff.mean()), "mean_abs_ref": float(ref.float().abs().mean()),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fp8_align import CONFIG_ENV_VAR, FP8Config, FP8ConfigError
+from fp8_align.rounding import DEFAULT_SCALE_RULE, Rounding
 
 
 def test_defaults_are_the_aligned_blockwise_recipe():
@@ -14,6 +17,18 @@ def test_defaults_are_the_aligned_blockwise_recipe():
     assert (cfg.num_first_layers_in_bf16, cfg.num_last_layers_in_bf16) == (0, 0)
     assert not cfg.use_weight_pow2_scale and not cfg.use_activation_pow2_scale
     assert cfg.scale_rule == "amax_over_max"
+
+
+def test_rounding_carries_the_pow2_flags_and_the_scale_rule_as_one_frozen_value():
+    cfg = FP8Config(use_weight_pow2_scale=True, allow_recipe_mismatch=True, scale_rule="transformer_engine")
+    rounding = cfg.rounding
+    assert rounding == Rounding(weight_pow2=True, activation_pow2=False, scale_rule="transformer_engine")
+    assert FP8Config().rounding == Rounding() and Rounding().scale_rule == DEFAULT_SCALE_RULE == FP8Config().scale_rule
+    assert len({rounding, cfg.rounding, FP8Config().rounding}) == 2  # hashable, equal by value
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rounding.activation_pow2 = True  # type: ignore[misc]
+    with pytest.raises(ValueError, match="scale_rule must be one of"):
+        Rounding(scale_rule="te")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

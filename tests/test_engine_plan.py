@@ -17,6 +17,7 @@ import torch
 
 from fp8_align import FP8Config
 from fp8_align.config import FP8ConfigError
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin import engine_plan
 from fp8_align.vllm_plugin.engine_plan import DecodeFacts, choose_decode_kernel, plan_engine
 from fp8_align.vllm_plugin.kernels.deepgemm import inventory as deepgemm_inventory
@@ -241,7 +242,7 @@ def _model(backend: str = "CPU_ATTN", linears: int = 2) -> torch.nn.Module:
         model.add_module(f"attn{index}", attn)
     for index in range(linears):
         linear = torch.nn.Module()
-        linear.fp8_align = Fp8AlignLayerState("linear", f"layers.{index}.qkv_proj", kernel=EmulatedBlockFp8Kernel())
+        linear.fp8_align = Fp8AlignLayerState("linear", f"layers.{index}.qkv_proj", Rounding(), kernel=EmulatedBlockFp8Kernel())
         model.add_module(f"linear{index}", linear)
     return model
 

@@ -62,15 +62,17 @@ def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[in
     accumulation bound of the FP32 reference per shard, and the same bits for every sub-batch."""
     from types import SimpleNamespace
 
+    from fp8_align.rounding import Rounding
     from fp8_align.quant.shards import quantize_shards
     from fp8_align.vllm_plugin.kernels.fixed_tile import FixedTileBlockFp8Kernel
     from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
     weight = _randn(sum(shards), k, seed=5) * 0.05
     codes, scales = quantize_shards(weight, shards, False)
-    layer = SimpleNamespace(weight=codes, weight_scale_inv=scales, fp8_align=Fp8AlignLayerState("linear", "test", shard_sizes=shards))
+    state = Fp8AlignLayerState("linear", "test", Rounding(), shard_sizes=shards)
+    layer = SimpleNamespace(weight=codes, weight_scale_inv=scales, fp8_align=state)
     x, bias = _randn(512, k, seed=6), _randn(sum(shards), seed=7) if with_bias else torch.zeros(sum(shards), device="cuda")
-    out = FixedTileBlockFp8Kernel().apply(layer, x, bias if with_bias else None, False)
+    out = FixedTileBlockFp8Kernel().apply(layer, x, bias if with_bias else None)
     x_fp8, x_scale = quantize_activation_groupwise(x)
     start, scale_start = 0, 0
     for size in shards:
@@ -82,7 +84,7 @@ def test_fixed_tile_linear_matches_the_reference_for_every_batch(shards: list[in
         assert (error <= BF16_ULP * ref.abs() + 2**-12 * magnitude).all(), error.max().item()
         start, scale_start = start + size, scale_start + blocks
     for rows in SUB_BATCHES:
-        assert torch.equal(FixedTileBlockFp8Kernel().apply(layer, x[rows], bias if with_bias else None, False), out[rows])
+        assert torch.equal(FixedTileBlockFp8Kernel().apply(layer, x[rows], bias if with_bias else None), out[rows])
 
 
 def test_fixed_tile_calls_pick_cutlass_only_where_its_one_tile_holds() -> None:

@@ -16,6 +16,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import E4M3_MAX, fp8_block_gemm, quantize_activation_groupwise, quantize_weight_blockwise
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 pytestmark = pytest.mark.gpu
@@ -371,7 +372,7 @@ def test_vllm_per_token_group_quant_agreement(pow2: bool) -> None:
 # --------------------------------------------------------------------------- GEMM backends
 def _layer(shard_sizes: list[int], k: int, pow2: bool, seed: int) -> torch.nn.Module:
     """A stand-in for a vLLM linear layer after fp8_align quantized it (weights with block
-    magnitudes spanning 2^-4..2^4, so block scales differ)."""
+    magnitudes spanning 2^-4..2^4, so block scales differ), weight and activation scales pow2 or not."""
     from fp8_align.quant.shards import quantize_shards
 
     g = _generator(seed)
@@ -383,7 +384,8 @@ def _layer(shard_sizes: list[int], k: int, pow2: bool, seed: int) -> torch.nn.Mo
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align = Fp8AlignLayerState("linear", f"test[{shard_sizes}x{k}]", shard_sizes=list(shard_sizes))
+    rounding = Rounding(weight_pow2=pow2, activation_pow2=pow2)
+    layer.fp8_align = Fp8AlignLayerState("linear", f"test[{shard_sizes}x{k}]", rounding, shard_sizes=list(shard_sizes))
     layer.params_dtype = torch.bfloat16
     return layer
 
@@ -442,7 +444,7 @@ def test_gemm_backend_matches_reference(gk: ModuleType, kernel_name: str, shape:
     layer = _layer(shard_sizes, k, pow2, seed=m + k)
     kernel.prepare(layer)
     x = _activations(m, k, seed=m * 7 + k)
-    out = kernel.apply(layer, x, None, pow2)
+    out = kernel.apply(layer, x, None)
     assert out.shape == (m, sum(shard_sizes)) and out.dtype == torch.bfloat16
     assert bool(torch.isfinite(out).all())
 
@@ -479,9 +481,9 @@ def test_bias_and_leading_dims(gk: ModuleType, kernel_name: str) -> None:
     layer = _layer([256, 128], 512, False, seed=3)
     x = _activations(12, 512, seed=4)
     bias = torch.randn(384, generator=_generator(5), device="cuda").to(torch.bfloat16)
-    with_bias = kernel.apply(layer, x.view(3, 4, 512), bias, False)
+    with_bias = kernel.apply(layer, x.view(3, 4, 512), bias)
     assert with_bias.shape == (3, 4, 384)
-    assert torch.equal(with_bias, (kernel.apply(layer, x, None, False) + bias).view(3, 4, 384))
+    assert torch.equal(with_bias, (kernel.apply(layer, x, None) + bias).view(3, 4, 384))
 
 
 @pytest.mark.parametrize("kernel_name", ["cutlass", "cublas", "triton"])
@@ -489,7 +491,7 @@ def test_fp16_output(gk: ModuleType, kernel_name: str) -> None:
     kernel = _eligible_kernel(gk, kernel_name, [512], 1024, torch.float16)
     layer = _layer([512], 1024, False, seed=6)
     x = _activations(40, 1024, seed=7, dtype=torch.float16)
-    out = kernel.apply(layer, x, None, False)
+    out = kernel.apply(layer, x, None)
     assert out.dtype == torch.float16
     x_fp8, x_scale = quantize_activation_groupwise(x)
     ref = _per_shard(layer, x_fp8, x_scale, absolute=False)
@@ -512,17 +514,17 @@ def test_graph_capture_and_compile(gk: ModuleType) -> None:
         kernel = kernel_type()
         if kernel.unsupported_reason(gk.LayerShape(768, 1024, (512, 256)), _target(gk)) is not None:
             continue
-        eager = kernel.apply(layer, x, None, False)
-        compiled = torch.compile(lambda inp, k=kernel: k.apply(layer, inp, None, False), fullgraph=True, dynamic=True)
+        eager = kernel.apply(layer, x, None)
+        compiled = torch.compile(lambda inp, k=kernel: k.apply(layer, inp, None), fullgraph=True, dynamic=True)
         assert torch.equal(compiled(x), eager), kernel.name
         static_x = x.clone()
         graph = torch.cuda.CUDAGraph()
-        kernel.apply(layer, static_x, None, False)  # warm-up (JIT) outside the capture
+        kernel.apply(layer, static_x, None)  # warm-up (JIT) outside the capture
         with torch.cuda.graph(graph):
-            static_out = kernel.apply(layer, static_x, None, False)
+            static_out = kernel.apply(layer, static_x, None)
         static_x.copy_(_activations(16, 1024, seed=11))
         graph.replay()
-        assert torch.equal(static_out, kernel.apply(layer, static_x, None, False)), kernel.name
+        assert torch.equal(static_out, kernel.apply(layer, static_x, None)), kernel.name
 
 
 # --------------------------------------------------------------------------- kernel-identical training forward
@@ -544,9 +546,10 @@ def test_engine_kernel_training_linear_is_bit_identical_to_the_engine_layer(shar
     codes, scales = quantize_shards(torch.cat(weights), shard_sizes, cfg.use_weight_pow2_scale)
     stacked = torch.nn.Module()
     stacked.weight, stacked.weight_scale_inv = codes, scales
-    stacked.fp8_align, stacked.params_dtype = Fp8AlignLayerState("linear", "stacked", shard_sizes=list(shard_sizes)), torch.bfloat16
+    stacked.fp8_align = Fp8AlignLayerState("linear", "stacked", cfg.rounding, shard_sizes=list(shard_sizes))
+    stacked.params_dtype = torch.bfloat16
     kernel = select_kernel(cfg, codes.shape, list(shard_sizes), codes.device)
-    engine_out = kernel.apply(stacked, x, None, cfg.use_activation_pow2_scale)
+    engine_out = kernel.apply(stacked, x, None)
     row = 0
     for i, w in enumerate(weights):
         linear = torch.nn.Linear(k, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)

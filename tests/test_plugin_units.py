@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fp8_align import FP8Config, FP8ConfigError
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine, engine_kwargs, quantization_config_dict
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
@@ -266,14 +267,14 @@ def test_fp8_layer_state_survives_executor_pickling():
     assert _fp8_codes_restored(received["bf16"]) == {"method": "UnquantizedLinearMethod"}
 
 
-def _fp8_layer(codes, scales):
+def _fp8_layer(codes, scales, rounding: Rounding = Rounding()):
     """A bare module holding one-shard FP8 codes and scales, as the linear method leaves a layer."""
     import torch
 
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    layer.fp8_align = Fp8AlignLayerState("linear", "test", shard_sizes=[codes.shape[0]])
+    layer.fp8_align = Fp8AlignLayerState("linear", "test", rounding, shard_sizes=[codes.shape[0]])
     return layer
 
 
@@ -294,17 +295,17 @@ def test_emulated_kernel_follows_in_place_rewrites_through_weights_written():
     kernel = EmulatedBlockFp8Kernel()
     kernel.prepare(layer)
     widened = layer.fp8_align.widened["weight"]
-    assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes, scales))
+    assert torch.equal(kernel.apply(layer, x, None), blockwise_fp8_linear(x, codes, scales))
     codes2, scales2 = quantize_weight_blockwise(w2)
     layer.weight.data.copy_(codes2)
     layer.weight_scale_inv.data.copy_(scales2)
     kernel.weights_written(layer)
     assert layer.fp8_align.widened["weight"] is widened and torch.equal(widened, codes2.to(torch.float32))
-    assert torch.equal(kernel.apply(layer, x, None, False), blockwise_fp8_linear(x, codes2, scales2))
+    assert torch.equal(kernel.apply(layer, x, None), blockwise_fp8_linear(x, codes2, scales2))
 
 
 def test_emulated_kernel_quantizes_activations_by_the_configured_scale_rule():
-    """`apply(..., scale_rule)` reaches the emulated op: with "transformer_engine" the output is
+    """The layer state's rounding reaches the emulated op: with "transformer_engine" the output is
     the reference product under TE's rule (float32 output, where FP32 scales of the two rules differ)."""
     import torch
 
@@ -314,17 +315,18 @@ def test_emulated_kernel_quantizes_activations_by_the_configured_scale_rule():
     g = torch.Generator().manual_seed(1)
     codes, scales = quantize_weight_blockwise(torch.randn(320, 256, generator=g) * 0.02, scale_rule="transformer_engine")
     x = torch.randn(64, 256, generator=g)
-    layer = _fp8_layer(codes, scales)
+    te_layer, default_layer = _fp8_layer(codes, scales, Rounding(scale_rule="transformer_engine")), _fp8_layer(codes, scales)
     kernel = EmulatedBlockFp8Kernel()
-    kernel.prepare(layer)
+    kernel.prepare(te_layer)
+    kernel.prepare(default_layer)
     expected = blockwise_fp8_linear(x, codes, scales, out_dtype=torch.float32, scale_rule="transformer_engine")
-    assert torch.equal(kernel.apply(layer, x, None, False, "transformer_engine"), expected)
-    assert not torch.equal(kernel.apply(layer, x, None, False), expected)
+    assert torch.equal(kernel.apply(te_layer, x, None), expected)
+    assert not torch.equal(kernel.apply(default_layer, x, None), expected)
 
 
 def test_refit_writes_each_layer_with_its_configured_scale_rule():
-    """`refit.push._write_fp8_shards` quantizes every shard in place with its layer's pow2 flag
-    and scale rule (one grouped call per rounding): a TE-rule layer gets te_emulation's bits."""
+    """`refit.push._write_fp8_shards` quantizes every shard in place with its layer's rounding
+    (one grouped call per rounding): a TE-rule layer gets te_emulation's bits."""
     import torch
 
     from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
@@ -336,8 +338,7 @@ def test_refit_writes_each_layer_with_its_configured_scale_rule():
         layer = torch.nn.Module()
         layer.weight = torch.nn.Parameter(torch.zeros(320, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
         layer.weight_scale_inv = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
-        layer.quant_method = type("Method", (), {"cfg": cfg})()
-        layer.fp8_align = Fp8AlignLayerState("linear", "test", shard_sizes=[192, 128], kernel=EmulatedBlockFp8Kernel())
+        layer.fp8_align = Fp8AlignLayerState("linear", "test", cfg.rounding, shard_sizes=[192, 128], kernel=EmulatedBlockFp8Kernel())
         layer.fp8_align.kernel.prepare(layer)
         return layer
 

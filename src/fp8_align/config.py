@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fp8_align.errors import FP8ConfigError
 from fp8_align.nemo_rl_config import load_nemo_rl_yaml, nemo_rl_layout, read_nemo_rl
+from fp8_align.rounding import DEFAULT_SCALE_RULE, Rounding, ScaleRule
 
 __all__ = ["CONFIG_ENV_VAR", "FP8Config", "FP8ConfigError"]
 
@@ -46,8 +47,8 @@ class FP8Config(BaseModel):
     num_last_layers_in_bf16: int = 0
     use_weight_pow2_scale: bool = False
     use_activation_pow2_scale: bool = False
-    scale_rule: Literal["amax_over_max", "transformer_engine"] = Field(
-        default="amax_over_max",
+    scale_rule: ScaleRule = Field(
+        default=DEFAULT_SCALE_RULE,
         description="How weight and activation scales are computed from a group's amax. "
         "'amax_over_max': stored scale amax/448 (rounded up to a power of two with the pow2 flags), "
         "codes x/scale. 'transformer_engine': multiplier 448/amax (rounded down to a power of two "
@@ -247,6 +248,13 @@ class FP8Config(BaseModel):
                     "Use fp8='e4m3' or set allow_recipe_mismatch=True."
                 )
         return self
+
+    @property
+    def rounding(self) -> Rounding:
+        """The generation side's scale rounding: the two pow2 flags and `scale_rule`, as one value."""
+        return Rounding(
+            weight_pow2=self.use_weight_pow2_scale, activation_pow2=self.use_activation_pow2_scale, scale_rule=self.scale_rule
+        )
 
     # ----------------------------------------------------------------- model-dependent checks
     def bf16_layer_indices(self, num_hidden_layers: int) -> frozenset[int]:

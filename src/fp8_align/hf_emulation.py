@@ -24,21 +24,20 @@ class Fp8EmulatedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, cfg: FP8Config) -> None:
         super().__init__()
+        self.rounding = cfg.rounding
         codes, scales = quantize_weight_blockwise(
-            linear.weight.detach(), pow2_scale=cfg.use_weight_pow2_scale, scale_rule=cfg.scale_rule
+            linear.weight.detach(), pow2_scale=self.rounding.weight_pow2, scale_rule=self.rounding.scale_rule
         )
         self.register_buffer("weight_fp8", codes)
         self.register_buffer("weight_scale_inv", scales)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.activation_pow2_scale = cfg.use_activation_pow2_scale
-        self.scale_rule = cfg.scale_rule
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in_features] -> [..., out_features] in x's dtype."""
         return blockwise_fp8_linear(
-            x, self.weight_fp8, self.weight_scale_inv, self.bias, self.activation_pow2_scale,
-            out_dtype=x.dtype, check_inputs=False, scale_rule=self.scale_rule,
+            x, self.weight_fp8, self.weight_scale_inv, self.bias, self.rounding.activation_pow2,
+            out_dtype=x.dtype, check_inputs=False, scale_rule=self.rounding.scale_rule,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -53,18 +52,17 @@ class Fp8EmulatedExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, cfg: FP8Config) -> None:
         super().__init__()
+        self.rounding = cfg.rounding
         c13, s13, c2, s2 = quantize_experts(
-            experts.gate_up_proj.detach(), experts.down_proj.detach(), cfg.use_weight_pow2_scale, cfg.scale_rule
+            experts.gate_up_proj.detach(), experts.down_proj.detach(), self.rounding.weight_pow2, self.rounding.scale_rule
         )
         for name, tensor in (("w13_fp8", c13), ("w13_scale_inv", s13), ("w2_fp8", c2), ("w2_scale_inv", s2)):
             self.register_buffer(name, tensor)
-        self.activation_pow2_scale = cfg.use_activation_pow2_scale
-        self.scale_rule = cfg.scale_rule
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         return block_fp8_moe_reference(
             hidden_states, top_k_weights, top_k_index, self.w13_fp8, self.w13_scale_inv, self.w2_fp8,
-            self.w2_scale_inv, self.activation_pow2_scale, self.scale_rule,
+            self.w2_scale_inv, self.rounding.activation_pow2, self.rounding.scale_rule,
         )  # fmt: skip
 
 

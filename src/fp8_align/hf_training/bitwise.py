@@ -41,6 +41,7 @@ from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attentio
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
 from fp8_align.quant.dispatch import quantize_weights_into
+from fp8_align.rounding import Rounding
 from fp8_align.quant.shards import empty_shard_outputs, shard_slices
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
@@ -135,23 +136,23 @@ def inverse_rope_table(table: torch.Tensor) -> torch.Tensor:
     return torch.cat((cos, -sin), dim=-1)
 
 
-#: A block-FP8 product of a quantized layer (codes, scale grids, shard sizes) with x [T, K], + bias.
+#: A block-FP8 product of a quantized layer (codes, scale grids, shard sizes, rounding) with x [T, K], + bias.
 Fp8Gemm = Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class _StackedFp8Linear(torch.autograd.Function):
     """x [T, K] times the stacked BF16 weight [sum(shards), K], whose shard-by-shard block-FP8
-    `codes` and stacked `scales` are given, through `gemm` with the engine layer's shard sizes;
-    BF16 straight-through backward."""
+    `codes` and stacked `scales` are given, through `gemm` with the engine layer's shard sizes and
+    `rounding`; BF16 straight-through backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...], gemm: Fp8Gemm,
-        codes: torch.Tensor, scales: torch.Tensor,
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...],
+        rounding: Rounding, gemm: Fp8Gemm, codes: torch.Tensor, scales: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         layer = SimpleNamespace(
             weight=codes, weight_scale_inv=scales, bias=bias, params_dtype=x.dtype,
-            fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", shard_sizes=list(shard_sizes)),
+            fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", rounding, shard_sizes=list(shard_sizes)),
         )  # fmt: skip
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
@@ -236,6 +237,8 @@ class BitwiseForward:
             for index in range(len(model.model.layers))
             for part, names in (("self_attn", STACKED_PROJECTIONS[0]), ("self_attn", ("o_proj",)), ("mlp", STACKED_PROJECTIONS[1]), ("mlp", ("down_proj",)))
         }  # fmt: skip
+        #: The engine's scale rounding, in the layer state of every FP8 product.
+        self.rounding = cfg.rounding
         self.fp8_gemm = self._fp8_gemm()
         self.vocab_size = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().out_features)
         #: Per decoder layer, the FP8 KV-cache scales of the rollout being scored (None: not set yet).
@@ -304,18 +307,16 @@ class BitwiseForward:
                 scales_out.append(scales[scale_rows])
             found[key] = (codes, scales)
         if weights:
-            quantize_weights_into(weights, codes_out, scales_out, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule)
+            quantize_weights_into(weights, codes_out, scales_out, self.rounding.weight_pow2, self.rounding.scale_rule)
         return found
 
     def _fp8_gemm(self) -> Fp8Gemm:
         """The engine's block-FP8 backend on CUDA (`select_kernel` for this config), the emulated
         product of the CPU backend elsewhere."""
-        pow2, rule = self.cfg.use_activation_pow2_scale, self.cfg.scale_rule
         if self.device.type != "cuda" or not self.fp8_names:
-            return lambda layer, x, bias: emulated_block_fp8_linear(x, layer.weight, layer, bias, pow2, rule)
+            return lambda layer, x, bias: emulated_block_fp8_linear(x, layer.weight, layer, bias)
         weight = self.model.get_submodule(min(self.fp8_names)).weight
-        kernel = select_kernel(self.cfg, weight.shape, [weight.shape[0]], self.device, weight.dtype)
-        return lambda layer, x, bias: kernel.apply(layer, x, bias, pow2, rule)
+        return select_kernel(self.cfg, weight.shape, [weight.shape[0]], self.device, weight.dtype).apply
 
     # ------------------------------------------------------------------ ops
     def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -324,7 +325,7 @@ class BitwiseForward:
         layer = self.stacked[key]
         weight, bias = layer.weight(), layer.bias()
         if layer.fp8:
-            return _StackedFp8Linear.apply(x, weight, bias, layer.sizes, self.fp8_gemm, *fp8_weights[key])
+            return _StackedFp8Linear.apply(x, weight, bias, layer.sizes, self.rounding, self.fp8_gemm, *fp8_weights[key])
         return engine_op(self.kernels.linear, F.linear, *((x, weight) if bias is None else (x, weight, bias)), vjp=linear_vjp)
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:

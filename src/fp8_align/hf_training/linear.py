@@ -30,6 +30,7 @@ from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import is_fused_experts, recipe_fp8_modules, replace_submodule
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
 from fp8_align.quant.dispatch import quantize_weight_into
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
@@ -48,23 +49,23 @@ class _BlockFp8LinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        weight_pow2_scale: bool,
-        activation_pow2_scale: bool,
-        scale_rule: str,
+        rounding: Rounding,
     ) -> torch.Tensor:
-        codes, scale_inv = quantize_weight_blockwise(weight.detach(), pow2_scale=weight_pow2_scale, scale_rule=scale_rule)
+        codes, scale_inv = quantize_weight_blockwise(
+            weight.detach(), pow2_scale=rounding.weight_pow2, scale_rule=rounding.scale_rule
+        )
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return blockwise_fp8_linear(
-            x.detach(), codes, scale_inv, None if bias is None else bias.detach(), activation_pow2_scale,
-            out_dtype=x.dtype, scale_rule=scale_rule,
+            x.detach(), codes, scale_inv, None if bias is None else bias.detach(), rounding.activation_pow2,
+            out_dtype=x.dtype, scale_rule=rounding.scale_rule,
         )  # fmt: skip
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        return (*bf16_straight_through(ctx, grad_out), None, None, None)
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        return (*bf16_straight_through(ctx, grad_out), None)
 
 
 def bf16_straight_through(
@@ -93,17 +94,16 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         from types import SimpleNamespace
 
-        codes, scale_inv = quantize_weight_into(weight.detach(), module.weight_pow2_scale, scale_rule=module.scale_rule)
+        rounding = module.rounding
+        codes, scale_inv = quantize_weight_into(weight.detach(), rounding.weight_pow2, scale_rule=rounding.scale_rule)
         layer = SimpleNamespace(
             weight=codes, weight_scale_inv=scale_inv, params_dtype=x.dtype,
-            fp8_align=Fp8AlignLayerState("linear", module.name, shard_sizes=[codes.shape[0]]),
+            fp8_align=Fp8AlignLayerState("linear", module.name, rounding, shard_sizes=[codes.shape[0]]),
         )  # fmt: skip
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         kernel = module.engine_kernel(x.device, x.dtype)
-        return kernel.apply(
-            layer, x.detach(), None if bias is None else bias.detach(), module.activation_pow2_scale, module.scale_rule
-        )
+        return kernel.apply(layer, x.detach(), None if bias is None else bias.detach())
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -136,9 +136,7 @@ class Fp8TrainingLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_pow2_scale = cfg.use_weight_pow2_scale
-        self.activation_pow2_scale = cfg.use_activation_pow2_scale
-        self.scale_rule = cfg.scale_rule
+        self.rounding = cfg.rounding
         self.forward_kernel = forward_kernel
         self.name = name
         self.shard_sizes = tuple(shard_sizes or (linear.out_features,))
@@ -158,9 +156,7 @@ class Fp8TrainingLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.forward_kernel == "engine":
             return _EngineKernelLinearFunction.apply(x, self.weight, self.bias, self)
-        return _BlockFp8LinearFunction.apply(
-            x, self.weight, self.bias, self.weight_pow2_scale, self.activation_pow2_scale, self.scale_rule
-        )
+        return _BlockFp8LinearFunction.apply(x, self.weight, self.bias, self.rounding)
 
     def extra_repr(self) -> str:
         return (

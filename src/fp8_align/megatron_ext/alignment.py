@@ -26,6 +26,7 @@ from fp8_align.megatron_ext.te_emulation import TE_BLOCK_LEN, te_pow2_scales_fro
 from fp8_align.megatron_ext.validation import TrainingSetupError
 from fp8_align.megatron_ext.weight_matrices import WeightMatrix, decoder_matrices, num_experts_in
 from fp8_align.quant import quantize_weight_blockwise
+from fp8_align.rounding import DEFAULT_SCALE_RULE, ScaleRule
 
 TrainingQuantizerChoice = Literal["auto", "transformer_engine", "emulation"]
 
@@ -89,7 +90,7 @@ class AlignmentReport:
     training_pow2_scales: bool
     generation_pow2_scales: bool
     skipped: tuple[str, ...]
-    generation_scale_rule: str = "amax_over_max"
+    generation_scale_rule: ScaleRule = DEFAULT_SCALE_RULE
 
     @property
     def compared(self) -> tuple[LayerAlignment, ...]:

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 from fp8_align.quant.scales import check_finite, check_float_input, quantization_factors, quantize_with_factor
 
 DEFAULT_BLOCK_SIZE = (128, 128)
@@ -22,7 +23,7 @@ def quantize_weight_blockwise(
     w: torch.Tensor,
     block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
     pow2_scale: bool = False,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight to E4M3 with one FP32 scale per block.
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from fp8_align.quant.blockwise import quantize_weight_blockwise
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 
 
 def quantize_weight_into(
@@ -15,7 +16,7 @@ def quantize_weight_into(
     out_codes: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     check_finite: bool = True,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_weight_blockwise(w, pow2_scale=pow2_scale, scale_rule=scale_rule)` (128x128 blocks),
     optionally written into existing storage.
@@ -45,7 +46,7 @@ def quantize_weights_into(
     out_codes: Sequence[torch.Tensor],
     out_scales: Sequence[torch.Tensor],
     pow2_scale: bool,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> None:
     """`quantize_weight_into(w, pow2_scale, codes, scales, False, scale_rule)` for each triple of the
     lists: on CUDA one grouped Triton launch (`triton_blockwise.quantize_weights_blockwise_triton`,

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 from fp8_align.quant.scales import check_finite, check_float_input, quantization_factors, quantize_with_factor
 
 DEFAULT_GROUP_SIZE = 128
@@ -17,7 +18,7 @@ def quantize_activation_groupwise(
     group_size: int = DEFAULT_GROUP_SIZE,
     pow2_scale: bool = False,
     check_inputs: bool = True,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to E4M3 in 1 x `group_size` groups along the last dim.
 

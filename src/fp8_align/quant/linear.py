@@ -9,6 +9,7 @@ import torch
 
 from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE, blockwise_scale_shape
 from fp8_align.quant.groupwise import quantize_activation_groupwise
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 
 
 def fp8_block_gemm(
@@ -54,7 +55,7 @@ def blockwise_fp8_linear(
     activation_pow2_scale: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     check_inputs: bool = True,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> torch.Tensor:
     """`y = x @ w.T (+ bias)` with x quantized in 1x128 groups and w in 128x128 blocks.
 

@@ -21,6 +21,7 @@ from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.groupwise import quantize_activation_groupwise
 from fp8_align.quant.linear import fp8_block_gemm
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 from fp8_align.quant.scales import FP8_DTYPE
 
 #: Shard names of one expert, in vLLM's loader terms: gate (w1), up (w3), down (w2).
@@ -71,7 +72,7 @@ def quantize_experts_into(
     s2: torch.Tensor,
     pow2_scale: bool,
     experts: list[int] | None = None,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> None:
     """Quantize BF16 experts shard by shard into existing codes and scales.
 
@@ -93,7 +94,7 @@ def quantize_experts_into(
 
 
 def quantize_experts(
-    w13: torch.Tensor, w2: torch.Tensor, pow2_scale: bool, scale_rule: str = "amax_over_max"
+    w13: torch.Tensor, w2: torch.Tensor, pow2_scale: bool, scale_rule: str = DEFAULT_SCALE_RULE
 ) -> tuple[torch.Tensor, ...]:
     """(c13, s13, c2, s2) of BF16 experts w13 [E, 2I, H], w2 [E, H, I] (see `quantize_experts_into`)."""
     num_experts, hidden, intermediate = w2.shape
@@ -115,7 +116,7 @@ def block_fp8_moe_reference(
     c2: torch.Tensor,
     s2: torch.Tensor,
     act_pow2: bool,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> torch.Tensor:
     """One MoE layer's routed experts in block FP8 (SiLU-gated MLP experts).
 

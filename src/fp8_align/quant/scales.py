@@ -2,7 +2,7 @@
 
 A stored scale here is always the *dequantization* multiplier (`scale_inv` in TransformerEngine
 and DeepGEMM terms): `x ~= code * scale_inv`. Two rules compute it from a group's amax
-(`SCALE_RULES`, `FP8Config.scale_rule`):
+(`fp8_align.rounding.SCALE_RULES`, `FP8Config.scale_rule`):
 
 - "amax_over_max" (default): `scale_inv = amax / 448` (pow2: rounded UP to a power of two) and
   `code = fp8(clamp(x / scale_inv, +-448))`.
@@ -17,26 +17,19 @@ from __future__ import annotations
 
 import torch
 
+from fp8_align.rounding import DEFAULT_SCALE_RULE, check_scale_rule
+
 #: Largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 #: Smallest positive normal FP32 value: the floor of every "amax_over_max" scale.
 FP32_TINY = torch.finfo(torch.float32).tiny
 
-#: The scale rules, default first (see the module docstring).
-SCALE_RULES: tuple[str, ...] = ("amax_over_max", "transformer_engine")
 _POW2_MASK = -0x00800000  # 0xFF800000 as int32: keeps the sign and exponent bits
 
 
-def check_scale_rule(scale_rule: str) -> str:
-    """Return `scale_rule` when it is one of `SCALE_RULES`, else raise ValueError."""
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    return scale_rule
-
-
 def quantization_factors(
-    amax: torch.Tensor, pow2: bool, scale_rule: str = "amax_over_max", input_dtype: torch.dtype = torch.float32
+    amax: torch.Tensor, pow2: bool, scale_rule: str = DEFAULT_SCALE_RULE, input_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(factor, scale_inv) of each group under `scale_rule`, from FP32 absolute maxima (any shape).
 
@@ -52,7 +45,7 @@ def quantization_factors(
     return multiplier, reciprocal(multiplier)
 
 
-def quantize_with_factor(x: torch.Tensor, factor: torch.Tensor, scale_rule: str = "amax_over_max") -> torch.Tensor:
+def quantize_with_factor(x: torch.Tensor, factor: torch.Tensor, scale_rule: str = DEFAULT_SCALE_RULE) -> torch.Tensor:
     """E4M3 codes of FP32 `x` with a broadcastable FP32 `factor` from `quantization_factors`:
     `x / factor` ("amax_over_max") or `x * factor` ("transformer_engine"), saturated to +-448."""
     if check_scale_rule(scale_rule) == "amax_over_max":

@@ -11,6 +11,7 @@ import torch
 
 from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
 from fp8_align.quant.dispatch import quantize_weight_into
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 from fp8_align.quant.scales import FP8_DTYPE
 
 
@@ -34,7 +35,7 @@ def empty_shard_outputs(shard_sizes: list[int], k: int, device: torch.device | s
 
 
 def quantize_shards(
-    weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bool, scale_rule: str = "amax_over_max"
+    weight: torch.Tensor, shard_sizes: list[int], pow2_scale: bool, scale_rule: str = DEFAULT_SCALE_RULE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a merged [sum(shard_sizes), K] weight shard by shard (q|k|v, gate|up) with
     `pow2_scale` and `scale_rule`.

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from fp8_align.quant.blockwise import DEFAULT_BLOCK_SIZE
-from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, FP32_TINY, check_float_input, check_scale_rule
+from fp8_align.rounding import DEFAULT_SCALE_RULE, check_scale_rule
+from fp8_align.quant.scales import E4M3_MAX, FP8_DTYPE, FP32_TINY, check_float_input
 
 BLOCK = DEFAULT_BLOCK_SIZE[0]
 #: Under the Triton interpreter (TRITON_INTERPRET=1, how the CPU tests run these kernels) CPU
@@ -235,7 +236,7 @@ def quantize_weight_blockwise_triton(
     out_codes: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     check_finite: bool = True,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 block E4M3 quantization of a [N, K] bf16/fp16/fp32 CUDA weight (last dim contiguous).
 
@@ -268,7 +269,7 @@ def quantize_weights_blockwise_triton(
     out_codes: Sequence[torch.Tensor],
     out_scales: Sequence[torch.Tensor],
     pow2_scale: bool = False,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> None:
     """`quantize_weight_blockwise_triton(w, pow2_scale, codes, scales, False, scale_rule)` for every
     (w, codes, scales) of the three lists, in one kernel launch per weight dtype.

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_align.quant.scales import E4M3_MAX, FP32_TINY, check_scale_rule
+from fp8_align.rounding import DEFAULT_SCALE_RULE, check_scale_rule
+from fp8_align.quant.scales import E4M3_MAX, FP32_TINY
 from fp8_align.quant.triton_blockwise import BLOCK, quantization_factors_triton, quantize_with_factor_triton
 
 #: Groups of 128 channels one program of the activation-quantization kernel handles.
@@ -77,7 +78,7 @@ def empty_scales(m: int, groups: int, layout: ScaleLayout, device: torch.device)
 
 @torch.library.custom_op("fp8_align::quantize_activation_groupwise", mutates_args=())
 def quantize_activation_triton(
-    x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = "amax_over_max"
+    x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = DEFAULT_SCALE_RULE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 group quantization of a [M, K] bf16/fp16/fp32 CUDA tensor (last dim contiguous).
 
@@ -107,7 +108,7 @@ def quantize_activation_triton(
 
 
 @quantize_activation_triton.register_fake
-def _(x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = "amax_over_max") -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, pow2: bool, layout: int, scale_rule: str = DEFAULT_SCALE_RULE) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     return codes, empty_scales(m, math.ceil(k / BLOCK), ScaleLayout(layout), x.device)

@@ -75,11 +75,11 @@ def _max_diff_to_reference(module: torch.nn.Module) -> float:
     x = torch.randn(_SELF_CHECK_TOKENS, module.weight.shape[1], generator=generator).to(torch.bfloat16)
     x = x.to(module.weight.device)
     got = module.quant_method.apply(module, x)
-    cfg = module.quant_method.cfg
+    rounding = module.fp8_align.rounding
     parts = [
         blockwise_fp8_linear(
             x, module.weight[rows], module.weight_scale_inv[scale_rows],
-            activation_pow2_scale=cfg.use_activation_pow2_scale, scale_rule=cfg.scale_rule,
+            activation_pow2_scale=rounding.activation_pow2, scale_rule=rounding.scale_rule,
         )  # fmt: skip
         for rows, scale_rows in shard_slices(module.fp8_align.shard_sizes)
     ]

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
 
 #: The module attribute holding a layer's `Fp8AlignLayerState`.
@@ -37,6 +38,9 @@ class Fp8AlignLayerState:
     kind: LayerKind
     #: the module's name in the checkpoint, e.g. model.layers.1.self_attn.qkv_proj
     prefix: str
+    #: the engine's scale rounding (`FP8Config.rounding`), set when the state is created: fp8_align's
+    #: quantizations of the layer (load, re-quantizing loaders, refit, activations in its forward) read it here
+    rounding: Rounding
     #: vLLM's extra weight attributes of the layer (given to every BF16 staging Parameter)
     weight_attrs: dict[str, Any] = field(default_factory=dict)
     #: linears: rows of each stacked shard (q|k|v, gate|up), each with its own 128x128 grid

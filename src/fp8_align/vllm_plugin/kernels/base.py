@@ -25,16 +25,9 @@ class BlockFp8Kernel:
     def weights_written(self, layer: torch.nn.Module) -> None:
         """Refresh whatever `prepare` derived from the codes and scales (nothing by default)."""
 
-    def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        act_pow2: bool,
-        scale_rule: str = "amax_over_max",
-    ) -> torch.Tensor:
-        """[..., K] -> [..., N] in x's dtype, activations quantized with power-of-two scales when
-        `act_pow2` and by `scale_rule` ("amax_over_max" / "transformer_engine")."""
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[..., K] -> [..., N] in x's dtype, activations quantized in 1x128 groups as the layer's
+        `fp8_align.rounding` says (its `activation_pow2` and `scale_rule`)."""
         raise NotImplementedError
 
 

@@ -33,30 +33,21 @@ class EmulatedBlockFp8Kernel(BlockFp8Kernel):
         """Copy the rewritten codes into the float32 copy, in its storage."""
         layer.fp8_align.widened["weight"].copy_(layer.weight.detach())
 
-    def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        act_pow2: bool,
-        scale_rule: str = "amax_over_max",
-    ) -> torch.Tensor:
-        return emulated_block_fp8_linear(x, layer.fp8_align.widened["weight"], layer, bias, act_pow2, scale_rule)
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return emulated_block_fp8_linear(x, layer.fp8_align.widened["weight"], layer, bias)
 
 
 def emulated_block_fp8_linear(
-    x: torch.Tensor,
-    weight_codes: torch.Tensor,
-    layer: torch.nn.Module,
-    bias: torch.Tensor | None,
-    act_pow2: bool,
-    scale_rule: str = "amax_over_max",
+    x: torch.Tensor, weight_codes: torch.Tensor, layer: torch.nn.Module, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """[..., K] -> [..., N] in x's dtype through the emulated op: `weight_codes` [N, K] are the
     layer's FP8 codes (float8_e4m3fn, or float32 holding exactly those values), with the layer's
-    `weight_scale_inv` and shard sizes; activations quantized per `act_pow2` and `scale_rule`."""
+    `weight_scale_inv` and shard sizes; activations quantized as its `fp8_align.rounding` says."""
+    state = layer.fp8_align
     x2 = x.reshape(-1, x.shape[-1])
-    out = emulated_block_fp8_mm(x2, weight_codes, layer.weight_scale_inv, layer.fp8_align.shard_sizes, act_pow2, scale_rule)
+    out = emulated_block_fp8_mm(
+        x2, weight_codes, layer.weight_scale_inv, state.shard_sizes, state.rounding.activation_pow2, state.rounding.scale_rule
+    )
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])

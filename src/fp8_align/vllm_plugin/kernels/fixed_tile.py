@@ -80,17 +80,13 @@ class FixedTileBlockFp8Kernel(BlockFp8Kernel):
             layer.fp8_align.prefix, tuple(layer.weight.shape), ", ".join(f"rows {r.start}:{r.stop} {gemm}" for r, _, gemm in layer.fp8_align.gemm_calls),
         )  # fmt: skip
 
-    def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        act_pow2: bool,
-        scale_rule: str = "amax_over_max",
-    ) -> torch.Tensor:
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[..., K] -> [..., N] in x's dtype, the bias added in FP32 before the one rounding."""
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(x2, act_pow2, int(ScaleLayout.COLUMN_MAJOR), scale_rule)
+        rounding = layer.fp8_align.rounding
+        x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(
+            x2, rounding.activation_pow2, int(ScaleLayout.COLUMN_MAJOR), rounding.scale_rule
+        )
         calls = layer.fp8_align.gemm_calls or fixed_tile_calls(
             tuple(layer.fp8_align.shard_sizes), x2.shape[1], torch.cuda.get_device_capability(x.device), bias is not None
         )  # planned by `prepare` in an engine; an unprepared layer (the trainer's, eager) plans here

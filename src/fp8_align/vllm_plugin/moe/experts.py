@@ -20,6 +20,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.moe import expert_shard_rows, quantize_experts
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.checkpoint import SYNC_DTYPES, WeightSyncError
 from fp8_align.vllm_plugin.compat import initialize_online_processing, moe_activation_name
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
@@ -43,10 +44,11 @@ def unsupported_experts_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def experts_state(layer: torch.nn.Module, prefix: str) -> Fp8AlignLayerState:
-    """Give routed-experts `layer` (checkpoint name `prefix`) a fresh `Fp8AlignLayerState`, which
-    marks it as an fp8_align FP8 layer; returns it. Called by the experts methods' constructors."""
-    layer.fp8_align = Fp8AlignLayerState("experts", prefix)
+def experts_state(layer: torch.nn.Module, prefix: str, rounding: Rounding) -> Fp8AlignLayerState:
+    """Give routed-experts `layer` (checkpoint name `prefix`) a fresh `Fp8AlignLayerState` with the
+    engine's `rounding`, which marks it as an fp8_align FP8 layer; returns it. Called by the experts
+    methods' constructors."""
+    layer.fp8_align = Fp8AlignLayerState("experts", prefix, rounding)
     return layer.fp8_align
 
 
@@ -81,14 +83,15 @@ def create_bf16_expert_weights(
         initialize_online_processing(layer)
 
 
-def quantize_loaded_experts(layer: torch.nn.Module, pow2_scale: bool, scale_rule: str = "amax_over_max") -> bool:
-    """Replace the loaded BF16 experts by codes + FP32 (or pow2) scales computed by `scale_rule`
-    (Parameters without a loader: see `attach_requantizing_loaders`); False (nothing done) when
+def quantize_loaded_experts(layer: torch.nn.Module) -> bool:
+    """Replace the loaded BF16 experts by codes + scales rounded as the layer's `fp8_align.rounding`
+    says (Parameters without a loader: see `attach_requantizing_loaders`); False (nothing done) when
     the layer already holds FP8 codes (vLLM may process a model twice: verl does after a sync)."""
     if layer.w13_weight.dtype == FP8_DTYPE:
         return False
     note_quantizing()
-    c13, s13, c2, s2 = quantize_experts(layer.w13_weight.data, layer.w2_weight.data, pow2_scale, scale_rule)
+    rounding = layer.fp8_align.rounding
+    c13, s13, c2, s2 = quantize_experts(layer.w13_weight.data, layer.w2_weight.data, rounding.weight_pow2, rounding.scale_rule)
     layer.w13_weight = torch.nn.Parameter(c13, requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(c2, requires_grad=False)
     layer.w13_weight_scale_inv = torch.nn.Parameter(s13, requires_grad=False)
@@ -168,12 +171,12 @@ def _quantize_shard_into(
     where = expert_shard_rows(shard, layer.fp8_align.intermediate_size, layer.w2_weight.shape[1])
     codes = layer.w13_weight.data if where.param == "w13" else layer.w2_weight.data
     scales = layer.w13_weight_scale_inv.data if where.param == "w13" else layer.w2_weight_scale_inv.data
-    cfg = layer.quant_method.cfg
+    rounding = layer.fp8_align.rounding
     with torch.no_grad():
         quantize_weights_into(
             [buffer[e if all_experts else 0, where.rows] for e in experts],
             [codes[e, where.rows] for e in experts],
             [scales[e, where.scale_rows] for e in experts],
-            cfg.use_weight_pow2_scale,
-            cfg.scale_rule,
+            rounding.weight_pow2,
+            rounding.scale_rule,
         )

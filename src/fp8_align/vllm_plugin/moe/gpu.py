@@ -89,7 +89,7 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
         block = list(DEFAULT_BLOCK_SIZE)
         super().__init__(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=block), layer)
         self.cfg = cfg
-        experts_state(layer, prefix)
+        experts_state(layer, prefix, cfg.rounding)
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         backend = getattr(self.fp8_backend, "name", str(self.fp8_backend))
@@ -137,7 +137,7 @@ class Fp8AlignMoEMethod(Fp8MoEMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize the loaded experts (idempotent), then build vLLM's MoE kernel on them."""
-        if not quantize_loaded_experts(layer, self.cfg.use_weight_pow2_scale, self.cfg.scale_rule):
+        if not quantize_loaded_experts(layer):
             return
         self._setup_kernel(
             layer, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, None, None

@@ -51,6 +51,7 @@ import torch
 
 from fp8_align.checks import start_nonfinite_check
 from fp8_align.quant.dispatch import quantize_weight_into, quantize_weights_into
+from fp8_align.rounding import Rounding
 from fp8_align.quant.shards import shard_slices
 from fp8_align.vllm_plugin.checkpoint import (
     RefitError,
@@ -308,8 +309,8 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
     so the device holds at most one extra BF16 tensor. Then each layer whose codes changed
     refreshes what its GEMM backend derived from them (`BlockFp8Kernel.weights_written`).
     """
-    # keyed by (pow2, scale rule): one grouped launch per rounding
-    grouped: dict[tuple[bool, str], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+    # one grouped launch per rounding (an engine has one; the layers' states all hold it)
+    grouped: dict[Rounding, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
     rewritten: dict[int, torch.nn.Module] = {}
     for write in writes:
         layer = write.layer
@@ -318,17 +319,17 @@ def _write_fp8_shards(writes: list[Fp8ShardWrite]) -> None:
             layer.bias.data[rows].copy_(write.tensor)
             continue
         rewritten[id(layer)] = layer
-        rounding = (layer.quant_method.cfg.use_weight_pow2_scale, layer.quant_method.cfg.scale_rule)
+        rounding = layer.fp8_align.rounding
         codes, scales = layer.weight.data[rows], layer.weight_scale_inv.data[scale_rows]
         if write.tensor.device != layer.weight.device:
             weight = write.tensor.to(layer.weight.device).contiguous()
-            quantize_weight_into(weight, rounding[0], codes, scales, check_finite=False, scale_rule=rounding[1])
+            quantize_weight_into(weight, rounding.weight_pow2, codes, scales, check_finite=False, scale_rule=rounding.scale_rule)
             continue
         weights, all_codes, all_scales = grouped.setdefault(rounding, ([], [], []))
         weights.append(write.tensor.contiguous())
         all_codes.append(codes)
         all_scales.append(scales)
-    for (pow2, scale_rule), (weights, all_codes, all_scales) in grouped.items():
-        quantize_weights_into(weights, all_codes, all_scales, pow2, scale_rule)
+    for rounding, (weights, all_codes, all_scales) in grouped.items():
+        quantize_weights_into(weights, all_codes, all_scales, rounding.weight_pow2, rounding.scale_rule)
     for layer in rewritten.values():
         layer.fp8_align.kernel.weights_written(layer)
