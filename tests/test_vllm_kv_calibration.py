@@ -31,7 +31,7 @@ from fp8_align.vllm_plugin.kv import probe
 from fp8_align.vllm_plugin.kv.calibration import KVCalibrationError, calibrate_kv_scales
 from fp8_align.vllm_plugin.kv.scales import KVScaleError, engine_kv_scales, push_kv_scales, read_kv_scales
 from fp8_align.vllm_plugin.refit import refit_weights
-from tests.engines import ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, EngineRunner, fp8_kv_unsupported_reason
+from tests.engines import COMPILED_ENGINE, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, EngineRunner, fp8_kv_unsupported_reason
 from tests.gpu_models import IN_PROCESS_LLM_KWARGS, SMALL, save_random_qwen3
 from tests.model_factory import TINY_LLAMA_HEAD_DIM, make_tiny_llama
 from tests.model_factory import TINY_LLAMA_LAYERS as NUM_LAYERS
@@ -258,7 +258,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(checkpoint: Path, vllm_runner: type[EngineRunner]):
-    slot = _EngineSlot(vllm_runner, checkpoint, ENGINE)
+    slot = _EngineSlot(vllm_runner, checkpoint, COMPILED_ENGINE)
     yield slot
     slot.close()
 
@@ -522,7 +522,7 @@ def test_failed_calibrations_raise_and_leave_the_engine_unchanged(engines: _Engi
     assert _generate(llm) == outputs
 
 
-# --- GPU (vLLM 0.22, CUDA graphs): `pytest -m gpu tests/test_kv_engine_calibration.py -s` ------
+# --- GPU (vLLM 0.22, CUDA graphs): `pytest -m gpu tests/test_vllm_kv_calibration.py -s` ------
 
 
 def _gpu_engine_state(worker: Any) -> dict[str, str]:
