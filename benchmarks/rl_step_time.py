@@ -24,8 +24,8 @@ Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode as `bitwise_sp
 on vLLM 0.22: `FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa")`, DeepGEMM on
 `--deepgemm-cache`; the aligned FP8 trainer with the engine's GEMM kernels,
 `apply_fp8_training(forward_kernel="engine")`), fp8_bitwise_kv
-(`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `BitwiseForward`). On a GPU every engine
-runs vLLM's V2 model runner, as the rollout benchmarks do. Writes seconds per phase for every timed step, their medians, and each variant's
+(`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `BitwiseForward`). Each engine runs the
+model runner vLLM picks for it, as `bitwise_speed.py`'s rollouts did. Writes seconds per phase for every timed step, their medians, and each variant's
 median step time and BF16's over it (`speedup_vs_bf16`). `--shape tiny` (hidden 128, vocab 512) runs
 the bf16 variant on a CPU machine, to try the script before a GPU run.
 """
@@ -81,8 +81,6 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     if deep_gemm and args.deepgemm_cache:
         os.environ["DG_JIT_CACHE_DIR"] = str(args.deepgemm_cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     checkpoint = args.work / f"{args.shape.replace('-', '_')}_{args.layers}l_random_bf16"
     ensure_bf16_checkpoint(checkpoint, dict(SHAPES[args.shape], num_hidden_layers=args.layers), device)
     seq_len = args.prompt_tokens + args.max_tokens
