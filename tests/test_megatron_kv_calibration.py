@@ -11,6 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from fp8_align.megatron_ext import KVScaleCalibrator
+from fp8_align.megatron_ext.hf_bridge import init_single_process_parallel_state
 from fp8_align.quant import E4M3_MAX
 
 TINY = {
@@ -162,16 +163,15 @@ class _CpuCoreAttention(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def megatron_block(tmp_path_factory: pytest.TempPathFactory):
-    """A 3-layer megatron-core TransformerBlock (local spec) on CPU, in a 1-process gloo group."""
-    from megatron.core import parallel_state
+def megatron_block():
+    """A 3-layer megatron-core TransformerBlock (local spec) on CPU, in the process's 1-process gloo
+    group (`init_single_process_parallel_state`: set up once per process, whichever module asks
+    first, and left for the others)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+    init_single_process_parallel_state()
     torch.manual_seed(0)
     config = TransformerConfig(
         num_layers=3,
@@ -184,9 +184,7 @@ def megatron_block(tmp_path_factory: pytest.TempPathFactory):
     block = TransformerBlock(config, get_gpt_layer_local_spec())
     for layer in block.layers:
         layer.self_attention.core_attention = _CpuCoreAttention()
-    yield block
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    return block
 
 
 def _megatron_rope(seq: int, dim: int) -> torch.Tensor:
