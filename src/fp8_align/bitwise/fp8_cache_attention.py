@@ -45,8 +45,8 @@ class AttentionTiling:
     split_head: bool = False
 
 
-#: The one tiling the bitwise engine and `BitwiseForward` run (chosen on the H200:
-#: benchmarks/bitwise_kernels.py, "fp8_cache_attention" rows).
+#: The one tiling the bitwise engine and `BitwiseForward` run: the fastest rollout on the H200
+#: (benchmarks/results_log.md; benchmarks/bitwise_kernels.py sweeps the candidates).
 ATTENTION_TILING = AttentionTiling()
 _LOG2E = math.log2(math.e)
 
