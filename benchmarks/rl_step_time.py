@@ -85,9 +85,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     ensure_bf16_checkpoint(checkpoint, dict(SHAPES[args.shape], num_hidden_layers=args.layers), device)
     seq_len = args.prompt_tokens + args.max_tokens
     llm_kwargs = {
-        "max_model_len": seq_len, "max_num_seqs": args.prompts * args.group, "skip_tokenizer_init": True,
+        "max_model_len": seq_len + 1, "max_num_seqs": args.prompts * args.group, "skip_tokenizer_init": True,
         "enable_prefix_caching": False, "gpu_memory_utilization": args.engine_memory,
-    }  # fmt: skip
+    }  # fmt: skip  (+1: the engine's K/V calibration runs each whole sequence as a prompt and generates one token)
     clock = time.perf_counter()
     llm = start_engine(checkpoint, fp8, 0, llm_kwargs)
     engine_start_s = time.perf_counter() - clock
@@ -95,6 +95,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     policy = GRPOPolicy(checkpoint, device, fp8, lr=1e-6, max_tokens_per_forward=args.max_tokens_per_forward, fp8_forward_kernel=fp8_forward_kernel)
     gen = torch.Generator().manual_seed(1)
     vocab = int(policy.model.config.vocab_size)
+    if fp8 is not None and fp8.kv_cache_dtype == "fp8":
+        # the first rollout's scales (as grpo_alignment.py), calibrated on random sequences of a step's length
+        calibration = torch.randint(0, vocab, (args.group, seq_len), generator=gen).tolist()
+        update_kv_scales(llm, policy, pack_sequences([row[: args.prompt_tokens] for row in calibration], [row[args.prompt_tokens :] for row in calibration]))
     steps = []
     for step in range(args.steps + 1):
         prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()

