@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -249,9 +250,10 @@ class FP8Config(BaseModel):
                 )
         return self
 
-    @property
+    @cached_property
     def rounding(self) -> Rounding:
-        """The generation side's scale rounding: the two pow2 flags and `scale_rule`, as one value."""
+        """The generation side's scale rounding: the two pow2 flags and `scale_rule`, as one value
+        (built once per config; every layer of an engine or trainer shares it)."""
         return Rounding(
             weight_pow2=self.use_weight_pow2_scale, activation_pow2=self.use_activation_pow2_scale, scale_rule=self.scale_rule
         )
