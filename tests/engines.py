@@ -16,8 +16,9 @@ goes and `gc` runs),
 so the next engine of the session finds the memory free.
 
 Also here: what the CPU engine tests share (prompts, engine settings, greedy generation, the
-worker-side storage reader, the CPU cores of two engines started side by side). Nothing in this
-module imports vLLM until an engine starts.
+worker-side storage reader, the CPU cores of two engines started side by side and
+`start_engine_pair` / `wait_engine_pair`, which start and wait for two such engines in
+subprocesses). Nothing in this module imports vLLM until an engine starts.
 """
 
 from __future__ import annotations
@@ -203,3 +204,42 @@ def start_fresh_engine(checkpoint: Path, out: Path) -> GenerationJob:
     spec = {"model": str(checkpoint), "fp8_config": FIRST_LAYER_BF16, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "inspect": True, "llm_kwargs": ENGINE, "env": REFERENCE_CORES_ENV}  # fmt: skip
     return start_generation(spec, out)
+
+
+#: One engine of `start_engine_pair`: its FP8Config fields (None: BF16, plugin not requested) and
+#: further `start_generation` spec fields.
+EngineRun = tuple[dict[str, Any] | None, dict[str, Any]]
+
+
+def start_engine_pair(model: Path, out_dir: Path, runs: dict[str, EngineRun]) -> dict[str, GenerationJob]:
+    """Start the engines of `runs` (two, or one for the odd one out) at once, each in its own
+    subprocess (`start_generation`), and return their jobs by name without waiting.
+
+    Each engine runs `model` with ENGINE and greedy PROMPTS / MAX_TOKENS, then its run's spec fields
+    on top; the first is bound to ENGINE_CORES_ENV's cores and the second to REFERENCE_CORES_ENV's,
+    with its spec's own "env" on top. Output and log of NAME go to `out_dir`/NAME.pt and NAME.log.
+    The caller stops the jobs (`wait_engine_pair`, or `GenerationJob.kill`).
+    """
+    assert 1 <= len(runs) <= 2, f"start_engine_pair starts one or two engines, got {len(runs)}"
+    jobs: dict[str, GenerationJob] = {}
+    try:
+        for (name, (fp8_config, spec)), cores in zip(runs.items(), (ENGINE_CORES_ENV, REFERENCE_CORES_ENV)):
+            full = {"model": str(model), "fp8_config": fp8_config, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                    "llm_kwargs": ENGINE, **spec, "env": {**cores, **spec.get("env", {})}}  # fmt: skip
+            jobs[name] = start_generation(full, out_dir / f"{name}.pt")
+    except BaseException:
+        for job in jobs.values():  # the first engine of a pair whose second did not start
+            job.kill()
+        raise
+    return jobs
+
+
+def wait_engine_pair(jobs: dict[str, GenerationJob]) -> dict[str, dict[str, Any]]:
+    """Wait for every job of `start_engine_pair` and return its output (`GenerationJob.wait`) by
+    name; a failed engine raises its `GenerationError`. Every job is stopped when this returns or
+    raises."""
+    try:
+        return {name: job.wait() for name, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.kill()

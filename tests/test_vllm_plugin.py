@@ -3,8 +3,8 @@
 Every engine runs in its own process (`fp8_align.error_bench.generate.start_generation`), with
 vLLM's default multiprocess executor, so the plugin is loaded through its entry point in the
 engine core and in the worker: nothing here is mocked. The engines run two at a time, each bound
-to its own half of the CPU cores (tests/engines.py ENGINE_CORES_ENV and REFERENCE_CORES_ENV, as
-many threads each).
+to its own half of the CPU cores (tests/engines.py `start_engine_pair`: ENGINE_CORES_ENV and
+REFERENCE_CORES_ENV, as many threads each).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_align.error_bench.generate import GenerationError, GenerationJob, start_generation
+from fp8_align.error_bench.generate import GenerationError
 from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
 from fp8_align.quant import quantize_weight_blockwise
-from tests.engines import ENGINE, ENGINE_CORES_ENV, MAX_TOKENS, MERGED_SHARDS, PROMPTS, REFERENCE_CORES_ENV
+from tests.engines import ENGINE, MAX_TOKENS, MERGED_SHARDS, start_engine_pair, wait_engine_pair
 from tests.model_factory import make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -31,8 +31,6 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
-#: One engine: its FP8Config fields (None: BF16, plugin not requested) and further spec fields.
-Run = tuple[dict[str, Any] | None, dict[str, Any]]
 #: The engines whose worker layers the tests inspect, by name, in the pairs they start in.
 INSPECTED: dict[str, dict[str, Any]] = {
     "fp8_first_layer_bf16": {"num_first_layers_in_bf16": 1},
@@ -43,35 +41,14 @@ INSPECTED: dict[str, dict[str, Any]] = {
 }
 
 
-def _start_pair(model: Path, out_dir: Path, runs: dict[str, Run]) -> dict[str, GenerationJob]:
-    """Two engines of `model` (ENGINE, greedy PROMPTS) started at once, the first on
-    ENGINE_CORES_ENV's cores and the second on REFERENCE_CORES_ENV's, each with its spec's own
-    "env" on top; outputs and logs go to `out_dir`/NAME.pt|.log."""
-    assert len(runs) == 2
-    jobs = {}
-    for (name, (fp8_config, spec)), cores in zip(runs.items(), (ENGINE_CORES_ENV, REFERENCE_CORES_ENV)):
-        full = {"model": str(model), "fp8_config": fp8_config, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                "llm_kwargs": ENGINE, **spec, "env": {**cores, **spec.get("env", {})}}  # fmt: skip
-        jobs[name] = start_generation(full, out_dir / f"{name}.pt")
-    return jobs
-
-
-def _wait_pair(jobs: dict[str, GenerationJob]) -> dict[str, dict]:
-    """Each job's output (`GenerationJob.wait`); both are stopped when this returns or raises."""
-    try:
-        return {name: job.wait() for name, job in jobs.items()}
-    finally:
-        for job in jobs.values():
-            job.kill()
-
-
 @pytest.fixture(scope="module")
 def inspected(tiny_model, tmp_path_factory) -> dict[str, dict]:
     """Output of one engine per INSPECTED entry (layers inspected), by name; two engines at a time."""
     out, names = tmp_path_factory.mktemp("run"), list(INSPECTED)
     runs: dict[str, dict] = {}
     for pair in (names[:2], names[2:]):
-        runs |= _wait_pair(_start_pair(tiny_model, out, {name: (INSPECTED[name], {"inspect": True}) for name in pair}))
+        pair_runs = {name: (INSPECTED[name], {"inspect": True}) for name in pair}
+        runs |= wait_engine_pair(start_engine_pair(tiny_model, out, pair_runs))
     return runs
 
 
@@ -173,7 +150,7 @@ def test_plugin_installed_but_not_requested_is_stock_vllm(tiny_model, tmp_path):
     """BF16 with the plugin loaded equals BF16 with no plugin loaded (VLLM_PLUGINS names none),
     token for token and bit for bit in the logprobs."""
     runs = {"loaded": (None, {}), "unloaded": (None, {"env": {"VLLM_PLUGINS": "no_such_plugin"}})}
-    outputs = _wait_pair(_start_pair(tiny_model, tmp_path, runs))
+    outputs = wait_engine_pair(start_engine_pair(tiny_model, tmp_path, runs))
     loaded, unloaded = outputs["loaded"], outputs["unloaded"]
     assert loaded["outputs"] == unloaded["outputs"]
 
@@ -185,7 +162,7 @@ def test_vllm_own_fp8_quantization_is_unchanged(tiny_model, tmp_path):
     spec_engine = {**ENGINE, "quantization": "fp8"}
     runs = {name: (None, {"llm_kwargs": spec_engine, "env": env})
             for name, env in (("loaded", {}), ("unloaded", {"VLLM_PLUGINS": "no_such_plugin"}))}  # fmt: skip
-    jobs = _start_pair(tiny_model, tmp_path, runs)
+    jobs = start_engine_pair(tiny_model, tmp_path, runs)
     try:
         for name, job in jobs.items():
             try:

