@@ -362,7 +362,8 @@ def test_gpu_moe_refuses_the_transformer_engine_scale_rule():
     from fp8_align.vllm_plugin.moe.gpu import Fp8AlignMoEError, Fp8AlignMoEMethod
 
     with pytest.raises(Fp8AlignMoEError, match="scale_rule='transformer_engine' is not supported for routed experts on CUDA"):
-        Fp8AlignMoEMethod(FP8Config(scale_rule="transformer_engine"), None, "model.layers.0.mlp.experts")
+        cfg = FP8Config(scale_rule="transformer_engine")
+        Fp8AlignMoEMethod(cfg, cfg.rounding, None, "model.layers.0.mlp.experts")
 
 
 @pytest.mark.parametrize(

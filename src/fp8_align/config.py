@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -250,10 +249,9 @@ class FP8Config(BaseModel):
                 )
         return self
 
-    @cached_property
+    @property
     def rounding(self) -> Rounding:
-        """The generation side's scale rounding: the two pow2 flags and `scale_rule`, as one value
-        (built once per config; every layer of an engine or trainer shares it)."""
+        """The generation side's scale rounding: the two pow2 flags and `scale_rule`, as one value."""
         return Rounding(
             weight_pow2=self.use_weight_pow2_scale, activation_pow2=self.use_activation_pow2_scale, scale_rule=self.scale_rule
         )

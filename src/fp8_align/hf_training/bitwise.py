@@ -237,6 +237,8 @@ class BitwiseForward:
             for index in range(len(model.model.layers))
             for part, names in (("self_attn", STACKED_PROJECTIONS[0]), ("self_attn", ("o_proj",)), ("mlp", STACKED_PROJECTIONS[1]), ("mlp", ("down_proj",)))
         }  # fmt: skip
+        #: The scale rounding in the layer state of every FP8 product, built once (`cfg.rounding` builds one per call).
+        self.rounding = cfg.rounding
         self.fp8_gemm = self._fp8_gemm()
         self.vocab_size = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().out_features)
         #: Per decoder layer, the FP8 KV-cache scales of the rollout being scored (None: not set yet).
@@ -305,7 +307,7 @@ class BitwiseForward:
                 scales_out.append(scales[scale_rows])
             found[key] = (codes, scales)
         if weights:
-            quantize_weights_into(weights, codes_out, scales_out, self.cfg.rounding.weight_pow2, self.cfg.rounding.scale_rule)
+            quantize_weights_into(weights, codes_out, scales_out, self.rounding.weight_pow2, self.rounding.scale_rule)
         return found
 
     def _fp8_gemm(self) -> Fp8Gemm:
@@ -323,7 +325,7 @@ class BitwiseForward:
         layer = self.stacked[key]
         weight, bias = layer.weight(), layer.bias()
         if layer.fp8:
-            return _StackedFp8Linear.apply(x, weight, bias, layer.sizes, self.cfg.rounding, self.fp8_gemm, *fp8_weights[key])
+            return _StackedFp8Linear.apply(x, weight, bias, layer.sizes, self.rounding, self.fp8_gemm, *fp8_weights[key])
         return engine_op(self.kernels.linear, F.linear, *((x, weight) if bias is None else (x, weight, bias)), vjp=linear_vjp)
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:

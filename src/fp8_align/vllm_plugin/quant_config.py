@@ -15,6 +15,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from fp8_align.config import FP8Config
 from fp8_align.layer_selection import REASON_UNSUPPORTED, LayerDecision, decide_layer, num_routed_experts
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.compat import routed_experts_class
 from fp8_align.vllm_plugin.engine_args import QUANTIZATION_NAME, config_from_engine
 from fp8_align.vllm_plugin.engine_plan import default_attention_backend
@@ -31,6 +32,8 @@ class Fp8AlignQuantConfig(QuantizationConfig):
     def __init__(self, fp8_config: FP8Config | None = None) -> None:
         super().__init__()
         self.fp8_config = config_from_engine(None) if fp8_config is None else fp8_config
+        #: The scale rounding of every FP8 layer of this engine, built once (each layer's state holds it).
+        self.rounding = self.fp8_config.rounding
         #: Engine settings checked and defaulted, patches applied (once per engine, at its first layer).
         self._engine_checked = False
         #: The model's decoder-layer count and routed experts per MoE layer (read once per engine).
@@ -85,8 +88,8 @@ class Fp8AlignQuantConfig(QuantizationConfig):
         decision = _decide(layer, prefix, self.fp8_config, is_experts, merged_from, self._depth, self._routed_experts)
         record_decision(layer, decision, self.fp8_config)
         if is_experts:
-            return _experts_method(self.fp8_config, layer, prefix) if decision.fp8 else None
-        return Fp8AlignLinearMethod(self.fp8_config, prefix) if decision.fp8 else Fp8AlignBf16LinearMethod()
+            return _experts_method(self.fp8_config, self.rounding, layer, prefix) if decision.fp8 else None
+        return Fp8AlignLinearMethod(self.fp8_config, self.rounding, prefix) if decision.fp8 else Fp8AlignBf16LinearMethod()
 
 
 def _merged_from(prefix: str, packed_modules_mapping: dict[str, list[str]]) -> tuple[str, ...]:
@@ -118,7 +121,7 @@ def _decide(
     return decision
 
 
-def _experts_method(cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> Any:
+def _experts_method(cfg: FP8Config, rounding: Rounding, layer: torch.nn.Module, prefix: str) -> Any:
     """fp8_align's routed-experts method for this platform: emulated on CPU, vLLM's Triton
     block-FP8 MoE kernel on CUDA (after matching its activation-scale rounding to the recipe;
     a scale rule that kernel cannot compute raises `Fp8AlignMoEError`)."""
@@ -128,11 +131,11 @@ def _experts_method(cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> Any:
     if current_platform.is_cpu():
         from fp8_align.vllm_plugin.moe.emulated import Fp8AlignEmulatedMoEMethod
 
-        return Fp8AlignEmulatedMoEMethod(cfg, layer, prefix)
+        return Fp8AlignEmulatedMoEMethod(cfg, rounding, layer, prefix)
     from fp8_align.vllm_plugin.moe.gpu import Fp8AlignMoEMethod
 
     set_moe_activation_rounding(cfg.use_activation_pow2_scale)
-    return Fp8AlignMoEMethod(cfg, layer, prefix)
+    return Fp8AlignMoEMethod(cfg, rounding, layer, prefix)
 
 
 def register_quantization_method() -> None:

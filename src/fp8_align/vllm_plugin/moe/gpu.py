@@ -40,6 +40,7 @@ from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 
 from fp8_align.config import FP8Config
 from fp8_align.quant import DEFAULT_BLOCK_SIZE
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.moe.experts import (
     attach_requantizing_loaders,
     create_bf16_expert_weights,
@@ -84,12 +85,13 @@ def moe_backend_reads_in_place(backend: str, device_major: int, e8m0_rounding: b
 class Fp8AlignMoEMethod(Fp8MoEMethod):
     """Block-FP8 routed experts on vLLM's Triton or (Hopper) DeepGEMM MoE kernels (module docstring)."""
 
-    def __init__(self, cfg: FP8Config, layer: torch.nn.Module, prefix: str) -> None:
+    def __init__(self, cfg: FP8Config, rounding: Rounding, layer: torch.nn.Module, prefix: str) -> None:
+        """`rounding`: `cfg.rounding`, built once per engine (`Fp8AlignQuantConfig.rounding`)."""
         check_scale_rule_supported(cfg, prefix)
         block = list(DEFAULT_BLOCK_SIZE)
         super().__init__(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=block), layer)
         self.cfg = cfg
-        experts_state(layer, prefix, cfg.rounding)
+        experts_state(layer, prefix, rounding)
         #: vLLM's online-processing flag: experts created on the meta device, quantized once loaded
         self.uses_meta_device = cfg.quantize_during_load
         backend = getattr(self.fp8_backend, "name", str(self.fp8_backend))
