@@ -4,6 +4,7 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
     python benchmarks/on_policy_bitwise.py --out benchmarks/results/on_policy_bitwise.json
         [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--kv-cache-dtypes auto,fp8]
         [--batch-sizes 1,7,64,512] [--max-tokens 96] [--work /root/bitwise_work]
+        [--logprobs-mode raw_logprobs|processed_logprobs] [--temperatures 1.0[,0.6]]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
@@ -13,8 +14,12 @@ K/V scales are calibrated by the engine on the probe prompts (`calibrate_kv_scal
 for the trainer (`engine_kv_scales`, `BitwiseForward.set_kv_scales`), as an RL step does.
 Per (model, variant, KV cache) one engine (its own process): 4 probe prompts of different lengths are
 generated alone (batch size 1) and together with filler prompts up to batch sizes 7, 64 and 512,
-greedy and at temperature 1 (a fixed seed per request); every generated sequence is then scored by
-BitwiseForward on the same GPU. A row per (model, variant, KV cache, sampling, batch size): tokens,
+greedy and sampled at each of `--temperatures` (a fixed seed per request); every generated sequence
+is then scored by BitwiseForward on the same GPU. The engine returns `--logprobs-mode` log-probs:
+vLLM's default `raw_logprobs` (before the temperature: the trainer scores at 1.0) or
+`processed_logprobs` (after it, as verl and NeMo RL configure it: the trainer scores at the
+request's temperature, `token_logprobs(temperature=T)`). A row per (model, variant, KV cache,
+sampling, temperature, batch size): tokens,
 max |engine logp - trainer logp| and the token multiplicative probability error
 mean(exp(|dlogp|)); per (model, variant, sampling) whether each probe's tokens and log-probs were
 the same bits at every batch size.
@@ -92,7 +97,10 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
     return max(diffs, default=0.0), sum(math.exp(d) for d in diffs) / max(len(diffs), 1)
 
 
-def run_one(model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path) -> dict[str, Any]:
+def run_one(
+    model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path,
+    logprobs_mode: str, temperatures: list[float],
+) -> dict[str, Any]:  # fmt: skip
     """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -109,7 +117,7 @@ def run_one(model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: lis
     start = time.perf_counter()
     llm = LLM(
         model=str(path), skip_tokenizer_init=True, max_num_seqs=512, max_model_len=MAX_MODEL_LEN,
-        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, **engine_kwargs(cfg),
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=logprobs_mode, **engine_kwargs(cfg),
     )  # fmt: skip
     engine_start_s = time.perf_counter() - start
     scales = None
@@ -119,7 +127,9 @@ def run_one(model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: lis
     device = "cuda" if torch.cuda.is_available() else "cpu"
     trainer = BitwiseForward(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), cfg, kv_scales=scales)
     rows, invariance = [], []
-    for sampling in ("greedy", "sampled"):
+    for sampling, temperature in [("greedy", 0.0)] + [("sampled", t) for t in temperatures]:
+        # greedy requests' processed log-probs are taken before any temperature, as raw ones are
+        scored_at = temperature if logprobs_mode == "processed_logprobs" and sampling == "sampled" else 1.0
         probe_runs: list[list[tuple[list[int], list[float]]]] = []
         for size in batch_sizes:
             groups = [[p] for p in probes] if size == 1 else [probes + fillers[: size - len(probes)]]
@@ -128,7 +138,7 @@ def run_one(model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: lis
                 first = g if size == 1 else 0  # index of the group's first request: probe j keeps seed 1000 + j
                 params = [
                     SamplingParams(
-                        temperature=0.0 if sampling == "greedy" else 1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+                        temperature=temperature, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
                         seed=None if sampling == "greedy" else 1000 + first + i, detokenize=False,
                     )  # fmt: skip
                     for i in range(len(group))
@@ -148,18 +158,20 @@ def run_one(model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: lis
             with torch.no_grad():
                 for chunk in range(0, len(sequences), TRAINER_BATCH):
                     part = slice(chunk, chunk + TRAINER_BATCH)
-                    trainer_logprobs += [lp.tolist() for lp in trainer.token_logprobs(sequences[part], prompt_lens[part])]
+                    trainer_logprobs += [lp.tolist() for lp in trainer.token_logprobs(sequences[part], prompt_lens[part], temperature=scored_at)]
             flat_engine = [x for lp in engine_logprobs for x in lp]
             flat_trainer = [x for lp in trainer_logprobs for x in lp]
             max_abs, mult = _metrics(flat_engine, flat_trainer)
             rows.append({
-                "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling, "batch_size": size,
+                "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
+                "temperature": temperature, "logprobs_mode": logprobs_mode, "trainer_temperature": scored_at, "batch_size": size,
                 "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         invariance.append({
-            "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling, "batch_sizes": batch_sizes,
+            "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
+            "temperature": temperature, "logprobs_mode": logprobs_mode, "batch_sizes": batch_sizes,
             "probe_tokens_equal": all(run[i][0] == probe_runs[0][i][0] for run in probe_runs for i in range(len(probes))),
             "probe_logprobs_equal": all(run[i][1] == probe_runs[0][i][1] for run in probe_runs for i in range(len(probes))),
         })  # fmt: skip
@@ -191,14 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,7,64,512")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_bitwise"))
+    parser.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
+                        help="what the engine returns: vLLM's default raw_logprobs, or processed_logprobs (after the temperature)")
+    parser.add_argument("--temperatures", default="1.0", help="sampling temperatures of the sampled rows (each >= 1e-5)")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    if any(not t >= 1e-5 for t in temperatures):
+        parser.error(f"temperatures {temperatures}: each must be at least 1e-5 (below that vLLM samples greedily)")
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.one:
-        args.out.write_text(json.dumps(run_one(*args.one, batch_sizes, args.max_tokens, args.work)))
+        args.out.write_text(json.dumps(run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures)))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
     report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
@@ -213,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         part.unlink(missing_ok=True)
         log = args.work / f"{model}_{variant}_{kv}.log"
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
-               "--max-tokens", str(args.max_tokens), "--work", str(args.work)]  # fmt: skip
+               "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
+               "--temperatures", args.temperatures]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():
@@ -228,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             report[key].update(result[key])
         args.out.write_text(json.dumps(report, indent=1))
         for row in result["rows"]:
-            print(f"{model:12s} {variant:9s} kv={kv:4s} {row['sampling']:8s} b={row['batch_size']:<4d} tokens={row['tokens']:<6d} "
+            print(f"{model:12s} {variant:9s} kv={kv:4s} {row['sampling']:8s} T={row['temperature']:<4g} b={row['batch_size']:<4d} tokens={row['tokens']:<6d} "
                   f"max|dlogp|={row['max_abs_dlogp']:.3g} mult={row['mult_prob_error']:.6f}", flush=True)  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1))
     return 1 if report["failures"] else 0

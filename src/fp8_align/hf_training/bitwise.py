@@ -38,7 +38,7 @@ from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
 from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device, paged_triton_attention
-from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences
+from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.rounding import Rounding
@@ -401,15 +401,21 @@ class BitwiseForward:
             h, residual = self._layer(index, layer, h, residual, batch, fp8_weights)
         return self._norm(h, inner.norm, residual)[0]
 
-    def token_logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], chunk_rows: int = 2048) -> list[torch.Tensor]:
+    def token_logprobs(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], chunk_rows: int = 2048, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
         """Per sequence, FP32 [len - prompt_len] log-probs of its tokens after the prompt, each given
         its prefix, as the engine's sampler returns them (`logprobs` of the sampled tokens).
         `sequences` as `hidden_states` takes them; one `prompt_lens` entry per sequence, each in
-        1..len - 1 (every sequence has at least one completion token). Bad input raises ValueError
-        naming the sequence and the limit before any kernel runs. lm_head and log-softmax run on
-        `chunk_rows` rows at a time."""
+        1..len - 1 (every sequence has at least one completion token). `temperature`: the sampling
+        temperature of an engine started with `logprobs_mode="processed_logprobs"` (log-probs of the
+        FP32 logits divided by an FP32 temperature tensor, as vLLM's sampler divides; no top-k/top-p);
+        1.0 for vLLM's default `raw_logprobs`, which are taken before the temperature. Bad input
+        raises ValueError naming the sequence and the limit before any kernel runs. lm_head and
+        log-softmax run on `chunk_rows` rows at a time."""
         check_sequences(sequences, self.vocab_size, self.rope.max_positions)
         check_prompt_lens(sequences, prompt_lens)
+        check_temperature(temperature)
         rows, targets, start = [], [], 0
         for seq, prompt in zip(sequences, prompt_lens):
             rows.append(torch.arange(start + prompt - 1, start + len(seq) - 1))
@@ -422,7 +428,9 @@ class BitwiseForward:
         picked = []
         for chunk in range(0, row_index.numel(), chunk_rows):
             part = slice(chunk, chunk + chunk_rows)
-            logits = engine_op(self.kernels.linear, F.linear, hidden[row_index[part]], head.weight, vjp=linear_vjp)
-            logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits.float(), vjp=log_softmax_vjp, save_output=True)
+            logits = engine_op(self.kernels.linear, F.linear, hidden[row_index[part]], head.weight, vjp=linear_vjp).float()
+            if temperature != 1.0:
+                logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
+            logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)
             picked.append(logprobs.gather(1, target[part, None])[:, 0])
         return list(torch.cat(picked).split([len(s) - p for s, p in zip(sequences, prompt_lens)]))

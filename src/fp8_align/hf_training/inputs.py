@@ -4,6 +4,7 @@ mismatch between arguments would silently drop sequences."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -49,3 +50,20 @@ def check_prompt_lens(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[
                 f"sequence {i}: prompt_len {prompt} is outside 1..{len(seq) - 1} (the sequence has {len(seq)} tokens; "
                 "a prompt of at least one token and at least one completion token to score)"
             )
+
+
+#: vLLM's sampler treats a request with a temperature below this as greedy (`_SAMPLING_EPS`,
+#: vllm/v1/sample/sampler.py, 0.22 and 0.32), and its processed log-probs are then undivided.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def check_temperature(temperature: float) -> None:
+    """ValueError unless `temperature` is a finite number of at least GREEDY_TEMPERATURE."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        raise ValueError(f"temperature {temperature!r} is not a finite number")
+    if temperature < GREEDY_TEMPERATURE:
+        raise ValueError(
+            f"temperature {temperature!r}: vLLM samples greedily below {GREEDY_TEMPERATURE} and its processed log-probs "
+            "are then those of the undivided logits: pass temperature=1.0"
+        )
+
