@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the vLLM bundle for the GPU box, of the release asked for, ready to stage:
-#   bash benchmarks/box/build_gpukit.sh 0.22.0 [DEST=.gpukit]
+#   bash benchmarks/box/build_gpukit.sh 0.22.0 [DEST=.gpukit] [EXTRA_REQ...]   # e.g. .gpukit_ray ray==2.60.0
 #   bash benchmarks/box/build_gpukit.sh 0.25.1 [DEST=.gpukit25] [EXTRA_REQ...]   # e.g. ray==2.60.0
 # Runs ../shared/gpu-kit/build.sh with a wheel cache of this release's own (~/.cache/gpukit-VERSION):
 # build.sh takes the newest wheel of each name in its cache, so one cache shared by two lists
