@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS]
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -17,6 +17,8 @@
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare;
 # $PROFILE_ARGS, default by the bundle's vLLM: `--batch fp8_align_kv_xqa_dg=512 --model-runner v2` on 0.22,
 # `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER --model-runner v2` on 0.25.1).
+# tests-tp: tests/test_gpu_tp.py and tests/test_gpu_stack_sync_tp.py over every visible GPU (carry .whl/site from
+# benchmarks/box/build_stack_site.sh; their Ray cases need FP8_ALIGN_GPUKIT=.gpukit_ray); not inside a par chain.
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -131,6 +133,13 @@ while [ $# -gt 0 ]; do
         tests/test_gpu_flashinfer_scales.py \
         > "$out/pytest_xqa_dg.txt" 2>&1
       grep -E "XQA|xqa|cold|FLASHINFER|passed|failed|Error" "$out/pytest_xqa_dg.txt" | tail -25 ;;
+    tests-tp)
+      # tensor parallel size 2 over every visible GPU (not inside a par chain): fp8_align's own TP tests and the
+      # stacks' sync at TP=2 (their packages from .whl/site, benchmarks/box/build_stack_site.sh; Ray cases where
+      # the bundle has Ray, FP8_ALIGN_GPUKIT=.gpukit_ray)
+      PYTHONPATH="$PWD/.whl/site:${PYTHONPATH:-}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_tp.py \
+        tests/test_gpu_stack_sync_tp.py > "$out/pytest_tp.txt" 2>&1
+      grep -E "passed|failed|skipped|Error|error" "$out/pytest_tp.txt" | grep -v INFO | tail -25 ;;
     tests-fi|tests-mla)
       # one test file alone (tests takes ~14 minutes on vLLM 0.25: give its slowest file a GPU of its own)
       file=tests/test_gpu_flashinfer_scales.py; [ "$stage" = tests-mla ] && file=tests/test_gpu_mla.py

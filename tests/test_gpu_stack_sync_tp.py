@@ -1,0 +1,180 @@
+"""The RL stacks' own weight sync, their real code, into an fp8_align engine with
+`tensor_parallel_size=2` on two CUDA GPUs (vLLM 0.22; issue #42, item 1), under the
+multiprocessing executor and under Ray (where `ray` imports: the bundle `.gpukit_ray`).
+
+One in-process `vllm.LLM` per executor (CUDA graphs on) from W1 (tests/gpu_models.py's SMALL
+Qwen3, layer 0 BF16), with OpenRLHF's and verl's worker extensions mixed in
+(tests/gpu_stack_workers.py, their methods unchanged). The trainer side is this test process,
+playing both trainer ranks of a colocated job (one per GPU):
+
+- OpenRLHF 0.11.2 (`openrlhf/trainer/ray/ppo_actor.py:439-465`): each trainer rank clones the
+  full parameter on its GPU and shares it (`reduce_tensor`) keyed by its physical GPU id; rank 0
+  merges the all-gathered handles and calls `update_weight_cuda_ipc` once per tensor. Here one
+  clone per GPU, the handles merged as the all-gather would merge them. Each worker opens its own
+  GPU's handle (`WorkerWrap.update_weight_cuda_ipc`) and vLLM's loaders cut its slice.
+- verl 0.9.1: one `BucketedWeightSender` per engine rank, on that rank's socket
+  (`rl-colocate-zmq-{job}-replica-0-rank-{rank}.sock`) and GPU, against each worker's own
+  `vLLMColocateWorkerExtension.update_weights_from_ipc`.
+
+Each test stands alone: it first puts W1 into the engine with `refit_weights`, then syncs W2
+through the stack. After the sync every rank's FP8 codes and scales equal `fp8_align.quant` of
+that rank's slice of W2 (tests/tp_slices.py), in the storage the engine started with, and the
+engine generates. A tensor holding Inf is refused on every rank with nothing written on any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.engines import FIRST_LAYER_BF16, generate_greedy
+from tests.gpu_models import IN_PROCESS_LLM_KWARGS, NEW_TOKENS, SMALL, assert_same_storage, fp8_state, refit_checkpoints, refit_prompts
+from tests.tp_slices import PROJECTIONS, TP, expected_rank_fp8
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.device_count() < TP, reason=f"needs {TP} CUDA GPUs (tensor parallel size {TP})"),
+]
+
+VERL_JOB_ID = f"fp8aligntp{os.getpid()}"
+#: The repository root: Ray's workers import tests.gpu_stack_workers through PYTHONPATH (pytest's
+#: sys.path does not reach them, as it reaches spawned multiprocessing workers).
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ["mp", pytest.param("ray", marks=pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"))]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return refit_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def weights(checkpoints: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
+    """W1's and W2's tensors on the host, by HF name."""
+    from safetensors.torch import load_file
+
+    return {name: {k: t for file in sorted(path.glob("*.safetensors")) for k, t in load_file(file).items()} for name, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(request: pytest.FixtureRequest, checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
+    env = {"VERL_RAY_JOB_ID": VERL_JOB_ID, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with vllm_runner(
+        checkpoints["w1"], FIRST_LAYER_BF16, **IN_PROCESS_LLM_KWARGS, tensor_parallel_size=TP,
+        distributed_executor_backend=request.param,
+        worker_extension_cls="tests.gpu_stack_workers.OpenRLHFAndVerlWorkerExtension", env=env,
+    ) as runner:  # fmt: skip
+        yield runner.llm
+
+
+def _assert_ranks_hold(states: list[dict[str, Any]], weights: dict[str, torch.Tensor]) -> None:
+    """Every rank's FP8 layers (1..) hold the reference codes and FP32 scales of its slice of `weights`."""
+    assert len(states) == TP
+    for rank, state in enumerate(states):
+        for layer in range(1, SMALL["num_hidden_layers"]):
+            for projection in PROJECTIONS:
+                entry = state[f"model.layers.{layer}.{projection}"]
+                codes, scales = expected_rank_fp8(weights, layer, projection, rank, TP, pow2=False)
+                assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, layer, projection)
+                assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, layer, projection)
+
+
+def _start_from_w1(llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """W1 into the engine through fp8_align's own refit; returns every rank's FP8 state."""
+    from fp8_align.vllm_plugin.refit import refit_weights
+
+    refit_weights(llm, checkpoints["w1"])
+    states = llm.apply_model(fp8_state)
+    _assert_ranks_hold(states, weights["w1"])
+    return states
+
+
+def _openrlhf_push(llm: Any, name: str, tensor: torch.Tensor, last: bool) -> None:
+    """OpenRLHF's colocated trainer side of one tensor at TP=2 and its engine call (module docstring)."""
+    from openrlhf.trainer.ray.utils import get_physical_gpu_id
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    clones, handles = [], {}
+    for device in range(TP):
+        with torch.cuda.device(device):
+            clones.append(tensor.to(f"cuda:{device}").clone())
+            handles[get_physical_gpu_id()] = reduce_tensor(clones[-1])
+    llm.collective_rpc("update_weight_cuda_ipc", args=(name, tensor.dtype, tensor.shape, handles, last))
+
+
+def _verl_push(llm: Any, weights: dict[str, torch.Tensor]) -> None:
+    """verl's colocated sync at TP=2: one sender per engine rank on its GPU, the workers' receive."""
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    errors: list[BaseException] = []
+
+    def send(rank: int) -> None:
+        try:
+            torch.cuda.set_device(rank)  # the sender's bucket buffer lives on the current device
+            sender = BucketedWeightSender(f"ipc:///tmp/rl-colocate-zmq-{VERL_JOB_ID}-replica-0-rank-{rank}.sock", bucket_size_mb=96)
+            asyncio.run(sender.async_send_weights((name, t.to(f"cuda:{rank}")) for name, t in weights.items()))
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=send, args=(rank,)) for rank in range(TP)]
+    for thread in threads:
+        thread.start()
+    llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": False})
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads) and not errors, errors
+
+
+def test_openrlhf_cuda_ipc_sync_requantizes_each_rank_in_place(
+    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    before = _start_from_w1(llm, checkpoints, weights)
+    w1_outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
+    w2 = weights["w2"]
+    for count, (name, tensor) in enumerate(w2.items(), start=1):
+        _openrlhf_push(llm, name, tensor, count == len(w2))
+    after = llm.apply_model(fp8_state)
+    _assert_ranks_hold(after, w2)
+    for rank in range(TP):
+        assert_same_storage(before[rank], after[rank])
+    outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
+    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
+    assert outputs != w1_outputs, "generation after OpenRLHF's sync is the same as with W1"
+
+
+def test_verl_bucketed_ipc_sync_requantizes_each_rank_in_place(
+    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    before = _start_from_w1(llm, checkpoints, weights)
+    w1_outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
+    _verl_push(llm, weights["w2"])
+    after = llm.apply_model(fp8_state)
+    _assert_ranks_hold(after, weights["w2"])
+    for rank in range(TP):
+        assert_same_storage(before[rank], after[rank])
+    outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
+    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
+    assert outputs != w1_outputs, "generation after verl's sync is the same as with W1"
+
+
+def test_an_inf_tensor_through_openrlhf_is_refused_on_every_rank(
+    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    before = _start_from_w1(llm, checkpoints, weights)
+    name = "model.layers.2.mlp.down_proj.weight"
+    bad = weights["w2"][name].clone()
+    bad[5, 7] = float("inf")  # in rank 0's half of the row-parallel input columns
+    with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
+        _openrlhf_push(llm, name, bad, True)
+    after = llm.apply_model(fp8_state)
+    _assert_ranks_hold(after, weights["w1"])
+    for rank in range(TP):
+        assert_same_storage(before[rank], after[rank])
