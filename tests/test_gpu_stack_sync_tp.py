@@ -36,7 +36,7 @@ import torch
 
 from tests.engines import FIRST_LAYER_BF16, generate_greedy
 from tests.gpu_models import IN_PROCESS_LLM_KWARGS, NEW_TOKENS, SMALL, assert_same_storage, fp8_state, refit_checkpoints, refit_prompts
-from tests.tp_slices import PROJECTIONS, TP, expected_rank_fp8
+from tests.tp_slices import TP, assert_ranks_hold
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,16 +75,20 @@ def llm(request: pytest.FixtureRequest, checkpoints: dict[str, Path], vllm_runne
         yield runner.llm
 
 
-def _assert_ranks_hold(states: list[dict[str, Any]], weights: dict[str, torch.Tensor]) -> None:
-    """Every rank's FP8 layers (1..) hold the reference codes and FP32 scales of its slice of `weights`."""
-    assert len(states) == TP
-    for rank, state in enumerate(states):
-        for layer in range(1, SMALL["num_hidden_layers"]):
-            for projection in PROJECTIONS:
-                entry = state[f"model.layers.{layer}.{projection}"]
-                codes, scales = expected_rank_fp8(weights, layer, projection, rank, TP, pow2=False)
-                assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, layer, projection)
-                assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, layer, projection)
+#: The FP8 decoder layers (layer 0 stays BF16).
+FP8_LAYERS = range(1, SMALL["num_hidden_layers"])
+
+
+def _assert_synced(llm: Any, before: list[dict[str, Any]], weights: dict[str, torch.Tensor], w1_outputs: list[Any], stack: str) -> None:
+    """After a stack's sync of `weights`: every rank holds its slice of them in the storage it had
+    `before`, and the engine generates, other tokens than with W1."""
+    after = llm.apply_model(fp8_state)
+    assert_ranks_hold(after, weights, FP8_LAYERS, pow2=False)
+    for rank in range(TP):
+        assert_same_storage(before[rank], after[rank])
+    outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
+    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
+    assert outputs != w1_outputs, f"generation after {stack}'s sync is the same as with W1"
 
 
 def _start_from_w1(llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
@@ -93,7 +97,7 @@ def _start_from_w1(llm: Any, checkpoints: dict[str, Path], weights: dict[str, di
 
     refit_weights(llm, checkpoints["w1"])
     states = llm.apply_model(fp8_state)
-    _assert_ranks_hold(states, weights["w1"])
+    assert_ranks_hold(states, weights["w1"], FP8_LAYERS, pow2=False)
     return states
 
 
@@ -141,13 +145,7 @@ def test_openrlhf_cuda_ipc_sync_requantizes_each_rank_in_place(
     w2 = weights["w2"]
     for count, (name, tensor) in enumerate(w2.items(), start=1):
         _openrlhf_push(llm, name, tensor, count == len(w2))
-    after = llm.apply_model(fp8_state)
-    _assert_ranks_hold(after, w2)
-    for rank in range(TP):
-        assert_same_storage(before[rank], after[rank])
-    outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
-    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
-    assert outputs != w1_outputs, "generation after OpenRLHF's sync is the same as with W1"
+    _assert_synced(llm, before, w2, w1_outputs, "OpenRLHF")
 
 
 def test_verl_bucketed_ipc_sync_requantizes_each_rank_in_place(
@@ -156,13 +154,7 @@ def test_verl_bucketed_ipc_sync_requantizes_each_rank_in_place(
     before = _start_from_w1(llm, checkpoints, weights)
     w1_outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
     _verl_push(llm, weights["w2"])
-    after = llm.apply_model(fp8_state)
-    _assert_ranks_hold(after, weights["w2"])
-    for rank in range(TP):
-        assert_same_storage(before[rank], after[rank])
-    outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
-    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
-    assert outputs != w1_outputs, "generation after verl's sync is the same as with W1"
+    _assert_synced(llm, before, weights["w2"], w1_outputs, "verl")
 
 
 def test_an_inf_tensor_through_openrlhf_is_refused_on_every_rank(
@@ -175,6 +167,6 @@ def test_an_inf_tensor_through_openrlhf_is_refused_on_every_rank(
     with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
         _openrlhf_push(llm, name, bad, True)
     after = llm.apply_model(fp8_state)
-    _assert_ranks_hold(after, weights["w1"])
+    assert_ranks_hold(after, weights["w1"], FP8_LAYERS, pow2=False)
     for rank in range(TP):
         assert_same_storage(before[rank], after[rank])

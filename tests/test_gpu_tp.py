@@ -28,7 +28,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from tests.gpu_models import LLM_KWARGS, SMALL, hf_logprobs, is_pow2, save_random_qwen3, vllm_logprobs
-from tests.tp_slices import PROJECTIONS, expected_rank_fp8
+from tests.tp_slices import PROJECTIONS, assert_ranks_hold, expected_rank_fp8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -149,15 +149,7 @@ def test_refit_under_tensor_parallel_requantizes_each_rank_slice(
         llm = runner.llm
         results = refit_weights(llm, w2_dir)
         assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
-        ranks = read_linear_layers(llm)
-        assert len(ranks) == TP
-        for rank, layers in enumerate(ranks):
-            for index in range(1, SMALL["num_hidden_layers"]):
-                for projection in PROJECTIONS:
-                    entry = layers[f"model.layers.{index}.{projection}"]
-                    codes, scales = expected_rank_fp8(weights, index, projection, rank, TP, pow2=True)
-                    assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, index, projection)
-                    assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, index, projection)
+        assert_ranks_hold(read_linear_layers(llm), weights, range(1, SMALL["num_hidden_layers"]), pow2=True)
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         out = llm.generate([TokensPrompt(prompt_token_ids=list(range(100, 124)))], params, use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) == 8

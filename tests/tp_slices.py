@@ -4,6 +4,7 @@ reference quantization of its slice of the HF weights."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,3 +59,17 @@ def expected_rank_fp8(
         full = weights[f"model.layers.{layer}.{hf}.weight"]
         parts.append(quantize_weight_blockwise(full.chunk(tp, dim=dim)[rank].contiguous(), pow2_scale=pow2))
     return torch.cat([codes for codes, _ in parts]), torch.cat([scales for _, scales in parts])
+
+
+def assert_ranks_hold(ranks: list[dict[str, dict[str, Any]]], weights: dict[str, torch.Tensor], layers: range, pow2: bool) -> None:
+    """Each of the TP ranks' FP8 layers `layers` (per rank {module name: {"weight", "weight_scale_inv", ...}})
+    holds `expected_rank_fp8` of its slice of `weights`: codes and scales bit for bit."""
+    assert len(ranks) == TP
+    for rank, state in enumerate(ranks):
+        for layer in layers:
+            for projection in PROJECTIONS:
+                entry = state[f"model.layers.{layer}.{projection}"]
+                codes, scales = expected_rank_fp8(weights, layer, projection, rank, TP, pow2)
+                assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, layer, projection)
+                assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, layer, projection)
+
