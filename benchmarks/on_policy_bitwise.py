@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8_align.hf_training.inputs import check_temperature
+
 MODELS = ("smollm2", "qwen3-8b-4l")
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"precision": "bf16"},
@@ -205,13 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_bitwise"))
     parser.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
                         help="what the engine returns: vLLM's default raw_logprobs, or processed_logprobs (after the temperature)")
-    parser.add_argument("--temperatures", default="1.0", help="sampling temperatures of the sampled rows (each >= 1e-5)")
+    parser.add_argument("--temperatures", default="1.0", help="sampling temperatures of the sampled rows (hf_training.inputs.check_temperature)")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    if any(not t >= 1e-5 for t in temperatures):
-        parser.error(f"temperatures {temperatures}: each must be at least 1e-5 (below that vLLM samples greedily)")
+    for temperature in temperatures:
+        try:
+            check_temperature(temperature)  # the trainer's own check, before any engine starts
+        except ValueError as error:
+            parser.error(f"--temperatures: {error}")
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ so the next engine of the session finds the memory free.
 Also here: what the CPU engine tests share (prompts, engine settings, greedy generation, the
 worker-side storage reader, the CPU cores of two engines started side by side and
 `start_engine_pair` / `wait_engine_pair`, which start and wait for two such engines in
-subprocesses). Nothing in this module imports vLLM until an engine starts.
+subprocesses, and `run_engines_two_at_a_time`). Nothing in this module imports vLLM until an engine starts.
 """
 
 from __future__ import annotations
@@ -243,3 +243,14 @@ def wait_engine_pair(jobs: dict[str, GenerationJob]) -> dict[str, dict[str, Any]
     finally:
         for job in jobs.values():
             job.kill()
+
+
+def run_engines_two_at_a_time(model: Path, out_dir: Path, runs: dict[str, EngineRun]) -> dict[str, dict[str, Any]]:
+    """Every engine of `runs`, in order, two at a time (`start_engine_pair`, `wait_engine_pair`);
+    their outputs by name."""
+    names, outputs = list(runs), {}
+    for first in range(0, len(names), 2):
+        pair = {name: runs[name] for name in names[first : first + 2]}
+        outputs |= wait_engine_pair(start_engine_pair(model, out_dir, pair))
+    return outputs
+

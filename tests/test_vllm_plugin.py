@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from fp8_align.error_bench.generate import GenerationError
 from fp8_align.megatron_ext.te_emulation import te_quantize_weight_2d
 from fp8_align.quant import quantize_weight_blockwise
-from tests.engines import ENGINE, MAX_TOKENS, MERGED_SHARDS, start_engine_pair, wait_engine_pair
+from tests.engines import ENGINE, MAX_TOKENS, MERGED_SHARDS, run_engines_two_at_a_time, start_engine_pair
 from tests.model_factory import make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -44,12 +44,8 @@ INSPECTED: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def inspected(tiny_model, tmp_path_factory) -> dict[str, dict]:
     """Output of one engine per INSPECTED entry (layers inspected), by name; two engines at a time."""
-    out, names = tmp_path_factory.mktemp("run"), list(INSPECTED)
-    runs: dict[str, dict] = {}
-    for pair in (names[:2], names[2:]):
-        pair_runs = {name: (INSPECTED[name], {"inspect": True}) for name in pair}
-        runs |= wait_engine_pair(start_engine_pair(tiny_model, out, pair_runs))
-    return runs
+    runs = {name: (fields, {"inspect": True}) for name, fields in INSPECTED.items()}
+    return run_engines_two_at_a_time(tiny_model, tmp_path_factory.mktemp("run"), runs)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +146,7 @@ def test_plugin_installed_but_not_requested_is_stock_vllm(tiny_model, tmp_path):
     """BF16 with the plugin loaded equals BF16 with no plugin loaded (VLLM_PLUGINS names none),
     token for token and bit for bit in the logprobs."""
     runs = {"loaded": (None, {}), "unloaded": (None, {"env": {"VLLM_PLUGINS": "no_such_plugin"}})}
-    outputs = wait_engine_pair(start_engine_pair(tiny_model, tmp_path, runs))
+    outputs = run_engines_two_at_a_time(tiny_model, tmp_path, runs)
     loaded, unloaded = outputs["loaded"], outputs["unloaded"]
     assert loaded["outputs"] == unloaded["outputs"]
 

