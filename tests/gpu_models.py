@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fp8_align.config import FP8Config
+from fp8_align.vllm_plugin.inspection import portable_fp8_codes
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
 from tests.engines import MERGED_SHARDS
 
@@ -127,10 +128,11 @@ def cuda_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def fp8_state(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Worker side: codes, scales (CPU copies) and their data pointers per FP8 layer."""
+    """Worker side: codes (uint8 CPU copies: torch cannot unpickle an FP8 tensor, and a TP worker's
+    result crosses a process), scales (CPU copies) and their data pointers per FP8 layer."""
     return {
         name: {
-            "weight": m.weight.detach().cpu(), "weight_scale_inv": m.weight_scale_inv.detach().cpu(),
+            **portable_fp8_codes(m.weight), "weight_scale_inv": m.weight_scale_inv.detach().cpu(),
             "pointers": [m.weight.data_ptr(), m.weight_scale_inv.data_ptr()],
         }  # fmt: skip
         for name, m in model.named_modules()

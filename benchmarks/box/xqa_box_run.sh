@@ -18,7 +18,8 @@
 # $PROFILE_ARGS, default by the bundle's vLLM: `--batch fp8_align_kv_xqa_dg=512 --model-runner v2` on 0.22,
 # `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER --model-runner v2` on 0.25.1).
 # tests-tp: tests/test_gpu_tp.py and tests/test_gpu_stack_sync_tp.py over every visible GPU (carry .whl/site from
-# benchmarks/box/build_stack_site.sh; their Ray cases need FP8_ALIGN_GPUKIT=.gpukit_ray); not inside a par chain.
+# benchmarks/box/build_stack_site.sh; their Ray cases need FP8_ALIGN_GPUKIT=.gpukit_ray); not inside a par chain; killed after
+# $TESTS_TP_TIMEOUT seconds (default 600).
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -137,7 +138,7 @@ while [ $# -gt 0 ]; do
       # tensor parallel size 2 over every visible GPU (not inside a par chain): fp8_align's own TP tests and the
       # stacks' sync at TP=2 (their packages from .whl/site, benchmarks/box/build_stack_site.sh; Ray cases where
       # the bundle has Ray, FP8_ALIGN_GPUKIT=.gpukit_ray)
-      PYTHONPATH="$PWD/.whl/site:${PYTHONPATH:-}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_tp.py \
+      PYTHONPATH="$PWD/.whl/site:${PYTHONPATH:-}" timeout "${TESTS_TP_TIMEOUT:-600}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_tp.py \
         tests/test_gpu_stack_sync_tp.py > "$out/pytest_tp.txt" 2>&1
       grep -E "passed|failed|skipped|Error|error" "$out/pytest_tp.txt" | grep -v INFO | tail -25 ;;
     tests-fi|tests-mla)
