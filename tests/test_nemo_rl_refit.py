@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,7 +66,9 @@ pytestmark = pytest.mark.slow
 
 #: Two 256 KiB staging buffers: the 2 MiB model goes in about ten groups.
 BUFFER_BYTES = 512 * 1024
-ADDRESS = f"ipc:///tmp/fp8_align_nemo_rl_{os.getpid()}.sock"
+#: The ZMQ socket of the trainer's IPC stream; its file is removed when the engine stops.
+SOCKET = Path(f"/tmp/fp8_align_nemo_rl_{os.getpid()}.sock")
+ADDRESS = f"ipc://{SOCKET}"
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,7 @@ def llm(sync_models, sync_fresh_w2, vllm_runner):
     with vllm_runner(sync_models["w1"], FIRST_LAYER_BF16, env=env, worker_extension_cls=CPU_WORKER, **ENGINE) as runner:
         runner.llm.collective_rpc(install_cpu_stand_ins_in_worker)
         yield runner.llm
+    SOCKET.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
