@@ -2,7 +2,7 @@
 optimizer step, weight sync and K/V-scale recalibration, per variant, one GPU.
 
     python benchmarks/rl_step_time.py --out benchmarks/results/rl_step_time.json
-        [--variants bf16,fp8_fast,fp8_bitwise_kv] [--layers 8] [--prompts 64] [--group 8]
+        [--variants bf16,fp8_fast,fp8_bitwise_kv,bf16@v1] [--layers 8] [--prompts 64] [--group 8]
         [--prompt-tokens 512] [--max-tokens 1024] [--steps 2] [--work /root/rl_step_work]
 
 The model is the Qwen3-8B shape cut to `--layers` decoder layers (random BF16 weights, seed 0): the
@@ -25,7 +25,9 @@ on vLLM 0.22: `FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa")`, DeepGEM
 `--deepgemm-cache`; the aligned FP8 trainer with the engine's GEMM kernels,
 `apply_fp8_training(forward_kernel="engine")`), fp8_bitwise_kv
 (`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `BitwiseForward`). Each engine runs the
-model runner vLLM picks for it, as `bitwise_speed.py`'s rollouts did. Writes seconds per phase for
+model runner vLLM picks for it, as `bitwise_speed.py`'s rollouts did; `VARIANT@v1` or `VARIANT@v2`
+forces vLLM's V1 or V2 model runner (`VLLM_USE_V2_MODEL_RUNNER`), so that e.g. `bf16@v1` separates
+the runner from the quantization (the bitwise engine refuses V2). Writes seconds per phase for
 every timed step, their medians, and each variant's median step time and BF16's over it
 (`speedup_vs_bf16`); a variant whose process fails is recorded under `failed` (exit code, the end
 of its log), the others still run, and the exit code is 1. `--shape tiny` (hidden 128, vocab 512)
@@ -47,11 +49,10 @@ from typing import Any
 
 import torch
 
-# The repository root is on the path, here and in vLLM's worker processes, which import
-# `benchmarks.grpo.engine` to run its worker-side functions (as grpo_alignment.py does).
+# The repository root is on the path, here and (set in main) in vLLM's worker processes, which
+# import `benchmarks.grpo.engine` to run its worker-side functions (as grpo_alignment.py does).
 _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
 
 from benchmarks.grpo.engine import push_weights, sample, start_engine  # noqa: E402
 from benchmarks.grpo.loop import update_kv_scales  # noqa: E402
@@ -71,13 +72,24 @@ SHAPES = {
     "tiny": dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=512),
 }
 PHASES = ("rollout", "trainer_logprobs", "train", "weight_sync", "kv_scales")
+MODEL_RUNNERS = ("v1", "v2")
+
+
+def parse_variant(name: str) -> tuple[FP8Config | None, str | None]:
+    """`VARIANT[@v1|@v2]` -> (the engine's FP8Config, the forced model runner or None: vLLM's choice)."""
+    base, at, runner = name.partition("@")
+    if base not in VARIANTS or (at and runner not in MODEL_RUNNERS):
+        raise ValueError(f"unknown variant {name!r}: VARIANT[@v1|@v2], VARIANT one of {', '.join(VARIANTS)}")
+    return VARIANTS[base], runner or None
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One engine and trainer for `variant`; a warm-up step, then `args.steps` timed steps."""
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with functions
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer initializes CUDA in this process
-    fp8 = VARIANTS[variant]
+    fp8, model_runner = parse_variant(variant)
+    if model_runner is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"
     deep_gemm = fp8 is not None and fp8.use_deep_gemm and fp8.on_policy == "off"
     os.environ["VLLM_USE_DEEP_GEMM"] = "1" if deep_gemm else "0"  # as rollout_throughput.py's _dg variants
     if deep_gemm and args.deepgemm_cache:
@@ -129,7 +141,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps({"variant": variant, **steps[-1]}), flush=True)
     timed = [s["seconds"] for s in steps if not s["warm_up"]]
     return {
-        "engine_start_s": engine_start_s, "fp8_config": None if fp8 is None else fp8.model_dump(mode="json"), "steps": steps,
+        "engine_start_s": engine_start_s, "fp8_config": None if fp8 is None else fp8.model_dump(mode="json"),
+        "model_runner": model_runner or "vllm_choice", "steps": steps,
         "median_s": {phase: statistics.median(t[phase] for t in timed) for phase in (*PHASES, "step") if phase in timed[0]},
     }  # fmt: skip
 
@@ -157,10 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_step_work"))
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown or not variants:
-        parser.error(f"unknown variants {unknown or args.variants!r}; choose from {', '.join(VARIANTS)}")
+    if not variants:
+        parser.error("--variants is empty")
+    for variant in variants:
+        try:
+            parse_variant(variant)
+        except ValueError as error:
+            parser.error(str(error))
     if args.layers < 1 or args.steps < 1:
         parser.error("--layers and --steps must be at least 1")
     args.work.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from benchmarks.grpo.arms import ARMS, RunSettings, parse_arms
 from fp8_align import FP8Config
 from benchmarks.grpo.policy import GRPOPolicy, clipped_policy_loss, group_advantages, pack_sequences
 from benchmarks.grpo.task import Problem, exact_match_reward, final_integer, split_problems, step_batch
+from benchmarks.rl_step_time import parse_variant
 from fp8_align.error_bench.default_model import smollm2_checkpoint
 from fp8_align.error_bench.scoring import completion_logprobs
 from tests.model_factory import make_tiny_llama
@@ -131,6 +132,16 @@ def test_arms_and_their_engine_configs() -> None:
     bitwise_kv = settings.fp8_config(ARMS["fp8_bitwise_kv"])
     assert (bitwise_kv.on_policy, bitwise_kv.kv_cache_dtype, ARMS["fp8_bitwise_kv"].tis) == ("bitwise", "fp8", False)
     assert all(settings.fp8_config(arm).on_policy == "off" for arm in ARMS.values() if arm.generation_fp8 and not arm.bitwise)
+
+
+def test_rl_step_variants_name_their_model_runner() -> None:
+    assert parse_variant("bf16") == (None, None)
+    fp8, runner = parse_variant("fp8_bitwise_kv@v1")
+    assert fp8 is not None and fp8.on_policy == "bitwise" and fp8.kv_cache_dtype == "fp8" and runner == "v1"
+    assert parse_variant("fp8_fast@v2")[1] == "v2"
+    for bad in ("bf16@v3", "fp8_fast@", "int8", "@v1"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            parse_variant(bad)
 
 
 def test_bitwise_trainer_logprobs_and_update(tmp_path: Path) -> None:
