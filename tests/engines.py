@@ -253,4 +253,3 @@ def run_engines_two_at_a_time(model: Path, out_dir: Path, runs: dict[str, Engine
         pair = {name: runs[name] for name in names[first : first + 2]}
         outputs |= wait_engine_pair(start_engine_pair(model, out_dir, pair))
     return outputs
-

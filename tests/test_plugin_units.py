@@ -480,3 +480,19 @@ def test_sync_drops_only_vllms_bf16_into_fp8_loader_warning() -> None:
         "something else about torch.float8_e4m3fn",
         "Attempted to load weight layers.1.o_proj.weight with dtype torch.bfloat16 into parameter with dtype torch.float8_e4m3fn",
     ]
+
+
+def test_quant_config_checks_the_bf16_layer_counts_against_the_model_when_vllm_builds_its_config():
+    """`maybe_update_config` (called by vLLM where its engine config is built: the API server of
+    `vllm serve`) refuses BF16 layer counts deeper than the model's text config, and is a no-op where
+    vLLM passes no `hf_config`."""
+    from transformers import LlamaConfig
+
+    from fp8_align.vllm_plugin.quant_config import Fp8AlignQuantConfig
+
+    three_layers = LlamaConfig(num_hidden_layers=3)
+    Fp8AlignQuantConfig(FP8Config(num_first_layers_in_bf16=1, num_last_layers_in_bf16=2)).maybe_update_config("m", hf_config=three_layers)
+    too_deep = Fp8AlignQuantConfig(FP8Config(num_first_layers_in_bf16=2, num_last_layers_in_bf16=2))
+    with pytest.raises(FP8ConfigError, match="= 4 is larger than the model's 3 decoder layers"):
+        too_deep.maybe_update_config("m", hf_config=three_layers)
+    too_deep.maybe_update_config("m")

@@ -165,7 +165,8 @@ def test_config_from_hf_overrides_reaches_the_server(served_hf_overrides_config,
     [
         # rejected by the API server while it builds the engine config
         ({CONFIG_ENV_VAR: "{not json"}, (), f"{CONFIG_ENV_VAR} is not valid JSON"),
-        # a valid FP8Config that does not fit this 3-layer model: rejected in the worker
+        # a valid FP8Config that does not fit this 3-layer model: rejected by the API server too
+        # (Fp8AlignQuantConfig.maybe_update_config), before any engine process starts
         ({}, ("--hf-overrides", json.dumps({"quantization_config": {"quant_method": "fp8_align", "num_first_layers_in_bf16": 5}})),
          "is larger than the model's 3 decoder layers"),
     ],

@@ -7,9 +7,11 @@ that transformers and vLLM both load, and caches it on disk.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,7 +43,11 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     target = Path(cache_dir or default_cache_dir()) / "smollm2-135m-instruct-bf16"
     if (target / _DONE_MARKER).is_file():
         return target
-    convert_gguf_to_bf16(smollm2_gguf_path(), target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one conversion at a time: a process that waited finds it done
+        if not (target / _DONE_MARKER).is_file():
+            convert_gguf_to_bf16(smollm2_gguf_path(), target)
     return target
 
 
@@ -71,8 +77,6 @@ def convert_gguf_to_bf16(gguf_path: Path, target: Path) -> None:
     tokenizer.save_pretrained(tmp)
     (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf_path), "dtype": "bfloat16"}))
     if target.exists():
-        import shutil
-
         shutil.rmtree(target)
     tmp.rename(target)
     steps.update()

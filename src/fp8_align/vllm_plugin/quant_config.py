@@ -65,6 +65,14 @@ class Fp8AlignQuantConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> Fp8AlignQuantConfig:
         return cls(config_from_engine(config))
 
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        """vLLM's hook after the engine config is built (in the API server of `vllm serve`, before any
+        engine process starts): the BF16 layer counts are checked against the model's depth here, so
+        a config that cannot fit the model stops the command at once. vLLM releases that pass no
+        `hf_config` leave the check to the engine's first layer (`get_quant_method`)."""
+        if hf_config is not None:
+            self.fp8_config.validate_for_model(int(hf_config.get_text_config().num_hidden_layers))
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         """The method for one module vLLM builds: block FP8 or BF16 for linears and routed experts
         (`fp8_align.layer_selection.decide_layer`; each decision is recorded and BF16 ones logged),
