@@ -5,6 +5,6 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$root/scripts/setup_cpu_env.sh"
 cd "$root"
-# Two pytest-xdist workers (each engine test leaves a core idle for a while), whole files (and the
-# files sharing a reference engine, tests/conftest.py) per worker; `-n 0` after it runs serially.
-exec "${FP8_ALIGN_VENV:-$root/.venv}/bin/python" -m pytest -n 2 --dist loadgroup "$@"
+# Two pytest-xdist workers (each engine test leaves a core idle for a while), each file whole on one
+# worker, in tests/conftest.py's order (longest first); `-n 0` after it runs serially.
+exec "${FP8_ALIGN_VENV:-$root/.venv}/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -27,38 +27,29 @@ def _has_fp8_cuda() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-#: Session-scoped reference engines: the files that ask for one run on one xdist worker, so it starts once.
-SHARED_ENGINE_FIXTURES = ("sync_fresh_w2", "tp_fresh_w2")
-#: The longest xdist groups on the 2-core CI machine (CI's --durations), started first.
-LONGEST_GROUPS = ("test_vllm_serve.py", "test_vllm_plugin.py", "tp_fresh_w2")
+#: The longest test files on the 2-core CI machine (CI's --durations), started first.
+LONGEST_FILES = ("test_vllm_serve.py", "test_vllm_plugin.py", "test_stack_sync_tp.py", "test_vllm_plugin_tp.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks (`--dist loadgroup`, scripts/test.sh)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests without an FP8 GPU; put each file in one xdist group (files sharing a
-    SHARED_ENGINE_FIXTURES engine in the same one), and order the groups LONGEST_GROUPS, then those
-    with `slow` tests, then the rest, so that two workers finish together."""
+    """Skip `gpu` tests without an FP8 GPU, and order the files LONGEST_FILES first, then those with
+    `slow` tests, then the rest (each file's tests in their order), so that the two xdist workers of
+    scripts/test.sh (`--dist loadfile`) finish together."""
     if not _has_fp8_cuda():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with FP8 (sm89+); run `pytest -m gpu` on the GPU box")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
-    group_of_file: dict[Path, str] = {}
-    for item in items:
-        shared = [name for name in SHARED_ENGINE_FIXTURES if name in item.fixturenames]
-        if shared or item.path not in group_of_file:
-            group_of_file[item.path] = shared[0] if shared else item.path.name
-    slow_groups = {group_of_file[item.path] for item in items if item.get_closest_marker("slow")}
-    first_index: dict[str, int] = {}
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    first_index: dict[Path, int] = {}
     for index, item in enumerate(items):
-        first_index.setdefault(group_of_file[item.path], index)
-        item.add_marker(pytest.mark.xdist_group(group_of_file[item.path]))
+        first_index.setdefault(item.path, index)
     order = {id(item): index for index, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple[int, bool, int, int]:
-        group = group_of_file[item.path]
-        rank = LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS)
-        return rank, group not in slow_groups, first_index[group], order[id(item)]
+        name = item.path.name
+        rank = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+        return rank, item.path not in slow_files, first_index[item.path], order[id(item)]
 
     items.sort(key=key)
 
