@@ -4,7 +4,7 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
     python benchmarks/on_policy_bitwise.py --out benchmarks/results/on_policy_bitwise.json
         [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--kv-cache-dtypes auto,fp8]
         [--batch-sizes 1,7,64,512] [--max-tokens 96] [--work /root/bitwise_work]
-        [--logprobs-mode raw_logprobs|processed_logprobs] [--temperatures 1.0[,0.6]]
+        [--logprobs-mode raw_logprobs|processed_logprobs] [--temperatures 1.0[,0.6]] [--tensor-parallel-size 1|2]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
@@ -23,6 +23,11 @@ sampling, temperature, batch size): tokens,
 max |engine logp - trainer logp| and the token multiplicative probability error
 mean(exp(|dlogp|)); per (model, variant, sampling) whether each probe's tokens and log-probs were
 the same bits at every batch size.
+
+`--tensor-parallel-size 2` (two GPUs; Qwen3-8B shape only: SmolLM2's 9 heads do not split in two)
+starts each engine over both GPUs and scores with `BitwiseForward(..., tensor_parallel_size=2)` on
+GPU 0; each row also gives `max_abs_dlogp_unsharded_trainer`, the same tokens scored as one GPU's
+engine computes them, which shows what reproducing the ranks' partial sums is worth.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
 
 def run_one(
     model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path,
-    logprobs_mode: str, temperatures: list[float],
+    logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows."""
     import torch
@@ -119,7 +124,8 @@ def run_one(
     start = time.perf_counter()
     llm = LLM(
         model=str(path), skip_tokenizer_init=True, max_num_seqs=512, max_model_len=MAX_MODEL_LEN,
-        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=logprobs_mode, **engine_kwargs(cfg),
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=logprobs_mode,
+        **engine_kwargs(cfg, tensor_parallel_size=tensor_parallel_size),
     )  # fmt: skip
     engine_start_s = time.perf_counter() - start
     scales = None
@@ -127,7 +133,9 @@ def run_one(
         calibrate_kv_scales(llm, probes, include_q=False)
         scales = engine_kv_scales(llm)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    trainer = BitwiseForward(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), cfg, kv_scales=scales)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    trainer = BitwiseForward(model, cfg, kv_scales=scales, tensor_parallel_size=tensor_parallel_size)
+    unsharded = BitwiseForward(model, cfg, kv_scales=scales) if tensor_parallel_size > 1 else None
     rows, invariance = [], []
     for sampling, temperature in [("greedy", 0.0)] + [("sampled", t) for t in temperatures]:
         # greedy requests' processed log-probs are taken before any temperature, as raw ones are
@@ -156,20 +164,18 @@ def run_one(
                     if i < len(probes):
                         probe_outputs.append((tokens, logps))
             probe_runs.append(probe_outputs)
-            trainer_logprobs: list[list[float]] = []
-            with torch.no_grad():
-                for chunk in range(0, len(sequences), TRAINER_BATCH):
-                    part = slice(chunk, chunk + TRAINER_BATCH)
-                    trainer_logprobs += [lp.tolist() for lp in trainer.token_logprobs(sequences[part], prompt_lens[part], temperature=scored_at)]
             flat_engine = [x for lp in engine_logprobs for x in lp]
-            flat_trainer = [x for lp in trainer_logprobs for x in lp]
+            flat_trainer = _score(trainer, sequences, prompt_lens, scored_at)
             max_abs, mult = _metrics(flat_engine, flat_trainer)
             rows.append({
                 "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
                 "temperature": temperature, "logprobs_mode": logprobs_mode, "trainer_temperature": scored_at, "batch_size": size,
+                "tensor_parallel_size": tensor_parallel_size,
                 "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
             })  # fmt: skip
+            if unsharded is not None:
+                rows[-1]["max_abs_dlogp_unsharded_trainer"] = _metrics(flat_engine, _score(unsharded, sequences, prompt_lens, scored_at))[0]
             print(json.dumps(rows[-1]), flush=True)
         invariance.append({
             "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
@@ -182,6 +188,18 @@ def run_one(
     gc.collect()
     name = f"{model_name}/{variant}/{kv_cache_dtype}"
     return {"rows": rows, "invariance": invariance, "engine_start_s": {name: round(engine_start_s, 1)}, "kv_scales": {name: scales}}
+
+
+def _score(trainer: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[float]:
+    """`trainer.token_logprobs` of every sequence's completion, `TRAINER_BATCH` sequences a call, flattened."""
+    import torch
+
+    scored: list[float] = []
+    with torch.no_grad():
+        for chunk in range(0, len(sequences), TRAINER_BATCH):
+            part = slice(chunk, chunk + TRAINER_BATCH)
+            scored += [x for lp in trainer.token_logprobs(sequences[part], prompt_lens[part], temperature=temperature) for x in lp.tolist()]
+    return scored
 
 
 def _device_and_versions() -> dict[str, str]:
@@ -208,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"), default="raw_logprobs",
                         help="what the engine returns: vLLM's default raw_logprobs, or processed_logprobs (after the temperature)")
     parser.add_argument("--temperatures", default="1.0", help="sampling temperatures of the sampled rows (hf_training.inputs.check_temperature)")
+    parser.add_argument("--tensor-parallel-size", type=int, choices=(1, 2), default=1,
+                        help="the engine's (2: two GPUs, the trainer on GPU 0 scores each rank's share as that rank does)")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -217,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
             check_temperature(temperature)  # the trainer's own check, before any engine starts
         except ValueError as error:
             parser.error(f"--temperatures: {error}")
+    if args.tensor_parallel_size > 1 and not args.one and "smollm2" in args.models.split(","):
+        parser.error("--tensor-parallel-size 2: SmolLM2's 9 attention heads do not split over 2 ranks; use --models qwen3-8b-4l")
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.one:
-        args.out.write_text(json.dumps(run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures)))
+        result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size)
+        args.out.write_text(json.dumps(result))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
     report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
@@ -237,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         log = args.work / f"{model}_{variant}_{kv}.log"
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
                "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
-               "--temperatures", args.temperatures]  # fmt: skip
+               "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size)]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():

@@ -3,6 +3,7 @@
     python benchmarks/rollout_throughput.py --shapes short,long [--variants a,b] [--repeats short=3,long=1] --results DIR
         [--model qwen3-8b|qwen3-30b-a3b|moonlight-16b-a3b] [--merge REPORT.json]
         [--gpu-memory-utilization F] [--max-num-seqs N] [--attention-backend NAME] [--model-runner v1|v2]
+        [--tensor-parallel-size N] [--gpus G]
 
 This file is the command line; benchmarks/rollout/ holds the models and their checkpoints
 (`checkpoints`), one variant's engine process (`runner`) and the report (`report`).
@@ -123,6 +124,15 @@ list of host indices where set, e.g. 1,3): the same run in about 1/N of the time
 (device time is counted per machine, not per GPU). Ratios then compare GPUs of one machine, and
 engines starting side by side share the host's CPUs while they compile (engine start times are
 less comparable than throughput).
+
+`--tensor-parallel-size N` (default 1) splits every variant's engine over N GPUs (vLLM's
+tensor_parallel_size, multiprocessing executor; recorded in the report's engine_settings and name,
+so --merge refuses another size). `--gpus G` (default N) then runs G/N variants at once, each on
+the next N GPUs of the list (CUDA_VISIBLE_DEVICES=i,j; `run.gpu_index` the list, `run.gpu_uuid`
+their uuids); a G that N does not divide is refused, and so are the bitwise variants at an N their
+engine refuses (`fp8_align.bitwise.TENSOR_PARALLEL_SIZES`). The K/V calibration takes each layer's amax over the ranks
+(`calibrate_kv_scales`); a `_dg` variant's DeepGEMM cache needs the per-rank shapes
+(`fp8-align prepare-deepgemm --tensor-parallel-size N`).
 """
 
 from __future__ import annotations
@@ -180,9 +190,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--deepgemm-cache", type=Path, metavar="DIR",
                         help="DeepGEMM JIT cache of the _dg variants, filled ahead by `fp8-align prepare-deepgemm` "
                              "(default: each engine's own fresh cache, compiled cold)")  # fmt: skip
-    parser.add_argument("--gpus", type=int, default=1,
-                        help="measure up to N variants at once, each engine on its own GPU of this host (GPU i: "
-                             "CUDA_VISIBLE_DEVICES=i); default 1: one after another on the environment's GPUs")  # fmt: skip
+    parser.add_argument("--gpus", type=int,
+                        help="measure up to N / tensor-parallel-size variants at once, each engine on its own GPUs of this host "
+                             "(GPU i: CUDA_VISIBLE_DEVICES=i); default: the tensor-parallel size (1: one after another on the "
+                             "environment's GPUs)")  # fmt: skip
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs of each variant's engine (vLLM's tensor_parallel_size, multiprocessing executor; default 1)")  # fmt: skip
     parser.add_argument("--models", type=Path, default=Path("/root/models"))
     parser.add_argument("--work", type=Path, default=Path("/root/rollout_work"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -233,14 +246,22 @@ def main(argv: list[str] | None = None) -> int:
         if runner.VLLM_ONLINE_BLOCK_FP8 not in QUANTIZATION_METHODS:
             parser.error(f"the vllm_fp8_online variants need vLLM's quantization={runner.VLLM_ONLINE_BLOCK_FP8!r} (vLLM 0.25+); "
                          "this vLLM does not have it")  # fmt: skip
-    if args.gpus < 1:
-        parser.error("--gpus must be 1 or more")
-    gpu_ids = _gpu_ids(args.gpus)
-    if args.gpus > 1 and args.gpus > len(gpu_ids):
-        parser.error(f"--gpus {args.gpus}: {len(gpu_ids)} GPU(s) to use here ({gpu_ids})")
+    tp = args.tensor_parallel_size
+    gpu_count = tp if args.gpus is None else args.gpus
+    if tp < 1 or gpu_count < 1:
+        parser.error("--gpus and --tensor-parallel-size must be 1 or more")
+    if gpu_count % tp:
+        parser.error(f"--gpus {gpu_count} with --tensor-parallel-size {tp}: each variant's engine takes {tp} GPUs; give a multiple of {tp}")
+    refused = runner.refused_at(tp, variants)
+    if refused:
+        parser.error(f"--tensor-parallel-size {tp}: {', '.join(refused)} run FP8Config(on_policy='bitwise'), whose engine takes "
+                     f"tensor_parallel_size {' or '.join(map(str, runner.BITWISE_TENSOR_PARALLEL_SIZES))} only")  # fmt: skip
+    gpu_ids = _gpu_ids(gpu_count)
+    if gpu_count > 1 and gpu_count > len(gpu_ids):
+        parser.error(f"--gpus {gpu_count}: {len(gpu_ids)} GPU(s) to use here ({gpu_ids})")
     settings = {"attention_backend": args.attention_backend, "gpu_memory_utilization": args.gpu_memory_utilization,
                 "max_num_seqs": args.max_num_seqs, "model_runner": args.model_runner, "block_size": args.block_size,
-                "kv_cache_layout": args.kv_cache_layout}  # fmt: skip
+                "kv_cache_layout": args.kv_cache_layout, "tensor_parallel_size": tp}  # fmt: skip
     name = report.results_name(args.model, shape_names, settings)
     state_path = args.work / name
     header = report.report_header(args.model, shape_names, repeats, settings)
@@ -266,21 +287,22 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     lock = threading.Lock()
 
-    # the one host GPU a single-GPU call was given (CUDA_VISIBLE_DEVICES=2), recorded with each run
-    only_gpu = gpu_ids[0] if len(gpu_ids) == 1 else None
+    # the one host GPU a single-GPU call was given (CUDA_VISIBLE_DEVICES=2: [2]), recorded with each run
+    only_gpu = gpu_ids if len(gpu_ids) == 1 else None
 
-    def measure_on(gpu: int | None) -> None:
-        """Measure pending variants one after another on the host's GPU `gpu` (None: the environment's GPUs)."""
+    def measure_on(gpus: list[int] | None) -> None:
+        """Measure pending variants one after another on the host's GPUs `gpus`, one engine's
+        (None: the environment's GPUs)."""
         while True:
             with lock:
                 if not pending:
                     return
                 variant = pending.popleft()
-            run = report.run_info(results["device"], gpu if gpu is not None else only_gpu)
+            run = report.run_info(results["device"], gpus if gpus is not None else only_gpu)
             spec = runner.variant_spec(variant, args.model, bf16_dir, fp8_dir, shapes, settings, args.deepgemm_cache,
                                        flashinfer_jit=not os.environ.get("FLASHINFER_DISABLE_JIT"))  # fmt: skip
-            if gpu is not None:
-                spec["env"] = {**spec["env"], "CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+            if gpus is not None:
+                spec["env"] = {**spec["env"], "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
             try:
                 result = runner.run_variant(variant, spec, args.work / variant)
             except runner.VariantError as exc:  # recorded in the report and in the exit status
@@ -292,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                 report.save(results, [state_path, args.results / name])
                 print(json.dumps({variant: results["variants"][variant]})[:3000], flush=True)
 
-    if args.gpus == 1:
+    if gpu_count == 1:
         measure_on(None)
-    else:
-        threads = [threading.Thread(target=measure_on, args=(gpu,)) for gpu in gpu_ids[: args.gpus]]
+    else:  # one thread per engine, each on the next `tp` GPUs
+        threads = [threading.Thread(target=measure_on, args=(gpu_ids[i : i + tp],)) for i in range(0, gpu_count, tp)]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -44,14 +44,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first_index: dict[Path, int] = {}
     for index, item in enumerate(items):
         first_index.setdefault(item.path, index)
-    order = {id(item): index for index, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[int, bool, int, int]:
+    def key(item: pytest.Item) -> tuple[int, bool, int]:
         name = item.path.name
         rank = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
-        return rank, item.path not in slow_files, first_index[item.path], order[id(item)]
+        return rank, item.path not in slow_files, first_index[item.path]
 
-    items.sort(key=key)
+    items.sort(key=key)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

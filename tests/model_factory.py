@@ -19,11 +19,12 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: int) -> Path:
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    fields = dict(
         hidden_size=192, intermediate_size=384, num_hidden_layers=TINY_LLAMA_LAYERS, num_attention_heads=3,
         num_key_value_heads=1, head_dim=TINY_LLAMA_HEAD_DIM, vocab_size=512, max_position_embeddings=512,
-        initializer_range=0.2, **{"tie_word_embeddings": False, **overrides},
-    )
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    config = LlamaConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)

@@ -1,5 +1,6 @@
 """benchmarks/rollout_throughput.py without engines: the MoE model's config-only checkpoints, the
-per-variant specs and environment, and completing one report over several calls (--merge)."""
+per-variant specs and environment, completing one report over several calls (--merge), and
+engines split over GPUs (--tensor-parallel-size)."""
 
 from __future__ import annotations
 
@@ -361,3 +362,100 @@ def test_bitwise_speed_summary_checks_the_targets_on_medians() -> None:
         bitwise_speed.summarize([first])
     with pytest.raises(ValueError, match="in two reports"):
         bitwise_speed.summarize([first, second, second])
+
+
+# --------------------------------------------------------------------------- tensor parallel
+RATES = {"bf16": 10000.0, "fp8_align": 14000.0, "vllm_fp8": 13000.0}
+
+
+def _fake_host(monkeypatch: pytest.MonkeyPatch, gpus: int) -> list[dict[str, Any]]:
+    """`_fake_machine` on a host of `gpus` GPUs (uuid GPU-i), each engine running 0.2 s so that
+    engines of one call overlap. Returns the specs the engines would have run."""
+    import time
+
+    specs: list[dict[str, Any]] = []
+
+    def run_variant(name: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+        specs.append(spec)
+        time.sleep(0.2)
+        return {**_measured(RATES[name], 100.0), "visible": spec["env"].get("CUDA_VISIBLE_DEVICES")}
+
+    monkeypatch.setattr(report, "device_and_versions", lambda: H200)
+    monkeypatch.setattr(
+        report, "nvidia_smi", lambda fields, gpu=None: f"GPU-{gpu}" if gpu is not None else "\n".join(f"GPU-{i}" for i in range(gpus))
+    )
+    monkeypatch.setattr(runner, "run_variant", run_variant)
+    return specs
+
+
+TP2_REPORT = "rollout_throughput_qwen3-30b-a3b_long_tensor_parallel_size_2.json"
+
+
+def test_tensor_parallel_engines_on_gpu_pairs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tensor-parallel-size 2 --gpus 4: two engines at once, each on a pair of GPUs
+    (CUDA_VISIBLE_DEVICES=0,1 / 2,3, both indices and uuids recorded), each spec and vLLM's
+    arguments with tensor_parallel_size 2 on the multiprocessing executor; the report records the
+    size in its engine settings and name. Without --gpus, one engine after another on GPUs 0,1."""
+    specs = _fake_host(monkeypatch, 4)
+    assert _call(tmp_path, "x4", "bf16,fp8_align,vllm_fp8", "--tensor-parallel-size", "2", "--gpus", "4") == 0
+    written = json.loads((tmp_path / "x4" / "out" / TP2_REPORT).read_text())
+    assert written["engine_settings"]["tensor_parallel_size"] == 2 and list(written["variants"]) == ["bf16", "fp8_align", "vllm_fp8"]
+    runs = {name: (r["visible"], tuple(r["run"]["gpu_index"]), r["run"]["gpu_uuid"]) for name, r in written["variants"].items()}
+    assert set(runs.values()) <= {("0,1", (0, 1), "GPU-0,GPU-1"), ("2,3", (2, 3), "GPU-2,GPU-3")}
+    assert runs["bf16"] != runs["fp8_align"] and written["variants_on_one_gpu"] is False
+    assert [spec["tensor_parallel_size"] for spec in specs] == [2, 2, 2]
+    for spec in specs:
+        kwargs = runner.llm_kwargs(spec)
+        assert (kwargs["tensor_parallel_size"], kwargs["distributed_executor_backend"]) == (2, "mp")
+
+    specs = _fake_host(monkeypatch, 2)
+    assert _call(tmp_path, "x2", "bf16,fp8_align", "--tensor-parallel-size", "2") == 0
+    written = json.loads((tmp_path / "x2" / "out" / TP2_REPORT).read_text())
+    assert {r["visible"] for r in written["variants"].values()} == {"0,1"} and written["variants_on_one_gpu"] is True
+    assert [spec["tensor_parallel_size"] for spec in specs] == [2, 2]
+
+
+def test_tensor_parallel_size_one_keeps_the_engine_arguments(tmp_path: Path) -> None:
+    """TP 1 (the default): no tensor-parallel arguments reach vLLM, and the report keeps its name."""
+    shapes = runner.make_shapes(["short"], {"short": 1}, 1000)
+    settings = {"model_runner": None, "gpu_memory_utilization": 0.85, "max_num_seqs": None, "tensor_parallel_size": 1}
+    kwargs = runner.llm_kwargs(runner.variant_spec("bf16", "qwen3-8b", tmp_path, tmp_path, shapes, settings))
+    assert "tensor_parallel_size" not in kwargs and "distributed_executor_backend" not in kwargs
+    assert report.results_name("qwen3-8b", ["short"], settings) == "rollout_throughput_short.json"
+
+
+def test_tensor_parallel_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any engine starts: a --gpus that the tensor-parallel size does not divide, the bitwise
+    variants at TP 4 (their engine refuses more than 2 ranks), more GPUs than the host has."""
+    specs = _fake_host(monkeypatch, 4)
+    for extra, message in ((("--gpus", "3"), "--gpus 3 with --tensor-parallel-size 2"), (("--gpus", "8"), "--gpus 8: 4 GPU(s)")):
+        with pytest.raises(SystemExit):
+            _call(tmp_path, "a", "bf16", "--tensor-parallel-size", "2", *extra)
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _call(tmp_path, "a", "bf16,fp8_align_bitwise,fp8_align_bitwise_kv", "--tensor-parallel-size", "4")
+    assert "fp8_align_bitwise, fp8_align_bitwise_kv run FP8Config(on_policy='bitwise')" in capsys.readouterr().err
+    assert specs == [] and runner.refused_at(1, list(runner.VARIANTS)) == runner.refused_at(2, list(runner.VARIANTS)) == []
+
+
+def test_merge_refuses_another_tensor_parallel_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TP=2 report does not take a TP=1 variant (nor the reverse: the sizes are engine settings)."""
+    _fake_host(monkeypatch, 2)
+    assert _call(tmp_path, "a", "bf16", "--tensor-parallel-size", "2") == 0
+    specs = _fake_host(monkeypatch, 2)
+    with pytest.raises(SystemExit):
+        _call(tmp_path, "b", "fp8_align", "--merge", str(tmp_path / "a" / "out" / TP2_REPORT))
+    err = capsys.readouterr().err
+    assert specs == [] and "engine_settings:" in err and "'tensor_parallel_size': 2" in err
+
+
+def test_deepgemm_warmup_of_tensor_parallel_ranks() -> None:
+    """The DeepGEMM warm-up seconds of an engine: summed per process, the longest rank's where
+    ranks warm up side by side (one process, or no prefix: the sum)."""
+    line = "{}INFO 11-28 [gpu.py:201] fp8_align: DeepGEMM warm-up N=6144 K=4096: 438 M values in {} s (cache)"
+    ranks = [line.format("(Worker_TP0 pid=11) ", 1.5), line.format("(Worker_TP1 pid=12) ", 2.0), line.format("(Worker_TP0 pid=11) ", 1.0)]
+    assert runner.read_engine_log("\n".join(ranks))["fp8_align_deepgemm_warmup_s"] == 2.5
+    assert runner.read_engine_log("\n".join([line.format("", 1.5), line.format("", 2.0)]))["fp8_align_deepgemm_warmup_s"] == 3.5
+    assert runner.read_engine_log("")["fp8_align_deepgemm_warmup_s"] is None

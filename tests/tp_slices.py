@@ -3,6 +3,7 @@ reference quantization of its slice of the HF weights."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,17 @@ def assert_ranks_hold(ranks: list[dict[str, dict[str, Any]]], weights: dict[str,
     holds `expected_rank_fp8` of its slice of `weights`: codes and scales bit for bit."""
     assert len(ranks) == TP
     for rank, state in enumerate(ranks):
-        for layer in layers:
-            for projection in PROJECTIONS:
-                entry = state[f"model.layers.{layer}.{projection}"]
-                codes, scales = expected_rank_fp8(weights, layer, projection, rank, TP, pow2)
-                assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, layer, projection)
-                assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, layer, projection)
+        assert_rank_holds(state, weights, layers, rank, TP, PROJECTIONS, pow2)
+
+
+def assert_rank_holds(
+    state: dict[str, dict[str, Any]], weights: dict[str, torch.Tensor], layers: range, rank: int, tp: int, projections: Sequence[str], pow2: bool
+) -> None:
+    """Rank `rank` of `tp`'s FP8 `projections` of `layers` hold `expected_rank_fp8` of its slice of `weights`, bit for bit."""
+    for layer in layers:
+        for projection in projections:
+            entry = state[f"model.layers.{layer}.{projection}"]
+            codes, scales = expected_rank_fp8(weights, layer, projection, rank, tp, pow2)
+            assert torch.equal(entry["weight"].view(torch.uint8), codes.view(torch.uint8)), (rank, layer, projection)
+            assert torch.equal(entry["weight_scale_inv"].view(torch.int32), scales.view(torch.int32)), (rank, layer, projection)
 

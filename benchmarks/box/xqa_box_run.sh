@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -11,7 +11,8 @@
 # (benchmarks/rollout/checkpoints.py: qwen3-8b, the default, qwen3-30b-a3b, moonlight-16b-a3b;
 # `fp8-align prepare-deepgemm --model`, 16 processes; session 16's `dg-prepare-moe` is
 # `dg-prepare=qwen3-30b-a3b`; of an MoE model it compiles the routed experts' grouped kernels
-# too); the _dg rollout variants start with it. dg-probe times DeepGEMM's grouped GEMM
+# too); the _dg rollout variants start with it. DG_PREPARE_TP=N (default 1): the per-rank shapes of engines split
+# over N GPUs (prepare-deepgemm --tensor-parallel-size N, for --tensor-parallel-size N in ROLLOUT_ARGS). dg-probe times DeepGEMM's grouped GEMM
 # per M on its expert shapes (benchmarks/box/deepgemm_grouped_probe.py); tests-moe runs the MoE
 # and MLA GPU tests (Triton and DeepGEMM experts, the tiny Moonlight); probe-nvcc says whether the box has a CUDA compiler;
 # profile records the decode step of the best Qwen3-8B configuration at batch 512 (after dg-prepare;
@@ -19,7 +20,8 @@
 # `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER --model-runner v2` on 0.25.1).
 # tests-tp: tests/test_gpu_tp.py and tests/test_gpu_stack_sync_tp.py over every visible GPU (carry .whl/site from
 # benchmarks/box/build_stack_site.sh; their Ray cases need FP8_ALIGN_GPUKIT=.gpukit_ray); not inside a par chain; killed after
-# $TESTS_TP_TIMEOUT seconds (default 600).
+# $TESTS_TP_TIMEOUT seconds (default 600); tests-tp=FILE[,FILE...]: those files, one pytest (and time limit) each.
+# proof-tp: benchmarks/on_policy_bitwise.py --tensor-parallel-size 2 (the 4-layer Qwen3-8B shape; $PROOF_TP_ARGS) over both GPUs.
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -33,7 +35,8 @@
 # shape, one generate). xqa-sweep: XQA decode alone by page size (16, 32, 64) and layout (NHD, HND)
 # at batch 512 and 256. par=A/B+C+... runs stages A then B on GPU 0 while C runs on GPU 1, and so
 # on (an empty chain leaves its GPU free); a rollout in a chain (or with CUDA_VISIBLE_DEVICES=1,3
-# and --gpus 2 in ROLLOUT_ARGS) works and reports under names with its GPUs.
+# and --gpus 2 in ROLLOUT_ARGS) works and reports under names with its GPUs. --tensor-parallel-size N in
+# ROLLOUT_ARGS splits each engine over N GPUs (outside par; rollout-V@BACKEND then runs one engine on N GPUs).
 # bg: the stages after it run detached from this call (setsid, from a copy of the tree, output in
 # /root/bg, or /root/$BG_NAME for a second one beside it), so one run may outlast the 10-minute
 # call; wait[=SECONDS] (default 540) waits for it and brings back what it wrote so far.
@@ -59,12 +62,13 @@ else
   export FLASHINFER_DISABLE_JIT=1
 fi
 dg_prepare() {  # MODEL: fill /root/dg_cache for its linears (and experts) from its config.json in benchmarks/rollout/checkpoints.py
+  local tp="${DG_PREPARE_TP:-1}" tag="$1"; [ "$tp" = 1 ] || tag="$1_tp$tp"  # per-rank shapes of a TP=$tp engine
   mkdir -p "/root/dg_config/$1" && python3 -c "import json, sys; from benchmarks.rollout.checkpoints import MODELS; \
     json.dump(MODELS[sys.argv[1]].config, open(sys.argv[2], 'w'))" "$1" "/root/dg_config/$1/config.json" || return 1
-  python3 -m fp8_align.cli prepare-deepgemm --model "/root/dg_config/$1" --cache-dir /root/dg_cache \
-    --json "$out/deepgemm_prepare_$1.json" > "$out/deepgemm_prepare_$1.log" 2>&1
+  python3 -m fp8_align.cli prepare-deepgemm --model "/root/dg_config/$1" --tensor-parallel-size "$tp" --cache-dir /root/dg_cache \
+    --json "$out/deepgemm_prepare_$tag.json" > "$out/deepgemm_prepare_$tag.log" 2>&1
   local rc=$?
-  tail -c 1500 "$out/deepgemm_prepare_$1.log"; du -sh /root/dg_cache
+  tail -c 1500 "$out/deepgemm_prepare_$tag.log"; du -sh /root/dg_cache
   return $rc  # a failed prepare stops the chain (its rollouts would time an engine that fills the cache at start)
 }
 while [ $# -gt 0 ]; do
@@ -134,21 +138,34 @@ while [ $# -gt 0 ]; do
         tests/test_gpu_flashinfer_scales.py \
         > "$out/pytest_xqa_dg.txt" 2>&1
       grep -E "XQA|xqa|cold|FLASHINFER|passed|failed|Error" "$out/pytest_xqa_dg.txt" | tail -25 ;;
-    tests-tp)
+    tests-tp*)
       # tensor parallel size 2 over every visible GPU (not inside a par chain): fp8_align's own TP tests and the
       # stacks' sync at TP=2 (their packages from .whl/site, benchmarks/box/build_stack_site.sh; Ray cases where
-      # the bundle has Ray, FP8_ALIGN_GPUKIT=.gpukit_ray)
-      PYTHONPATH="$PWD/.whl/site:${PYTHONPATH:-}" timeout "${TESTS_TP_TIMEOUT:-600}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_tp.py \
-        tests/test_gpu_stack_sync_tp.py > "$out/pytest_tp.txt" 2>&1
-      grep -E "passed|failed|skipped|Error|error" "$out/pytest_tp.txt" | grep -v INFO | tail -25 ;;
+      # the bundle has Ray, FP8_ALIGN_GPUKIT=.gpukit_ray); tests-tp=FILE[,FILE...]: those test files instead, a report each
+      files="${stage#tests-tp}"; files="${files#=}"; runs=("tests/test_gpu_tp.py tests/test_gpu_stack_sync_tp.py")
+      [ -n "$files" ] && IFS=, read -r -a runs <<< "$files"
+      for run in "${runs[@]}"; do
+        name="pytest_tp"; [ -n "$files" ] && name="pytest_$(basename "$run" .py)"
+        # shellcheck disable=SC2086
+        PYTHONPATH="$PWD/.whl/site:${PYTHONPATH:-}" timeout "${TESTS_TP_TIMEOUT:-600}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s \
+          --basetemp "/root/pt_$name" $run > "$out/$name.txt" 2>&1
+        echo "$run rc=$?"; grep -E "passed|failed|skipped|Error|error" "$out/$name.txt" | grep -v INFO | tail -25
+      done ;;
+    proof-tp)
+      # benchmarks/on_policy_bitwise.py at tensor parallel size 2 over both GPUs (the 4-layer Qwen3-8B shape; $PROOF_TP_ARGS: more)
+      # shellcheck disable=SC2086
+      python3 benchmarks/on_policy_bitwise.py --out "$out/on_policy_bitwise_tp2.json" --models qwen3-8b-4l --tensor-parallel-size 2 \
+        --work /root/bitwise_tp_work ${PROOF_TP_ARGS:-} > "$out/on_policy_bitwise_tp2.log" 2>&1
+      echo "rc=$?"; tail -30 "$out/on_policy_bitwise_tp2.log"
+      tail -c 20000 /root/bitwise_tp_work/*.log > "$out/bitwise_tp_engine_logs.txt" 2>/dev/null; true ;;
     tests-fi|tests-mla)
       # one test file alone (tests takes ~14 minutes on vLLM 0.25: give its slowest file a GPU of its own)
       file=tests/test_gpu_flashinfer_scales.py; [ "$stage" = tests-mla ] && file=tests/test_gpu_mla.py
       python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s "$file" > "$out/pytest_$stage.txt" 2>&1
       grep -E "FLASHINFER|MLA|mla|reference|passed|failed|Error" "$out/pytest_$stage.txt" | grep -v INFO | tail -15 ;;
     rollout-*)
-      # rollout-VARIANTS@BACKEND: those variants on one GPU with that attention backend ("auto": vLLM's
-      # choice), in a report and work folder of their own (e.g. beside a FLASHINFER run, in a par chain)
+      # rollout-VARIANTS@BACKEND: those variants on one GPU (N at --tensor-parallel-size N) with that attention backend
+      # ("auto": vLLM's choice), in a report and work folder of their own (e.g. beside a FLASHINFER run, in a par chain)
       # Chains of a par (CUDA_VISIBLE_DEVICES set: one or more host GPUs) work and report apart.
       # rollout-VARIANTS[@BACKEND]#NAME: the rollout arguments from $NAME instead of $ROLLOUT_ARGS (chains of one par
       # measuring different models)
@@ -156,10 +173,11 @@ while [ $# -gt 0 ]; do
       [[ "$variants" == *#* ]] && { args_var="${variants#*#}"; variants="${variants%%#*}"; }
       rollout_args="${!args_var:-}"; [ "$args_var" != ROLLOUT_ARGS ] && [ -z "$rollout_args" ] && { echo "$stage: \$$args_var is empty"; exit 2; }
       backend=""; gpus="${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}"
+      tp=$(sed -nE 's/.*--tensor-parallel-size[= ]+([0-9]+).*/\1/p' <<< "$rollout_args")  # GPUs of one engine
       work="/root/rollout_work$gpus"; extra=()
       if [[ "$variants" == *@* ]]; then
         backend="${variants#*@}"; variants="${variants%@*}"; work="/root/rollout_work_$backend$gpus"
-        extra=(--attention-backend "$backend" --gpus 1)
+        extra=(--attention-backend "$backend" --gpus "${tp:-1}")
       fi
       tag="${variants//,/_}${backend:+_$backend}$gpus"; log="$out/rollout_$tag.log"; mkdir -p "$out/report$gpus"
       # shellcheck disable=SC2086

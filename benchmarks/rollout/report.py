@@ -16,6 +16,8 @@ from benchmarks.rollout.runner import SHAPES
 
 #: Report fields that must be equal for variants measured in different calls to share a report.
 SAME_RUN_FIELDS = ("device", "torch", "cuda", "triton", "transformers", "vllm", "model", "engine_settings", "shapes")
+#: Engine settings a report's name leaves out at these values (and at None: vLLM's choice).
+DEFAULT_SETTINGS = {"gpu_memory_utilization": 0.85, "tensor_parallel_size": 1}
 
 
 class MergeError(ValueError):
@@ -54,7 +56,7 @@ def device_and_versions() -> dict[str, str]:
 def results_name(model: str, shape_names: list[str], settings: dict[str, Any]) -> str:
     """Report file name: the model unless it is the default, the shapes, and the engine settings
     changed from the defaults (ratios only within one model and setting)."""
-    tag = "".join(f"_{key}_{value}" for key, value in settings.items() if value not in (None, 0.85))
+    tag = "".join(f"_{key}_{value}" for key, value in settings.items() if value is not None and value != DEFAULT_SETTINGS.get(key))
     tag = tag.replace(",", "_").replace("=", "-")  # per-variant attention backends: file-name characters only
     prefix = "rollout_throughput" if model == DEFAULT_MODEL else f"rollout_throughput_{model}"
     return f"{prefix}_{'_'.join(shape_names)}{tag.lower()}.json"
@@ -96,10 +98,12 @@ def load_report(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
-def run_info(device: str, gpu: int | None = None) -> dict[str, Any]:
-    """When, where (GPU index `gpu` of the host when given) and by which command a variant is measured."""
+def run_info(device: str, gpus: list[int] | None = None) -> dict[str, Any]:
+    """When, where (the host's GPUs `gpus` when given: `gpu_index` the one index, or the list of a
+    tensor-parallel engine's; `gpu_uuid` their uuids joined by commas) and by which command a variant is measured."""
     return {
-        "started_utc": utc_now(), "device": device, "gpu_uuid": nvidia_smi("uuid", gpu), "gpu_index": gpu,
+        "started_utc": utc_now(), "device": device, "gpu_uuid": ",".join(nvidia_smi("uuid", gpu) for gpu in gpus) if gpus else nvidia_smi("uuid"),
+        "gpu_index": (gpus[0] if len(gpus) == 1 else gpus) if gpus else None,
         "host": socket.gethostname(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }  # fmt: skip
 
@@ -113,7 +117,8 @@ def save(report: dict[str, Any], paths: list[Path]) -> None:
 
 def add_ratios(report: dict[str, Any]) -> None:
     """Per shape: each variant's throughput over BF16's, and fp8_align over vLLM's own FP8 path;
-    whether every measured variant ran on one GPU (one machine: --merge may join two of a kind)."""
+    whether every measured variant ran on one GPU, or one set of GPUs at tensor_parallel_size > 1
+    (one machine: --merge may join two of a kind)."""
     variants = {name: r for name, r in report["variants"].items() if "by_shape" in r}
     report["variants_on_one_gpu"] = len({r.get("run", {}).get("gpu_uuid") for r in variants.values()}) <= 1
     if "fp8_align" in variants and "vllm_fp8" in variants:
@@ -139,7 +144,8 @@ def add_ratios(report: dict[str, Any]) -> None:
 
 def print_table(report: dict[str, Any]) -> None:
     """Per shape and variant: output tok/s, ratio to BF16, engine start and model load seconds."""
-    print(f"\n{report['device']} vllm {report['vllm']}, variants on one GPU: {report['variants_on_one_gpu']}")
+    tp = report.get("engine_settings", {}).get("tensor_parallel_size") or 1
+    print(f"\n{report['device']} vllm {report['vllm']}, tensor_parallel_size {tp}, variants on one GPU: {report['variants_on_one_gpu']}")
     print(f"{'shape':<6} {'variant':<20} {'out tok/s':>10} {'vs bf16':>8} {'start s':>8} {'load s':>7} {'repeats':>8}")
     for shape in report["shapes"]:
         for name, r in report["variants"].items():

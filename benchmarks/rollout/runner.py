@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.rollout.checkpoints import MODELS, is_moe
+from fp8_align.bitwise import TENSOR_PARALLEL_SIZES as BITWISE_TENSOR_PARALLEL_SIZES
 
 #: shape name -> (prompts, prompt tokens, generated tokens)
 SHAPES = {"short": (256, 256, 512), "long": (512, 512, 2048)}
@@ -35,6 +36,9 @@ _LOG_FIELDS = {  # vLLM 0.22 and fp8_align log lines -> seconds, GiB, MiB
     "load_device_peak_gib": r"the device's peak allocation so far: ([\d.]+) GiB",
 }
 
+#: fp8_align's DeepGEMM warm-up line -> (the vLLM process prefix, e.g. "(Worker_TP1 pid=7) ", or "", seconds)
+_DEEPGEMM_WARMUP = re.compile(r"^(\(\S+ pid=\d+\) )?.*fp8_align: DeepGEMM warm-up N=\d+ K=\d+: \d+ M values in ([\d.]+) s", re.MULTILINE)
+
 
 class VariantError(RuntimeError):
     """One variant's engine process failed; the message holds its log tail."""
@@ -46,6 +50,26 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    shapes = spec["shapes"]
+    kwargs = llm_kwargs(spec)
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    engine_start_s = time.perf_counter() - start
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    warmup = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0)
+    llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in shapes[0]["prompts"][:16]], warmup, use_tqdm=False)
+    by_shape = {shape["name"]: _time_shape(llm, shape, spec["calibrate_kv"]) for shape in shapes}
+    return {
+        "engine_start_s": engine_start_s,
+        "engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"},
+        "kv_cache_tokens": cache_config.num_gpu_blocks * cache_config.block_size,
+        "by_shape": by_shape,
+    }
+
+
+def llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """The `vllm.LLM` keyword arguments of one variant's engine from its spec; a spec with
+    tensor_parallel_size N > 1 splits the model over N GPUs with vLLM's multiprocessing executor."""
     from fp8_align.config import FP8Config
     from fp8_align.vllm_plugin import engine_kwargs
 
@@ -61,21 +85,11 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
+    if (spec.get("tensor_parallel_size") or 1) > 1:
+        kwargs.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
     if spec["fp8_align"]:
         kwargs.update(engine_kwargs(FP8Config(**spec["fp8_config"])))
-    start = time.perf_counter()
-    llm = LLM(**kwargs)
-    engine_start_s = time.perf_counter() - start
-    cache_config = llm.llm_engine.vllm_config.cache_config
-    warmup = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0)
-    llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in shapes[0]["prompts"][:16]], warmup, use_tqdm=False)
-    by_shape = {shape["name"]: _time_shape(llm, shape, spec["calibrate_kv"]) for shape in shapes}
-    return {
-        "engine_start_s": engine_start_s,
-        "engine_kwargs": {k: v for k, v in kwargs.items() if k != "hf_overrides"},
-        "kv_cache_tokens": cache_config.num_gpu_blocks * cache_config.block_size,
-        "by_shape": by_shape,
-    }
+    return kwargs
 
 
 def _preemptions(llm: Any) -> int:
@@ -162,7 +176,9 @@ def read_engine_log(text: str) -> dict[str, Any]:
     """What a variant's engine log says: `_LOG_FIELDS` (None where the line is missing), the
     attention backend vLLM chose (none logged when one was asked for), the decode kernel vLLM's
     FLASHINFER backend resolved (`xqa` on Hopper with an FP8 cache), model runner, fp8_align's
-    DeepGEMM warm-up seconds and GEMM kernels, and the MoE backend and config files."""
+    DeepGEMM warm-up seconds (summed per engine process, the longest of a tensor-parallel engine's
+    ranks) and GEMM kernels, and the MoE backend and config files. With tensor parallelism the
+    `_LOG_FIELDS` are the first rank's line to match (memory per GPU)."""
     result: dict[str, Any] = {}
     for field, pattern in _LOG_FIELDS.items():
         match = re.search(pattern, text)
@@ -170,8 +186,10 @@ def read_engine_log(text: str) -> dict[str, Any]:
     result["attention_backend"] = sorted(set(re.findall(r"Using (\w+) attention backend", text)))
     result["flashinfer_decode_backend"] = sorted(set(re.findall(r"FlashInfer resolved query dtypes: .*?decode_backend=([\w-]+)", text)))
     result["model_runner"] = "v2" if "Using V2 Model Runner" in text else "v1"
-    warmups = re.findall(r"fp8_align: DeepGEMM warm-up N=\d+ K=\d+: \d+ M values in ([\d.]+) s", text)
-    result["fp8_align_deepgemm_warmup_s"] = sum(map(float, warmups)) if warmups else None
+    warmups: dict[str, float] = {}  # per engine process: tensor-parallel ranks warm up side by side
+    for process, seconds in _DEEPGEMM_WARMUP.findall(text):
+        warmups[process] = warmups.get(process, 0.0) + float(seconds)
+    result["fp8_align_deepgemm_warmup_s"] = max(warmups.values()) if warmups else None
     result["fp8_align_kernels"] = sorted(set(re.findall(r"fp8_align: model\.layers\.\S+ \[[^\]]*\]\] -> (\w+)", text)))
     result["moe_backend"] = sorted(set(re.findall(r"Using (.+?) (?:Unquantized|Fp8) MoE backend", text)))
     result["moe_config_files"] = sorted({Path(f).name for f in re.findall(r"Using configuration from (\S+) for MoE layer", text)})
@@ -236,6 +254,12 @@ def _kv_decode_config(variant: str) -> dict[str, str]:
     if "_auto" in variant:
         return {"kv_cache_dtype": "fp8", "kv_decode_kernel": "auto"}
     return {"kv_decode_kernel": "backend"}
+
+
+def refused_at(tensor_parallel_size: int, variants: list[str]) -> list[str]:
+    """The `variants` whose engine refuses `tensor_parallel_size` (the bitwise ones beyond
+    BITWISE_TENSOR_PARALLEL_SIZES), to be refused before any engine starts."""
+    return [v for v in variants if "_bitwise" in v and tensor_parallel_size not in BITWISE_TENSOR_PARALLEL_SIZES]
 
 
 def attention_backends(setting: str | None) -> dict[str, str | None]:

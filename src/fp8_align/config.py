@@ -97,7 +97,8 @@ class FP8Config(BaseModel):
         "RMSNorm, SiLU-and-mul and RoPE ops and a block-FP8 GEMM with one tile configuration for every "
         "token count), and `fp8_align.hf_training.BitwiseForward` runs the same kernels in the trainer, "
         "so the log-probs that generated each token equal the trainer's bit for bit. Llama, Qwen2 and "
-        "Qwen3 models, one CUDA GPU, a BF16 or (kv_cache_dtype='fp8') E4M3 KV cache with per-layer scales the "
+        "Qwen3 models, one CUDA GPU or two (tensor_parallel_size=2, scored by BitwiseForward(..., "
+        "tensor_parallel_size=2)), a BF16 or (kv_cache_dtype='fp8') E4M3 KV cache with per-layer scales the "
         "trainer is given (BitwiseForward.set_kv_scales); anything else is refused at engine start. "
         "Build the engine with `engine_kwargs(cfg)`.",
     )

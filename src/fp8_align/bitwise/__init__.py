@@ -12,3 +12,7 @@ does not depend on how many other tokens share the launch (batch size, prefill o
 
 #: HF `model_type`s whose forward both sides reproduce (vLLM's Llama, Qwen2 and Qwen3 model code).
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
+#: Tensor-parallel sizes a bitwise engine may run and `BitwiseForward` reproduces: at 2 ranks the
+#: all-reduce of a row-parallel layer's two BF16 partial sums is one correctly rounded BF16 addition,
+#: whatever the collective's algorithm or order; more ranks sum in the collective's own order.
+TENSOR_PARALLEL_SIZES = (1, 2)

@@ -8,7 +8,11 @@ the same GEMM calls as the engine; block FP8 through the plugin's fixed-tile bac
 the recipe quantizes, vLLM's batch-invariant matmul for BF16 ones), RMSNorm of q/k per head (Qwen3),
 RoPE with the FP32 table, attention with vLLM's TRITON_ATTN kernel over a paged copy of K/V
 (BF16, or E4M3 with the engine's per-layer scales: `hf_training.attention`),
-SiLU-and-mul, the final norm, lm_head and the log-softmax of the sampler. Each op is an autograd
+SiLU-and-mul, the final norm, lm_head and the log-softmax of the sampler. With
+`tensor_parallel_size=2` it runs each engine rank's share as that rank does (vLLM's Megatron-style
+split: q|k|v and gate|up by output rows, o and down by input columns, embedding and lm_head by
+vocabulary range) and sums the row-parallel partial outputs as the engine's all-reduce does: one
+BF16 addition (`all_reduce_sum`). Each op is an autograd
 function whose forward is the engine's kernel and whose backward is the standard gradient of the
 op at the model's precision (BF16), as a BF16 trainer computes it: in closed form for the linears,
 the log-softmax and RoPE (the inverse rotation, no second forward); by autograd through torch's
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
-from fp8_align.bitwise import MODEL_TYPES
+from fp8_align.bitwise import MODEL_TYPES, TENSOR_PARALLEL_SIZES
 from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
@@ -163,24 +167,66 @@ class _StackedFp8Linear(torch.autograd.Function):
         return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None)
 
 
+#: vLLM pads the vocabulary of its embedding and lm_head to a multiple of this before splitting it
+#: over tensor-parallel ranks (vLLM's `DEFAULT_VOCAB_PADDING_SIZE`).
+VOCAB_PADDING = 64
+
+
+def vocab_shards(vocab_size: int, tensor_parallel_size: int) -> list[slice]:
+    """The vocabulary rows each engine rank holds of an embedding or lm_head with `vocab_size`
+    rows: the padded vocabulary split evenly, each range cut at `vocab_size` (padding rows hold no
+    token)."""
+    per_rank = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING // tensor_parallel_size
+    return [slice(rank * per_rank, min((rank + 1) * per_rank, vocab_size)) for rank in range(tensor_parallel_size)]
+
+
+def all_reduce_sum(partials: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The engine's all-reduce of the ranks' BF16 partial outputs: one rank's output as it is; two
+    ranks' as one BF16 addition, correctly rounded and commutative, so the same bits whichever way
+    the collective adds them (`TENSOR_PARALLEL_SIZES`)."""
+    return functools.reduce(torch.add, partials)
+
+
 @dataclass(frozen=True)
 class StackedLinear:
     """One stacked layer of the engine (q|k|v, o, gate|up, down of a decoder layer): its HF
-    linears in stacking order, their output sizes, and whether the recipe quantizes it to FP8."""
+    linears in stacking order, their output sizes, whether the recipe quantizes it to FP8, and
+    whether tensor parallelism splits its input columns (o, down) rather than its output rows."""
 
     modules: tuple[nn.Linear, ...]
     sizes: tuple[int, ...]
     fp8: bool
+    row_parallel: bool
 
-    def weight(self) -> torch.Tensor:
-        """The stacked [sum(sizes), K] weight (a view of the one module's, else a new tensor)."""
-        return self.modules[0].weight if len(self.modules) == 1 else torch.cat([m.weight for m in self.modules])
+    def rank_sizes(self, tensor_parallel_size: int) -> tuple[int, ...]:
+        """The output sizes of the shards one engine rank stacks."""
+        return self.sizes if self.row_parallel else tuple(size // tensor_parallel_size for size in self.sizes)
 
-    def bias(self) -> torch.Tensor | None:
-        """The stacked [sum(sizes)] bias, or None."""
-        if self.modules[0].bias is None:
+    def rank_weights(self, rank: int, tensor_parallel_size: int) -> list[torch.Tensor]:
+        """Per module in stacking order, the slice of its weight engine rank `rank` holds: its
+        rank-th block of output rows, or (row-parallel) of input columns; the weight itself at size 1."""
+        if tensor_parallel_size == 1:
+            return [m.weight for m in self.modules]
+        if self.row_parallel:
+            k = self.modules[0].in_features // tensor_parallel_size
+            return [m.weight[:, rank * k : (rank + 1) * k] for m in self.modules]
+        return [m.weight[rank * n : (rank + 1) * n] for m, n in zip(self.modules, self.rank_sizes(tensor_parallel_size))]
+
+    def weight(self, rank: int = 0, tensor_parallel_size: int = 1) -> torch.Tensor:
+        """Rank `rank`'s stacked [sum(rank_sizes), K / (row-parallel) size] weight, contiguous as the rank holds it."""
+        parts = self.rank_weights(rank, tensor_parallel_size)
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+
+    def bias(self, rank: int = 0, tensor_parallel_size: int = 1) -> torch.Tensor | None:
+        """Rank `rank`'s stacked bias, or None: its rows' slices, or (row-parallel) the whole bias on
+        rank 0 only, which adds it before the all-reduce."""
+        if self.modules[0].bias is None or (self.row_parallel and rank > 0):
             return None
-        return self.modules[0].bias if len(self.modules) == 1 else torch.cat([m.bias for m in self.modules])
+        if self.row_parallel or tensor_parallel_size == 1:
+            parts = [m.bias for m in self.modules]
+        else:
+            parts = [m.bias[rank * n : (rank + 1) * n] for m, n in zip(self.modules, self.rank_sizes(tensor_parallel_size))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass(frozen=True)
@@ -205,6 +251,22 @@ def _engine_kernels() -> _Kernels:
     return _Kernels(kernels.linear, functools.partial(kernels.log_softmax, dim=-1), functools.partial(paged_triton_attention, kernels))
 
 
+#: The stacked layers whose input columns tensor parallelism splits (vLLM's RowParallelLinear).
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _check_tensor_parallel_size(config: Any, tensor_parallel_size: int) -> None:
+    """Raise ValueError unless `tensor_parallel_size` is one the engine runs bitwise and splits
+    `config`'s heads, KV heads and intermediate size evenly."""
+    if isinstance(tensor_parallel_size, bool) or tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
+        raise ValueError(f"tensor_parallel_size must be one of {TENSOR_PARALLEL_SIZES} (a bitwise engine's), got {tensor_parallel_size!r}")
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for name, count in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", kv_heads),
+                        ("intermediate_size", config.intermediate_size)):  # fmt: skip
+        if count % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the model's {name} ({count})")
+
+
 class BitwiseForward:
     """Token log-probs of packed sequences through the engine's kernels, with gradients.
 
@@ -213,10 +275,14 @@ class BitwiseForward:
     Other model families raise UnsupportedModelError. With `cfg.kv_cache_dtype == "fp8"` the
     forward needs the per-layer K/V scales the engine generated with: `kv_scales` here or
     `set_kv_scales` (`{layer: {"k_scale", "v_scale"[, "q_scale"]}}`, as
-    `fp8_align.vllm_plugin.engine_kv_scales(llm)` returns them).
+    `fp8_align.vllm_plugin.engine_kv_scales(llm)` returns them). `tensor_parallel_size`: the
+    engine's (one of `TENSOR_PARALLEL_SIZES`); it must divide the attention heads, the KV heads
+    and the intermediate size (ValueError otherwise). The trainer itself stays on one device.
     """
 
-    def __init__(self, model: nn.Module, cfg: FP8Config, kv_scales: Mapping[int, Mapping[str, float]] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: FP8Config, kv_scales: Mapping[int, Mapping[str, float]] | None = None, tensor_parallel_size: int = 1
+    ) -> None:
         config = model.config.get_text_config()
         if config.model_type not in MODEL_TYPES:
             raise UnsupportedModelError(
@@ -224,7 +290,9 @@ class BitwiseForward:
             )
         if cfg.on_policy != "bitwise":
             raise ValueError("BitwiseForward computes what an FP8Config(on_policy='bitwise') engine computes; set on_policy='bitwise'")
+        _check_tensor_parallel_size(config, tensor_parallel_size)
         self.model, self.cfg, self.config = model, cfg, config
+        self.tensor_parallel_size = tensor_parallel_size
         self.head_size = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.rope = RopeSpec.from_hf_config(config)
         self.device = next(model.parameters()).device
@@ -286,26 +354,31 @@ class BitwiseForward:
         if len(fp8) > 1:
             raise ValueError(f"{prefix}: {list(names)} are one layer in vLLM; the recipe quantizes only some of them")
         modules = tuple(self.model.get_submodule(f"{prefix}.{name}") for name in names)
-        return StackedLinear(modules, tuple(m.out_features for m in modules), fp8.pop())
+        return StackedLinear(modules, tuple(m.out_features for m in modules), fp8.pop(), row_parallel=names[0] in ROW_PARALLEL)
 
-    def _fp8_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per FP8 stacked layer: (codes [N, K] e4m3, stacked scale grids) of its current weights,
-        each shard quantized on its own as the engine quantizes it, all in one grouped launch on
-        CUDA (`quantize_weights_into`). No finiteness check (a device sync): on CUDA a NaN/Inf weight
-        gives NaN log-probs."""
+    def _fp8_weights(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per FP8 stacked layer, per engine rank: (codes [N, K] e4m3, stacked scale grids) of the
+        rank's slice of the current weights, each shard quantized on its own as the engine's rank
+        quantizes it, all in one grouped launch on CUDA (`quantize_weights_into`). No finiteness
+        check (a device sync): on CUDA a NaN/Inf weight gives NaN log-probs."""
         weights: list[torch.Tensor] = []
         codes_out: list[torch.Tensor] = []
         scales_out: list[torch.Tensor] = []
-        found = {}
+        found: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        tp = self.tensor_parallel_size
         for key, layer in self.stacked.items():
             if not layer.fp8:
                 continue
-            codes, scales = empty_shard_outputs(list(layer.sizes), layer.modules[0].in_features, self.device)
-            for module, (rows, scale_rows) in zip(layer.modules, shard_slices(list(layer.sizes))):
-                weights.append(module.weight.detach())
-                codes_out.append(codes[rows])
-                scales_out.append(scales[scale_rows])
-            found[key] = (codes, scales)
+            found[key] = []
+            for rank in range(tp):
+                slices = layer.rank_weights(rank, tp)
+                sizes = list(layer.rank_sizes(tp))
+                codes, scales = empty_shard_outputs(sizes, slices[0].shape[1], self.device)
+                for weight, (rows, scale_rows) in zip(slices, shard_slices(sizes)):
+                    weights.append(weight.detach().contiguous())
+                    codes_out.append(codes[rows])
+                    scales_out.append(scales[scale_rows])
+                found[key].append((codes, scales))
         if weights:
             quantize_weights_into(weights, codes_out, scales_out, self.rounding.weight_pow2, self.rounding.scale_rule)
         return found
@@ -319,13 +392,14 @@ class BitwiseForward:
         return select_kernel(self.cfg, weight.shape, [weight.shape[0]], self.device, weight.dtype).apply
 
     # ------------------------------------------------------------------ ops
-    def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """The outputs of the stacked layer `key` on x [T, K], side by side [T, sum(N)]: one product
-        of the stacked weight, as the engine's stacked layer (q|k|v, gate|up) computes it."""
-        layer = self.stacked[key]
-        weight, bias = layer.weight(), layer.bias()
+    def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], rank: int = 0) -> torch.Tensor:
+        """Engine rank `rank`'s outputs of the stacked layer `key` on its input x [T, K_rank], side
+        by side [T, sum(N_rank)]: one product of the rank's stacked weight, as the engine's stacked
+        layer (q|k|v, gate|up) computes it; of a row-parallel layer, the rank's partial sum."""
+        layer, tp = self.stacked[key], self.tensor_parallel_size
+        weight, bias = layer.weight(rank, tp), layer.bias(rank, tp)
         if layer.fp8:
-            return _StackedFp8Linear.apply(x, weight, bias, layer.sizes, self.rounding, self.fp8_gemm, *fp8_weights[key])
+            return _StackedFp8Linear.apply(x, weight, bias, layer.rank_sizes(tp), self.rounding, self.fp8_gemm, *fp8_weights[key][rank])
         return engine_op(self.kernels.linear, F.linear, *((x, weight) if bias is None else (x, weight, bias)), vjp=linear_vjp)
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:
@@ -362,24 +436,47 @@ class BitwiseForward:
 
     def _layer(
         self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, batch: PackedBatch,
-        fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        fp8_weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        prefix = f"model.layers.{index}"
+        prefix, ranks = f"model.layers.{index}", range(self.tensor_parallel_size)
         if residual is None:
             residual, x = h, self._norm(h, layer.input_layernorm)
         else:
             x, residual = self._norm(h, layer.input_layernorm, residual)
         attn = layer.self_attn
-        q_size, kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        q, k, v = self._stacked(f"{prefix}.self_attn.q_proj", x, fp8_weights).split([q_size, kv_size, kv_size], dim=-1)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of every head before RoPE
-            q = self._norm(q.reshape(q.shape[0], -1, self.head_size), attn.q_norm).reshape(q.shape)
-            k = self._norm(k.reshape(k.shape[0], -1, self.head_size), attn.k_norm).reshape(k.shape)
-        q, k = self._rope(batch.position, q, k)
-        h = self._stacked(f"{prefix}.self_attn.o_proj", self._attention(index, q, k, v, batch), fp8_weights)
-        x, residual = self._norm(h, layer.post_attention_layernorm, residual)
-        act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, self._stacked(f"{prefix}.mlp.gate_proj", x, fp8_weights))
-        return self._stacked(f"{prefix}.mlp.down_proj", act, fp8_weights), residual
+        q_size, kv_size = (attn.q_proj.out_features // len(ranks), attn.k_proj.out_features // len(ranks))
+        partials = []
+        for rank in ranks:  # each rank: its heads' q|k|v, norms, RoPE, attention and o_proj partial sum
+            q, k, v = self._stacked(f"{prefix}.self_attn.q_proj", x, fp8_weights, rank).split([q_size, kv_size, kv_size], dim=-1)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of every head before RoPE
+                q = self._norm(q.reshape(q.shape[0], -1, self.head_size), attn.q_norm).reshape(q.shape)
+                k = self._norm(k.reshape(k.shape[0], -1, self.head_size), attn.k_norm).reshape(k.shape)
+            q, k = self._rope(batch.position, q, k)
+            partials.append(self._stacked(f"{prefix}.self_attn.o_proj", self._attention(index, q, k, v, batch), fp8_weights, rank))
+        x, residual = self._norm(all_reduce_sum(partials), layer.post_attention_layernorm, residual)
+        partials = []
+        for rank in ranks:  # each rank: its columns of gate|up, SiLU-and-mul and down_proj partial sum
+            gate_up = self._stacked(f"{prefix}.mlp.gate_proj", x, fp8_weights, rank)
+            act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, gate_up)
+            partials.append(self._stacked(f"{prefix}.mlp.down_proj", act, fp8_weights, rank))
+        return all_reduce_sum(partials), residual
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The engine's vocabulary-parallel embedding: each rank looks up the ids in its range
+        (zero rows elsewhere) and the ranks' rows are summed (so a -0.0 entry becomes +0.0 at 2 ranks)."""
+        weight = self.model.model.embed_tokens.weight
+        shards = vocab_shards(weight.shape[0], self.tensor_parallel_size)
+        if len(shards) == 1:
+            return F.embedding(ids, weight)
+        rows = F.embedding(ids, weight)
+        return all_reduce_sum([rows.masked_fill(((ids < s.start) | (ids >= s.stop))[:, None], 0) for s in shards])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head [T, H] -> FP32 logits [T, V]: each engine rank's vocabulary rows, side by side
+        (the engine gathers the ranks' logits)."""
+        weight = self.model.lm_head.weight
+        parts = [engine_op(self.kernels.linear, F.linear, hidden, weight[s], vjp=linear_vjp) for s in vocab_shards(weight.shape[0], self.tensor_parallel_size)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float()
 
     # ------------------------------------------------------------------ public
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -395,7 +492,7 @@ class BitwiseForward:
         ids = host_to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long), self.device)
         inner = self.model.model
         fp8_weights = self._fp8_weights()
-        h = F.embedding(ids, inner.embed_tokens.weight)
+        h = self._embed(ids)
         residual = None
         for index, layer in enumerate(inner.layers):
             h, residual = self._layer(index, layer, h, residual, batch, fp8_weights)
@@ -424,11 +521,10 @@ class BitwiseForward:
         row_index = host_to_device(torch.cat(rows), self.device)
         target = host_to_device(torch.tensor(targets, dtype=torch.long), self.device)
         hidden = self._hidden_states(sequences)
-        head = self.model.lm_head
         picked = []
         for chunk in range(0, row_index.numel(), chunk_rows):
             part = slice(chunk, chunk + chunk_rows)
-            logits = engine_op(self.kernels.linear, F.linear, hidden[row_index[part]], head.weight, vjp=linear_vjp).float()
+            logits = self._logits(hidden[row_index[part]])
             if temperature != 1.0:
                 logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
             logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)

@@ -30,7 +30,7 @@ from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.platforms import current_platform
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
-from fp8_align.bitwise import MODEL_TYPES
+from fp8_align.bitwise import MODEL_TYPES, TENSOR_PARALLEL_SIZES
 from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
 from fp8_align.config import FP8Config
@@ -91,10 +91,11 @@ def bitwise_engine_problems(vllm_config: Any, cfg: FP8Config) -> list[str]:
     if cache.cache_dtype in FP8_CACHE_DTYPES and getattr(cache, "calculate_kv_scales", False):
         problems.append("calculate_kv_scales must be False: the K/V scales come from push_kv_scales / calibrate_kv_scales")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.tensor_parallel_size not in TENSOR_PARALLEL_SIZES or parallel.pipeline_parallel_size != 1:
         problems.append(
-            f"tensor_parallel_size and pipeline_parallel_size must be 1 (got {parallel.tensor_parallel_size}, "
-            f"{parallel.pipeline_parallel_size}): a split model reduces across GPUs in another order than the trainer"
+            f"tensor_parallel_size must be one of {TENSOR_PARALLEL_SIZES} and pipeline_parallel_size 1 (got "
+            f"{parallel.tensor_parallel_size}, {parallel.pipeline_parallel_size}): more ranks sum their partial outputs in the "
+            "collective's own order, which the trainer (BitwiseForward(..., tensor_parallel_size=N)) does not reproduce"
         )
     model_config = vllm_config.model_config
     if not model_config.disable_cascade_attn:
