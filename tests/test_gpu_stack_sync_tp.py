@@ -19,7 +19,10 @@ playing both trainer ranks of a colocated job (one per GPU):
 Each test stands alone: it first puts W1 into the engine with `refit_weights`, then syncs W2
 through the stack. After the sync every rank's FP8 codes and scales equal `fp8_align.quant` of
 that rank's slice of W2 (tests/tp_slices.py), in the storage the engine started with, and the
-engine generates. A tensor holding Inf is refused on every rank with nothing written on any.
+engine generates. A tensor holding Inf is refused on every rank with nothing written on any,
+through OpenRLHF's sync and through fp8_align's own `refit_weights`. The engines' KV cache is FP8, so
+`push_kv_scales` is checked at TP=2 too: every rank holds the pushed scales, and a refused push
+leaves every rank's scales as they were.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import importlib.util
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -45,6 +49,10 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < TP, reason=f"needs {TP} CUDA GPUs (tensor parallel size {TP})"),
 ]
 
+T = TypeVar("T")
+#: Layer 0 in BF16, an FP8 KV cache decoded by the attention backend (FA3; XQA has no module for
+#: these 2 query heads per KV head on the offline box).
+FP8_KV_CONFIG = {**FIRST_LAYER_BF16, "kv_cache_dtype": "fp8", "kv_decode_kernel": "backend"}
 VERL_JOB_ID = f"fp8aligntp{os.getpid()}"
 #: The repository root: Ray's workers import tests.gpu_stack_workers through PYTHONPATH (pytest's
 #: sys.path does not reach them, as it reaches spawned multiprocessing workers).
@@ -69,7 +77,7 @@ def weights(checkpoints: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
 def llm(request: pytest.FixtureRequest, checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
     env = {"VERL_RAY_JOB_ID": VERL_JOB_ID, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with vllm_runner(
-        checkpoints["w1"], FIRST_LAYER_BF16, **IN_PROCESS_LLM_KWARGS, tensor_parallel_size=TP,
+        checkpoints["w1"], FP8_KV_CONFIG, **IN_PROCESS_LLM_KWARGS, tensor_parallel_size=TP,
         distributed_executor_backend=request.param,
         worker_extension_cls="tests.gpu_stack_workers.OpenRLHFAndVerlWorkerExtension", env=env,
     ) as runner:  # fmt: skip
@@ -102,16 +110,16 @@ def _start_from_w1(llm: Any, checkpoints: dict[str, Path], weights: dict[str, di
     return states
 
 
-def _read_after_refusal(llm: Any, refusal: str) -> list[dict[str, Any]]:
-    """Every rank's FP8 state after a collective call every rank refused. vLLM's executor raises at
-    the first failed reply and leaves the other ranks' replies queued (vLLM issue #49972; seen
-    under Ray in session 28), so the next all-rank call may get rank 1's stale refusal; the call
-    after it then gets a state read after the refusal from every rank (nothing runs in between)."""
+def _read_after_refusal(read: Callable[[], T], refusal: str) -> T:
+    """`read()`, an all-rank call, after a collective call every rank refused. vLLM's executor
+    raises at the first failed reply and leaves the other ranks' replies queued (vLLM issue #49972;
+    seen under Ray in session 28), so the next all-rank call may get rank 1's stale refusal; the
+    call after it then reads every rank after the refusal (nothing runs in between)."""
     try:
-        return llm.apply_model(fp8_state)
+        return read()
     except Exception as stale:  # the queued reply of the refused call, nothing else
         assert re.search(refusal, str(stale)), stale
-        return llm.apply_model(fp8_state)
+        return read()
 
 
 def _openrlhf_push(llm: Any, name: str, tensor: torch.Tensor, last: bool) -> None:
@@ -179,7 +187,47 @@ def test_an_inf_tensor_through_openrlhf_is_refused_on_every_rank(
     bad[5, 7] = float("inf")  # in rank 0's half of the row-parallel input columns
     with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
         _openrlhf_push(llm, name, bad, True)
-    after = _read_after_refusal(llm, rf"{name}: holds NaN or Inf")
+    after = _read_after_refusal(lambda: llm.apply_model(fp8_state), rf"{name}: holds NaN or Inf")
     assert_ranks_hold(after, weights["w1"], FP8_LAYERS, pow2=False)
     for rank in range(TP):
         assert_same_storage(before[rank], after[rank])
+
+
+def test_refit_weights_with_an_inf_tensor_is_refused_on_every_rank(
+    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """fp8_align's own `refit_weights` of all of W2 with one tensor holding Inf (host tensors,
+    staged as one file): refused naming that tensor; every rank still holds W1, in place."""
+    from fp8_align.vllm_plugin.refit import refit_weights
+
+    before = _start_from_w1(llm, checkpoints, weights)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    bad = dict(weights["w2"])
+    bad[name] = bad[name].clone()
+    bad[name][1500, 3] = float("inf")  # in rank 1's half of the column-parallel rows
+    with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
+        refit_weights(llm, bad)
+    after = _read_after_refusal(lambda: llm.apply_model(fp8_state), rf"{name}: holds NaN or Inf")
+    assert_ranks_hold(after, weights["w1"], FP8_LAYERS, pow2=False)
+    for rank in range(TP):
+        assert_same_storage(before[rank], after[rank])
+
+
+def test_push_kv_scales_reaches_every_rank_and_a_refused_push_writes_none(llm: Any) -> None:
+    """`push_kv_scales` into the TP=2 engine's FP8 cache: every rank holds the pushed FP32 scales; a
+    push that leaves out a layer is refused by the workers and every rank keeps the pushed ones; a
+    NaN scale is refused before any worker is called; the engine generates after both."""
+    from fp8_align.vllm_plugin.kv.scales import KVScaleError, push_kv_scales, read_kv_scales
+
+    layers = range(SMALL["num_hidden_layers"])
+    pushed = {layer: {"k_scale": 0.0625 * (layer + 1), "v_scale": 0.03125 * (layer + 1), "q_scale": 1.0} for layer in layers}
+    push_kv_scales(llm, pushed)  # powers of two and their small multiples: exact in the FP32 buffers
+    assert read_kv_scales(llm) == [pushed] * TP
+    with pytest.raises(Exception, match=re.escape("missing [2]")):
+        push_kv_scales(llm, {layer: values for layer, values in pushed.items() if layer != 2})
+    assert _read_after_refusal(lambda: read_kv_scales(llm), re.escape("missing [2]")) == [pushed] * TP
+    with pytest.raises(KVScaleError, match="layer 1 k_scale"):
+        push_kv_scales(llm, {**pushed, 1: {"k_scale": float("nan"), "v_scale": 0.5}})
+    assert read_kv_scales(llm) == [pushed] * TP
+    outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
+    assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
