@@ -25,6 +25,7 @@ from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, apply_ro
 from fp8_align.config import FP8ConfigError
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError
 from fp8_align.hf_training import bitwise as bitwise_training
+from fp8_align.hf_training import engine_ops, stacked
 from tests.model_factory import tiny_hf_model
 
 BITWISE = FP8Config(on_policy="bitwise")
@@ -331,7 +332,8 @@ def test_fp8_gradients_follow_plain_autograd_of_the_standard_ops(monkeypatch: py
         return torch.cat(BitwiseForward(model, cfg).token_logprobs(SEQUENCES, PROMPT_LENS)).sum()
 
     engine = _gradients(model, loss)
-    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
+    for module in (bitwise_training, stacked):  # every engine_op of the forward
+        monkeypatch.setattr(module, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
     errors = _relative_errors(engine, _gradients(model, loss))
     assert len(errors) == len(list(model.parameters()))
     assert max(errors.values()) < 0.2, errors
@@ -350,7 +352,7 @@ def test_rope_backward_is_the_exact_inverse_rotation(rotary_dim: int) -> None:
     grad_q = torch.randn(9, 4 * 64, generator=g).to(torch.bfloat16)
     grad_k = torch.randn(9, 2 * 64, generator=g).to(torch.bfloat16)
     want = torch.autograd.grad([apply_rope(positions, q, table, 64, rotary_dim), apply_rope(positions, k, table, 64, rotary_dim)], [q, k], [grad_q, grad_k])
-    inverse = bitwise_training.inverse_rope_table(table)
+    inverse = engine_ops.inverse_rope_table(table)
     got = (apply_rope(positions, grad_q, inverse, 64, rotary_dim), apply_rope(positions, grad_k, inverse, 64, rotary_dim))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -365,7 +367,7 @@ def _recorded_linear_weights(forward: BitwiseForward) -> list[torch.Tensor]:
         calls.append(weight.detach().clone())
         return linear(x, weight, *bias)
 
-    forward.kernels = bitwise_training._Kernels(recording, forward.kernels.log_softmax, forward.kernels.attention)
+    forward.kernels = engine_ops.EngineKernels(recording, forward.kernels.log_softmax, forward.kernels.attention)
     with torch.no_grad():
         forward.token_logprobs(SEQUENCES, PROMPT_LENS)
     return calls
@@ -402,7 +404,7 @@ def test_vocabulary_shards_are_vllms() -> None:
     for vocab in (1000, 1024, 49152, 151936, 32001):
         for tp in (1, 2):
             ranges = [vocab_range_from_global_vocab_size(pad_vocab_size(vocab), rank, tp) for rank in range(tp)]
-            assert bitwise_training.vocab_shards(vocab, tp) == [slice(start, min(stop, vocab)) for start, stop in ranges]
+            assert stacked.vocab_shards(vocab, tp) == [slice(start, min(stop, vocab)) for start, stop in ranges]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -469,7 +471,7 @@ def test_bad_input_is_refused_on_the_host_naming_the_sequence(sequences: list[li
     (on CUDA an out-of-range id or position is a device-side assert; a length mismatch would drop
     sequences silently): the embedding is never reached."""
     forward = BitwiseForward(tiny_hf_model("llama"), BITWISE)
-    monkeypatch.setattr(bitwise_training.F, "embedding", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
+    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
     with pytest.raises(ValueError, match=message):
         forward.token_logprobs(sequences, prompt_lens)
 
@@ -481,7 +483,7 @@ def test_bad_input_is_refused_on_the_host_naming_the_sequence(sequences: list[li
 )
 def test_bad_temperature_is_refused_before_any_kernel_runs(temperature: Any, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
     forward = BitwiseForward(tiny_hf_model("llama"), BITWISE)
-    monkeypatch.setattr(bitwise_training.F, "embedding", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
+    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a, **k: pytest.fail("a kernel ran on bad input"))
     with pytest.raises(ValueError, match=re.escape(message)):
         forward.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=temperature)
 

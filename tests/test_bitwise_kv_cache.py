@@ -117,6 +117,7 @@ def test_fp8_kv_backward_is_straight_through_the_quantization(monkeypatch: pytes
     forwards differing by the FP8 cache and BF16 rounding. A backward through the quantizer (zero
     almost everywhere) or a missing term is off by O(1)."""
     from fp8_align.hf_training import bitwise as bitwise_training
+    from fp8_align.hf_training import stacked
 
     model = tiny_hf_model("qwen3")
 
@@ -126,7 +127,8 @@ def test_fp8_kv_backward_is_straight_through_the_quantization(monkeypatch: pytes
         return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
 
     engine = gradients()
-    monkeypatch.setattr(bitwise_training, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
+    for module in (bitwise_training, stacked):  # every engine_op of the forward
+        monkeypatch.setattr(module, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
     reference = gradients()
     assert engine.keys() == reference.keys() and len(engine) == len(list(model.parameters()))
     errors = {name: ((engine[name] - reference[name]).norm() / reference[name].norm().clamp_min(1e-12)).item() for name in engine}

@@ -5,7 +5,8 @@
 (`BitwiseForward`), whose token log-probs equal a bitwise engine's.
 """
 
-from fp8_align.hf_training.bitwise import BitwiseForward, UnsupportedModelError
+from fp8_align.hf_training.bitwise import BitwiseForward
+from fp8_align.hf_training.stacked import UnsupportedModelError
 from fp8_align.hf_training.linear import FORWARD_KERNELS, STACKED_PROJECTIONS, Fp8TrainingLinear, apply_fp8_training, stacked_shard_sizes
 
 __all__ = [

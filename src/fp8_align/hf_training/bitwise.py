@@ -27,244 +27,28 @@ no CPU engine shares (a CPU engine refuses `on_policy="bitwise"`): the CPU path 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from types import SimpleNamespace
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
-from fp8_align.bitwise import MODEL_TYPES, TENSOR_PARALLEL_SIZES
 from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
-from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device, paged_triton_attention
+from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device
+from fp8_align.hf_training.engine_ops import (
+    engine_kernels, engine_op, fp8_gemm_for, fused_add_rms_norm_gradient_fn, inverse_rope_table, log_softmax_vjp, reference_kernels,
+    rms_norm_gradient_fn, silu_and_mul_gradient_fn,
+)  # fmt: skip
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
-from fp8_align.hf_training.linear import STACKED_PROJECTIONS, bf16_straight_through
-from fp8_align.quant.dispatch import quantize_weights_into
-from fp8_align.rounding import Rounding
-from fp8_align.quant.shards import empty_shard_outputs, shard_slices
-from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
-from fp8_align.vllm_plugin.kernels.registry import select_kernel
+from fp8_align.hf_training.linear import STACKED_PROJECTIONS
+from fp8_align.hf_training.stacked import (
+    ROW_PARALLEL, Fp8Weights, StackedLinear, all_reduce_sum, check_bitwise_model, check_tensor_parallel_size, quantize_stacked,
+    stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
+)  # fmt: skip
 from fp8_align.vllm_plugin.kv.scales import KVScaleError, validate_kv_scales
-from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
-
-
-class UnsupportedModelError(ValueError):
-    """A model family whose forward `BitwiseForward` does not reproduce."""
-
-
-#: A closed-form backward: (inputs, forward output or None, output gradients) -> one gradient per input.
-Vjp = Callable[[tuple[torch.Tensor, ...], torch.Tensor | None, tuple[torch.Tensor, ...]], tuple[torch.Tensor | None, ...]]
-
-
-class _EngineOp(torch.autograd.Function):
-    """Forward: `engine_fn(*inputs)`; backward: `vjp` when given (with the output when
-    `save_output`), else autograd of `gradient_fn` at the same inputs."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, engine_fn: Callable[..., Any], gradient_fn: Callable[..., Any], vjp: Vjp | None, save_output: bool, *inputs: torch.Tensor
-    ) -> Any:
-        ctx.gradient_fn, ctx.vjp, ctx.save_output = gradient_fn, vjp, save_output
-        output = engine_fn(*inputs)
-        ctx.save_for_backward(*inputs, *((output,) if save_output else ()))
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        needs = ctx.needs_input_grad[4:]
-        if ctx.vjp is not None:
-            saved = ctx.saved_tensors
-            inputs, output = (saved[:-1], saved[-1]) if ctx.save_output else (saved, None)
-            found = ctx.vjp(tuple(inputs), output, grads)
-            return (None, None, None, None, *(g if need else None for g, need in zip(found, needs)))
-        inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(ctx.saved_tensors, needs)]
-        with torch.enable_grad():
-            outputs = ctx.gradient_fn(*inputs)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        wanted = [t for t in inputs if t.requires_grad]
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) if pairs and wanted else [])
-        return (None, None, None, None, *(next(found) if t.requires_grad else None for t in inputs))
-
-
-def engine_op(
-    engine_fn: Callable[..., Any], gradient_fn: Callable[..., Any], *inputs: torch.Tensor, vjp: Vjp | None = None, save_output: bool = False
-) -> Any:
-    """`engine_fn(*inputs)` with the backward of `gradient_fn` (the same contract in plain torch at
-    the inputs' precision: the op a standard trainer differentiates): `vjp`, that gradient in
-    closed form (given the output when `save_output`), if given, else autograd of `gradient_fn`."""
-    return _EngineOp.apply(engine_fn, gradient_fn, vjp, save_output, *inputs)
-
-
-def linear_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
-    """Gradients of `F.linear(x, weight[, bias])` for 2-D x [T, K], weight [N, K], grad [T, N],
-    computed as autograd computes them (`grad @ weight`, `grad.T @ x`, `grad.sum(0)`)."""
-    (grad,) = grads
-    x, weight = inputs[0], inputs[1]
-    found = (grad.mm(weight), grad.t().mm(x))
-    return (*found, grad.sum(0)) if len(inputs) == 3 else found
-
-
-def log_softmax_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
-    """Gradient of `torch.log_softmax(x, -1)` from its output (`save_output=True`), with autograd's own formula."""
-    assert output is not None
-    return (torch.ops.aten._log_softmax_backward_data(grads[0], output, -1, inputs[0].dtype),)
-
-
-def rms_norm_gradient_fn(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm at x's precision (torch's fused `rms_norm`): the op whose gradient the trainer's RMSNorm backward is."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def fused_add_rms_norm_gradient_fn(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) at x's precision: the gradient of the fused residual add and norm."""
-    summed = x + residual
-    return rms_norm_gradient_fn(summed, weight, eps), summed
-
-
-def silu_and_mul_gradient_fn(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] -> [..., d] `silu(gate) * up` at x's precision, as HF's MLP computes it."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def inverse_rope_table(table: torch.Tensor) -> torch.Tensor:
-    """The [max_pos, rotary_dim] table (cos | -sin) of the inverse rotation: RoPE with it maps an
-    output gradient to the input gradient of RoPE with `table` (the exact transpose, in FP32, rounded once)."""
-    cos, sin = table.chunk(2, dim=-1)
-    return torch.cat((cos, -sin), dim=-1)
-
-
-#: A block-FP8 product of a quantized layer (codes, scale grids, shard sizes, rounding) with x [T, K], + bias.
-Fp8Gemm = Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-class _StackedFp8Linear(torch.autograd.Function):
-    """x [T, K] times the stacked BF16 weight [sum(shards), K], whose shard-by-shard block-FP8
-    `codes` and stacked `scales` are given, through `gemm` with the engine layer's shard sizes and
-    `rounding`; BF16 straight-through backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...],
-        rounding: Rounding, gemm: Fp8Gemm, codes: torch.Tensor, scales: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        layer = SimpleNamespace(
-            weight=codes, weight_scale_inv=scales, bias=bias, params_dtype=x.dtype,
-            fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", rounding, shard_sizes=list(shard_sizes)),
-        )  # fmt: skip
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return gemm(layer, x.detach(), None if bias is None else bias.detach())
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None)
-
-
-#: vLLM pads the vocabulary of its embedding and lm_head to a multiple of this before splitting it
-#: over tensor-parallel ranks (vLLM's `DEFAULT_VOCAB_PADDING_SIZE`).
-VOCAB_PADDING = 64
-
-
-def vocab_shards(vocab_size: int, tensor_parallel_size: int) -> list[slice]:
-    """The vocabulary rows each engine rank holds of an embedding or lm_head with `vocab_size`
-    rows: the padded vocabulary split evenly, each range cut at `vocab_size` (padding rows hold no
-    token)."""
-    per_rank = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING // tensor_parallel_size
-    return [slice(rank * per_rank, min((rank + 1) * per_rank, vocab_size)) for rank in range(tensor_parallel_size)]
-
-
-def all_reduce_sum(partials: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The engine's all-reduce of the ranks' BF16 partial outputs: one rank's output as it is; two
-    ranks' as one BF16 addition, correctly rounded and commutative, so the same bits whichever way
-    the collective adds them (`TENSOR_PARALLEL_SIZES`)."""
-    return functools.reduce(torch.add, partials)
-
-
-@dataclass(frozen=True)
-class StackedLinear:
-    """One stacked layer of the engine (q|k|v, o, gate|up, down of a decoder layer): its HF
-    linears in stacking order, their output sizes, whether the recipe quantizes it to FP8, and
-    whether tensor parallelism splits its input columns (o, down) rather than its output rows."""
-
-    modules: tuple[nn.Linear, ...]
-    sizes: tuple[int, ...]
-    fp8: bool
-    row_parallel: bool
-
-    def rank_sizes(self, tensor_parallel_size: int) -> tuple[int, ...]:
-        """The output sizes of the shards one engine rank stacks."""
-        return self.sizes if self.row_parallel else tuple(size // tensor_parallel_size for size in self.sizes)
-
-    def rank_weights(self, rank: int, tensor_parallel_size: int) -> list[torch.Tensor]:
-        """Per module in stacking order, the slice of its weight engine rank `rank` holds: its
-        rank-th block of output rows, or (row-parallel) of input columns; the weight itself at size 1."""
-        if tensor_parallel_size == 1:
-            return [m.weight for m in self.modules]
-        if self.row_parallel:
-            k = self.modules[0].in_features // tensor_parallel_size
-            return [m.weight[:, rank * k : (rank + 1) * k] for m in self.modules]
-        return [m.weight[rank * n : (rank + 1) * n] for m, n in zip(self.modules, self.rank_sizes(tensor_parallel_size))]
-
-    def weight(self, rank: int = 0, tensor_parallel_size: int = 1) -> torch.Tensor:
-        """Rank `rank`'s stacked [sum(rank_sizes), K / (row-parallel) size] weight, contiguous as the rank holds it."""
-        parts = self.rank_weights(rank, tensor_parallel_size)
-        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
-
-    def bias(self, rank: int = 0, tensor_parallel_size: int = 1) -> torch.Tensor | None:
-        """Rank `rank`'s stacked bias, or None: its rows' slices, or (row-parallel) the whole bias on
-        rank 0 only, which adds it before the all-reduce."""
-        if self.modules[0].bias is None or (self.row_parallel and rank > 0):
-            return None
-        if self.row_parallel or tensor_parallel_size == 1:
-            parts = [m.bias for m in self.modules]
-        else:
-            parts = [m.bias[rank * n : (rank + 1) * n] for m, n in zip(self.modules, self.rank_sizes(tensor_parallel_size))]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-@dataclass(frozen=True)
-class _Kernels:
-    """The forward kernels of the ops that are not fp8_align's own: BF16 linear, log-softmax, attention."""
-
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-    log_softmax: Callable[[torch.Tensor], torch.Tensor]
-    #: (q, k, v, batch, head_size, kv_scales) -> attention output, as `attention_reference`
-    attention: Callable[..., torch.Tensor]
-
-
-def _reference_kernels() -> _Kernels:
-    return _Kernels(F.linear, functools.partial(torch.log_softmax, dim=-1), attention_reference)
-
-
-def _engine_kernels() -> _Kernels:
-    """vLLM's own kernels of a batch-invariant CUDA engine (vLLM is required on CUDA)."""
-    from fp8_align.vllm_plugin.compat import batch_invariant_kernels
-
-    kernels = batch_invariant_kernels()
-    return _Kernels(kernels.linear, functools.partial(kernels.log_softmax, dim=-1), functools.partial(paged_triton_attention, kernels))
-
-
-#: The stacked layers whose input columns tensor parallelism splits (vLLM's RowParallelLinear).
-ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-def _check_tensor_parallel_size(config: Any, tensor_parallel_size: int) -> None:
-    """Raise ValueError unless `tensor_parallel_size` is one the engine runs bitwise and splits
-    `config`'s heads, KV heads and intermediate size evenly."""
-    if isinstance(tensor_parallel_size, bool) or tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
-        raise ValueError(f"tensor_parallel_size must be one of {TENSOR_PARALLEL_SIZES} (a bitwise engine's), got {tensor_parallel_size!r}")
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    for name, count in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", config.intermediate_size)):  # fmt: skip
-        if count % tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the model's {name} ({count})")
 
 
 class BitwiseForward:
@@ -284,19 +68,14 @@ class BitwiseForward:
         self, model: nn.Module, cfg: FP8Config, kv_scales: Mapping[int, Mapping[str, float]] | None = None, tensor_parallel_size: int = 1
     ) -> None:
         config = model.config.get_text_config()
-        if config.model_type not in MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"BitwiseForward reproduces vLLM's {', '.join(MODEL_TYPES)} forward; this model is {config.model_type!r}"
-            )
-        if cfg.on_policy != "bitwise":
-            raise ValueError("BitwiseForward computes what an FP8Config(on_policy='bitwise') engine computes; set on_policy='bitwise'")
-        _check_tensor_parallel_size(config, tensor_parallel_size)
+        check_bitwise_model(config, cfg, "BitwiseForward")
+        check_tensor_parallel_size(config, tensor_parallel_size)
         self.model, self.cfg, self.config = model, cfg, config
         self.tensor_parallel_size = tensor_parallel_size
         self.head_size = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.rope = RopeSpec.from_hf_config(config)
         self.device = next(model.parameters()).device
-        self.kernels = _engine_kernels() if self.device.type == "cuda" else _reference_kernels()
+        self.kernels = engine_kernels() if self.device.type == "cuda" else reference_kernels()
         self.table = rope_table(self.rope, self.device)
         self.inverse_table = inverse_rope_table(self.table)
         self.fp8_names = {name for name, _ in (recipe_fp8_modules(model, cfg, config.num_hidden_layers) if cfg.precision == "fp8" else [])}
@@ -307,7 +86,7 @@ class BitwiseForward:
         }  # fmt: skip
         #: The scale rounding in the layer state of every FP8 product, built once (`cfg.rounding` builds one per call).
         self.rounding = cfg.rounding
-        self.fp8_gemm = self._fp8_gemm()
+        self.fp8_gemm = fp8_gemm_for(cfg, self.device, [model.get_submodule(name).weight for name in sorted(self.fp8_names)])
         self.vocab_size = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().out_features)
         #: Per decoder layer, the FP8 KV-cache scales of the rollout being scored (None: not set yet).
         self.kv_scales: dict[int, KVCacheScales] | None = None
@@ -356,51 +135,18 @@ class BitwiseForward:
         modules = tuple(self.model.get_submodule(f"{prefix}.{name}") for name in names)
         return StackedLinear(modules, tuple(m.out_features for m in modules), fp8.pop(), row_parallel=names[0] in ROW_PARALLEL)
 
-    def _fp8_weights(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Per FP8 stacked layer, per engine rank: (codes [N, K] e4m3, stacked scale grids) of the
-        rank's slice of the current weights, each shard quantized on its own as the engine's rank
-        quantizes it, all in one grouped launch on CUDA (`quantize_weights_into`). No finiteness
-        check (a device sync): on CUDA a NaN/Inf weight gives NaN log-probs."""
-        weights: list[torch.Tensor] = []
-        codes_out: list[torch.Tensor] = []
-        scales_out: list[torch.Tensor] = []
-        found: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        tp = self.tensor_parallel_size
-        for key, layer in self.stacked.items():
-            if not layer.fp8:
-                continue
-            found[key] = []
-            for rank in range(tp):
-                slices = layer.rank_weights(rank, tp)
-                sizes = list(layer.rank_sizes(tp))
-                codes, scales = empty_shard_outputs(sizes, slices[0].shape[1], self.device)
-                for weight, (rows, scale_rows) in zip(slices, shard_slices(sizes)):
-                    weights.append(weight.detach().contiguous())
-                    codes_out.append(codes[rows])
-                    scales_out.append(scales[scale_rows])
-                found[key].append((codes, scales))
-        if weights:
-            quantize_weights_into(weights, codes_out, scales_out, self.rounding.weight_pow2, self.rounding.scale_rule)
-        return found
-
-    def _fp8_gemm(self) -> Fp8Gemm:
-        """The engine's block-FP8 backend on CUDA (`select_kernel` for this config), the emulated
-        product of the CPU backend elsewhere."""
-        if self.device.type != "cuda" or not self.fp8_names:
-            return lambda layer, x, bias: emulated_block_fp8_linear(x, layer.weight, layer, bias)
-        weight = self.model.get_submodule(min(self.fp8_names)).weight
-        return select_kernel(self.cfg, weight.shape, [weight.shape[0]], self.device, weight.dtype).apply
+    def _fp8_weights(self) -> dict[str, Fp8Weights]:
+        """Per FP8 stacked layer, per engine rank: the codes and scales of the rank's slice of the
+        current weights (`quantize_stacked`, one grouped launch for the whole model)."""
+        keys = [key for key, layer in self.stacked.items() if layer.fp8]
+        return dict(zip(keys, quantize_stacked([self.stacked[key] for key in keys], self.tensor_parallel_size, self.rounding, self.device)))
 
     # ------------------------------------------------------------------ ops
-    def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], rank: int = 0) -> torch.Tensor:
-        """Engine rank `rank`'s outputs of the stacked layer `key` on its input x [T, K_rank], side
-        by side [T, sum(N_rank)]: one product of the rank's stacked weight, as the engine's stacked
-        layer (q|k|v, gate|up) computes it; of a row-parallel layer, the rank's partial sum."""
-        layer, tp = self.stacked[key], self.tensor_parallel_size
-        weight, bias = layer.weight(rank, tp), layer.bias(rank, tp)
-        if layer.fp8:
-            return _StackedFp8Linear.apply(x, weight, bias, layer.rank_sizes(tp), self.rounding, self.fp8_gemm, *fp8_weights[key][rank])
-        return engine_op(self.kernels.linear, F.linear, *((x, weight) if bias is None else (x, weight, bias)), vjp=linear_vjp)
+    def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, Fp8Weights], rank: int = 0) -> torch.Tensor:
+        """Engine rank `rank`'s outputs of the stacked layer `key` on its input x [T, K_rank] (`stacked_product`)."""
+        return stacked_product(
+            self.stacked[key], x, rank, self.tensor_parallel_size, fp8_weights.get(key), self.rounding, self.fp8_gemm, self.kernels
+        )
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", self.config.rms_norm_eps)))
@@ -436,7 +182,7 @@ class BitwiseForward:
 
     def _layer(
         self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, batch: PackedBatch,
-        fp8_weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
+        fp8_weights: dict[str, Fp8Weights],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         prefix, ranks = f"model.layers.{index}", range(self.tensor_parallel_size)
         if residual is None:
@@ -461,23 +207,6 @@ class BitwiseForward:
             partials.append(self._stacked(f"{prefix}.mlp.down_proj", act, fp8_weights, rank))
         return all_reduce_sum(partials), residual
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The engine's vocabulary-parallel embedding: each rank looks up the ids in its range
-        (zero rows elsewhere) and the ranks' rows are summed (so a -0.0 entry becomes +0.0 at 2 ranks)."""
-        weight = self.model.model.embed_tokens.weight
-        shards = vocab_shards(weight.shape[0], self.tensor_parallel_size)
-        if len(shards) == 1:
-            return F.embedding(ids, weight)
-        rows = F.embedding(ids, weight)
-        return all_reduce_sum([rows.masked_fill(((ids < s.start) | (ids >= s.stop))[:, None], 0) for s in shards])
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head [T, H] -> FP32 logits [T, V]: each engine rank's vocabulary rows, side by side
-        (the engine gathers the ranks' logits)."""
-        weight = self.model.lm_head.weight
-        parts = [engine_op(self.kernels.linear, F.linear, hidden, weight[s], vjp=linear_vjp) for s in vocab_shards(weight.shape[0], self.tensor_parallel_size)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float()
-
     # ------------------------------------------------------------------ public
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Final normed hidden states [sum(len), hidden] (BF16) of the packed `sequences` (token-id
@@ -492,7 +221,7 @@ class BitwiseForward:
         ids = host_to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long), self.device)
         inner = self.model.model
         fp8_weights = self._fp8_weights()
-        h = self._embed(ids)
+        h = vocab_parallel_embedding(ids, self.model.model.embed_tokens.weight, self.tensor_parallel_size)
         residual = None
         for index, layer in enumerate(inner.layers):
             h, residual = self._layer(index, layer, h, residual, batch, fp8_weights)
@@ -524,7 +253,7 @@ class BitwiseForward:
         picked = []
         for chunk in range(0, row_index.numel(), chunk_rows):
             part = slice(chunk, chunk + chunk_rows)
-            logits = self._logits(hidden[row_index[part]])
+            logits = vocab_parallel_logits(hidden[row_index[part]], self.model.lm_head.weight, self.tensor_parallel_size, self.kernels)
             if temperature != 1.0:
                 logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
             logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)

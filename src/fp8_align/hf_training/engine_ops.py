@@ -1,0 +1,167 @@
+"""The autograd ops of the bitwise trainer: each forward is a kernel a bitwise vLLM engine runs,
+each backward the standard BF16 gradient of the op (closed form where one exists, else autograd
+through torch's op at the same inputs). Shared by `BitwiseForward` and the modules `make_bitwise`
+swaps into an HF model.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fp8_align.hf_training.attention import attention_reference, paged_triton_attention
+from fp8_align.config import FP8Config
+from fp8_align.hf_training.linear import bf16_straight_through
+from fp8_align.rounding import Rounding
+from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
+from fp8_align.vllm_plugin.kernels.registry import select_kernel
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
+
+
+#: A closed-form backward: (inputs, forward output or None, output gradients) -> one gradient per input.
+Vjp = Callable[[tuple[torch.Tensor, ...], torch.Tensor | None, tuple[torch.Tensor, ...]], tuple[torch.Tensor | None, ...]]
+
+
+class _EngineOp(torch.autograd.Function):
+    """Forward: `engine_fn(*inputs)`; backward: `vjp` when given (with the output when
+    `save_output`), else autograd of `gradient_fn` at the same inputs."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, engine_fn: Callable[..., Any], gradient_fn: Callable[..., Any], vjp: Vjp | None, save_output: bool, *inputs: torch.Tensor
+    ) -> Any:
+        ctx.gradient_fn, ctx.vjp, ctx.save_output = gradient_fn, vjp, save_output
+        output = engine_fn(*inputs)
+        ctx.save_for_backward(*inputs, *((output,) if save_output else ()))
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        needs = ctx.needs_input_grad[4:]
+        if ctx.vjp is not None:
+            saved = ctx.saved_tensors
+            inputs, output = (saved[:-1], saved[-1]) if ctx.save_output else (saved, None)
+            found = ctx.vjp(tuple(inputs), output, grads)
+            return (None, None, None, None, *(g if need else None for g, need in zip(found, needs)))
+        inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(ctx.saved_tensors, needs)]
+        with torch.enable_grad():
+            outputs = ctx.gradient_fn(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        wanted = [t for t in inputs if t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) if pairs and wanted else [])
+        return (None, None, None, None, *(next(found) if t.requires_grad else None for t in inputs))
+
+
+def engine_op(
+    engine_fn: Callable[..., Any], gradient_fn: Callable[..., Any], *inputs: torch.Tensor, vjp: Vjp | None = None, save_output: bool = False
+) -> Any:
+    """`engine_fn(*inputs)` with the backward of `gradient_fn` (the same contract in plain torch at
+    the inputs' precision: the op a standard trainer differentiates): `vjp`, that gradient in
+    closed form (given the output when `save_output`), if given, else autograd of `gradient_fn`."""
+    return _EngineOp.apply(engine_fn, gradient_fn, vjp, save_output, *inputs)
+
+
+def linear_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of `F.linear(x, weight[, bias])` for 2-D x [T, K], weight [N, K], grad [T, N],
+    computed as autograd computes them (`grad @ weight`, `grad.T @ x`, `grad.sum(0)`)."""
+    (grad,) = grads
+    x, weight = inputs[0], inputs[1]
+    found = (grad.mm(weight), grad.t().mm(x))
+    return (*found, grad.sum(0)) if len(inputs) == 3 else found
+
+
+def log_softmax_vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """Gradient of `torch.log_softmax(x, -1)` from its output (`save_output=True`), with autograd's own formula."""
+    assert output is not None
+    return (torch.ops.aten._log_softmax_backward_data(grads[0], output, -1, inputs[0].dtype),)
+
+
+def rms_norm_gradient_fn(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm at x's precision (torch's fused `rms_norm`): the op whose gradient the trainer's RMSNorm backward is."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def fused_add_rms_norm_gradient_fn(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) at x's precision: the gradient of the fused residual add and norm."""
+    summed = x + residual
+    return rms_norm_gradient_fn(summed, weight, eps), summed
+
+
+def silu_and_mul_gradient_fn(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d] `silu(gate) * up` at x's precision, as HF's MLP computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def inverse_rope_table(table: torch.Tensor) -> torch.Tensor:
+    """The [max_pos, rotary_dim] table (cos | -sin) of the inverse rotation: RoPE with it maps an
+    output gradient to the input gradient of RoPE with `table` (the exact transpose, in FP32, rounded once)."""
+    cos, sin = table.chunk(2, dim=-1)
+    return torch.cat((cos, -sin), dim=-1)
+
+
+#: A block-FP8 product of a quantized layer (codes, scale grids, shard sizes, rounding) with x [T, K], + bias.
+Fp8Gemm = Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class StackedFp8Linear(torch.autograd.Function):
+    """x [T, K] times the stacked BF16 weight [sum(shards), K], whose shard-by-shard block-FP8
+    `codes` and stacked `scales` are given, through `gemm` with the engine layer's shard sizes and
+    `rounding`; BF16 straight-through backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...],
+        rounding: Rounding, gemm: Fp8Gemm, codes: torch.Tensor, scales: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        layer = SimpleNamespace(
+            weight=codes, weight_scale_inv=scales, bias=bias, params_dtype=x.dtype,
+            fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", rounding, shard_sizes=list(shard_sizes)),
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return gemm(layer, x.detach(), None if bias is None else bias.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None)
+
+
+@dataclass(frozen=True)
+class EngineKernels:
+    """The forward kernels of the ops that are not fp8_align's own: BF16 linear, log-softmax, attention."""
+
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    log_softmax: Callable[[torch.Tensor], torch.Tensor]
+    #: (q, k, v, batch, head_size, kv_scales) -> attention output, as `attention_reference`
+    attention: Callable[..., torch.Tensor]
+
+
+def reference_kernels() -> EngineKernels:
+    """The pure-torch forwards: what every op runs on CPU (no engine shares them there)."""
+    return EngineKernels(F.linear, functools.partial(torch.log_softmax, dim=-1), attention_reference)
+
+
+def engine_kernels() -> EngineKernels:
+    """vLLM's own kernels of a batch-invariant CUDA engine (vLLM is required on CUDA)."""
+    from fp8_align.vllm_plugin.compat import batch_invariant_kernels
+
+    kernels = batch_invariant_kernels()
+    return EngineKernels(kernels.linear, functools.partial(kernels.log_softmax, dim=-1), functools.partial(paged_triton_attention, kernels))
+
+
+def fp8_gemm_for(cfg: FP8Config, device: torch.device, fp8_weights: Sequence[torch.Tensor]) -> Fp8Gemm:
+    """The block-FP8 product of the engine's bitwise backend on CUDA (`select_kernel` for `cfg`,
+    which is the same for every layer of a bitwise engine), the CPU backend's emulated product
+    elsewhere or when the recipe quantizes none of `fp8_weights`."""
+    if device.type != "cuda" or not fp8_weights:
+        return lambda layer, x, bias: emulated_block_fp8_linear(x, layer.weight, layer, bias)
+    weight = fp8_weights[0]
+    return select_kernel(cfg, weight.shape, [weight.shape[0]], device, weight.dtype).apply
