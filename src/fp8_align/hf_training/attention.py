@@ -1,5 +1,5 @@
-"""Attention of packed sequences for `BitwiseForward`: where each token sits (`PackedBatch`), the
-pure-torch reference, and the engine's attention kernel over a paged copy of K/V written as a
+"""Attention of packed sequences for the bitwise trainer (`BitwiseForward`, `make_bitwise`): where
+each token sits (`PackedBatch`), the pure-torch reference, and the engine's attention kernel over a paged copy of K/V written as a
 bitwise engine writes its KV cache: BF16 (vLLM's TRITON_ATTN kernel), or E4M3 with the engine's
 per-layer scales (`KVCacheScales`, `FP8Config(kv_cache_dtype="fp8")`: fp8_align's
 `fp8_cache_attention`, which the engine runs through `vllm_plugin.on_policy.attend_over_fp8_cache`).
@@ -12,7 +12,7 @@ each token's attention output is the engine's bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8_align.bitwise.reference import fp8_kv_cache_reference
+from fp8_align.vllm_plugin.kv.scales import KVScaleError, validate_kv_scales
 
 try:
     from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
@@ -52,6 +53,31 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def kv_scales_on_device(
+    kv_cache_dtype: str, scales: Mapping[int, Mapping[str, float]], num_layers: int, device: torch.device, owner: str
+) -> dict[int, KVCacheScales]:
+    """Per decoder layer, the engine's FP8 KV-cache scales `scales` ({layer: {"k_scale", "v_scale"[,
+    "q_scale"]}}, FP32 amax / 448, as `engine_kv_scales(llm)` returns them) on `device`. Every layer
+    of `num_layers` needs both scales; `q_scale` is accepted and not used (a bitwise engine attends
+    with BF16 queries). Raises ValueError when `kv_cache_dtype` (of `owner`'s FP8Config) is not
+    "fp8", KVScaleError naming the layer or value otherwise."""
+    if kv_cache_dtype != "fp8":
+        raise ValueError(
+            f"K/V scales apply to an FP8 KV cache; this {owner}'s FP8Config has kv_cache_dtype={kv_cache_dtype!r} "
+            "(the engine's cache is BF16, its K/V are not quantized)"
+        )
+    payload = validate_kv_scales(scales)
+    layers = set(range(num_layers))
+    if set(payload) != layers:
+        raise KVScaleError(
+            f"K/V scales for layers {sorted(payload)}; the model's decoder layers are 0..{num_layers - 1}: "
+            f"missing {sorted(layers - set(payload))}, unknown {sorted(set(payload) - layers)}"
+        )
+    order = sorted(payload)
+    values = host_to_device(torch.tensor([[payload[i]["k_scale"], payload[i]["v_scale"]] for i in order], dtype=torch.float32), device)
+    return {i: KVCacheScales(values[row, 0:1], values[row, 1:2]) for row, i in enumerate(order)}
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwi
 from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
-from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device
+from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device, kv_scales_on_device
 from fp8_align.hf_training.engine_ops import (
     engine_kernels, engine_op, fp8_gemm_for, fused_add_rms_norm_gradient_fn, inverse_rope_table, log_softmax_vjp, reference_kernels,
     rms_norm_gradient_fn, silu_and_mul_gradient_fn,
@@ -48,7 +48,6 @@ from fp8_align.hf_training.stacked import (
     ROW_PARALLEL, Fp8Weights, StackedLinear, all_reduce_sum, check_bitwise_model, check_tensor_parallel_size, quantize_stacked,
     stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
 )  # fmt: skip
-from fp8_align.vllm_plugin.kv.scales import KVScaleError, validate_kv_scales
 
 
 class BitwiseForward:
@@ -100,21 +99,7 @@ class BitwiseForward:
         Every decoder layer needs both scales; `q_scale` is accepted and not used (a bitwise engine
         attends with BF16 queries). Raises ValueError for a BF16-cache config and KVScaleError
         naming the layer or value otherwise; the scales in use do not change then."""
-        if self.cfg.kv_cache_dtype != "fp8":
-            raise ValueError(
-                "K/V scales apply to an FP8 KV cache; this BitwiseForward's FP8Config has kv_cache_dtype="
-                f"{self.cfg.kv_cache_dtype!r} (the engine's cache is BF16, its K/V are not quantized)"
-            )
-        payload = validate_kv_scales(scales)
-        layers = set(range(self.config.num_hidden_layers))
-        if set(payload) != layers:
-            raise KVScaleError(
-                f"K/V scales for layers {sorted(payload)}; the model's decoder layers are 0..{len(layers) - 1}: "
-                f"missing {sorted(layers - set(payload))}, unknown {sorted(set(payload) - layers)}"
-            )
-        order = sorted(payload)
-        values = host_to_device(torch.tensor([[payload[i]["k_scale"], payload[i]["v_scale"]] for i in order], dtype=torch.float32), self.device)
-        self.kv_scales = {i: KVCacheScales(values[row, 0:1], values[row, 1:2]) for row, i in enumerate(order)}
+        self.kv_scales = kv_scales_on_device(self.cfg.kv_cache_dtype, scales, self.config.num_hidden_layers, self.device, "BitwiseForward")
 
     def _layer_kv_scales(self, index: int) -> KVCacheScales | None:
         """Layer `index`'s FP8 KV-cache scales, or None for a BF16 cache."""

@@ -1,0 +1,205 @@
+"""The modules `make_bitwise` swaps into an HF Llama/Qwen2/Qwen3 model, each running the forward a
+bitwise vLLM engine runs for that part (`BitwiseContext` holds what they share), with the
+standard BF16 gradient (`engine_ops`). Each keeps the Parameters of the module it replaces under
+the same names, so optimizers, state dicts, FSDP and the stacks' weight sync see the usual tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
+from fp8_align.bitwise.reference import RopeSpec
+from fp8_align.config import FP8Config
+from fp8_align.hf_training.attention import KVCacheScales
+from fp8_align.hf_training.engine_ops import EngineKernels, Fp8Gemm, engine_op, rms_norm_gradient_fn, silu_and_mul_gradient_fn
+from fp8_align.hf_training.stacked import (
+    StackedLinear, all_reduce_sum, quantize_stacked, stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
+)  # fmt: skip
+from fp8_align.rounding import Rounding
+
+
+@dataclass
+class BitwiseContext:
+    """What every swapped module of one converted model shares: the engine's config and rounding,
+    its kernels, RoPE table (and the inverse rotation's), tensor parallel size, and the FP8
+    KV-cache scales of the rollout being scored (None: not set, or a BF16 cache)."""
+
+    cfg: FP8Config
+    rounding: Rounding
+    kernels: EngineKernels
+    fp8_gemm: Fp8Gemm
+    tensor_parallel_size: int
+    head_size: int
+    rope: RopeSpec
+    table: torch.Tensor
+    inverse_table: torch.Tensor
+    num_layers: int
+    kv_scales: dict[int, KVCacheScales] | None = None
+    #: The packed layout of the forward in progress (`bitwise_attention` builds it once per forward).
+    layout_cache: dict[str, Any] = field(default_factory=dict)
+
+    def layer_kv_scales(self, index: int) -> KVCacheScales | None:
+        """Decoder layer `index`'s FP8 KV-cache scales, or None for a BF16 cache; ValueError when the
+        config has an FP8 cache and no scales were set."""
+        if self.cfg.kv_cache_dtype != "fp8":
+            return None
+        if self.kv_scales is None:
+            raise ValueError(
+                "FP8Config(kv_cache_dtype='fp8'): the trainer quantizes K/V as the engine did, with the per-layer scales "
+                "the rollout was generated with; call set_kv_scales(model, engine_kv_scales(llm)) (fp8_align.hf_training, "
+                "fp8_align.vllm_plugin) after the scales were pushed or calibrated and before the forward"
+            )
+        return self.kv_scales[index]
+
+
+class EngineRMSNorm(nn.Module):
+    """RMSNorm [..., H] through the engine's kernel (`bitwise_rms_norm`): the normed BF16 sum of an
+    HF residual add is what the engine's fused add + RMSNorm writes."""
+
+    def __init__(self, norm: nn.Module, default_eps: float) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", default_eps)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.variance_epsilon
+        return engine_op(functools.partial(torch.ops.fp8_align.bitwise_rms_norm, eps=eps), functools.partial(rms_norm_gradient_fn, eps=eps), x, self.weight)
+
+
+class ProjectionGroup:
+    """The projections vLLM stacks into one layer (q|k|v, or o alone), computed as the engine's ranks
+    compute them. Column-parallel: per rank one product of the rank's rows of every member, cached
+    until each member has taken its columns (all ranks' in HF's order). Row-parallel (o): per rank
+    the product of its input columns, the partial sums added as the engine's all-reduce does."""
+
+    def __init__(self, context: BitwiseContext, fp8: bool, row_parallel: bool) -> None:
+        self.context, self.fp8, self.row_parallel = context, fp8, row_parallel
+        self.members: list[EngineProjection] = []
+        self._cached: tuple[torch.Tensor, list[torch.Tensor], set[int]] | None = None
+
+    @property
+    def layer(self) -> StackedLinear:
+        return StackedLinear(tuple(self.members), tuple(m.out_features for m in self.members), self.fp8, self.row_parallel)
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member `index`'s output on x [..., K]."""
+        if self._cached is None or self._cached[0] is not x:
+            self._cached = (x, self._compute(x), set())
+        _, outputs, taken = self._cached
+        taken.add(index)
+        if len(taken) == len(self.members):
+            self._cached = None
+        return outputs[index]
+
+    def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
+        ctx, layer = self.context, self.layer
+        tp = ctx.tensor_parallel_size
+        x2 = x.reshape(-1, x.shape[-1])
+        fp8_weights = quantize_stacked([layer], tp, ctx.rounding, x.device)[0] if self.fp8 else None
+
+        def product(rank: int, rank_input: torch.Tensor) -> torch.Tensor:
+            return stacked_product(layer, rank_input, rank, tp, fp8_weights, ctx.rounding, ctx.fp8_gemm, ctx.kernels)
+
+        if self.row_parallel:
+            k = x2.shape[-1] // tp
+            out = all_reduce_sum([product(rank, x2[:, rank * k : (rank + 1) * k]) for rank in range(tp)])
+            return [out.reshape(*x.shape[:-1], out.shape[-1])]
+        sizes = layer.rank_sizes(tp)
+        per_rank = [product(rank, x2).split(list(sizes), dim=-1) for rank in range(tp)]
+        outputs = [parts[0] if tp == 1 else torch.cat(parts, dim=-1) for parts in zip(*per_rank)]
+        return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs]
+
+
+class EngineProjection(nn.Module):
+    """One HF projection (q_proj, k_proj, v_proj, o_proj) as a member of its `ProjectionGroup`:
+    its own weight and bias, its output from the group's stacked product."""
+
+    def __init__(self, linear: nn.Linear, group: ProjectionGroup) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.index = len(group.members)
+        group.members.append(self)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(self.index, x)
+
+
+class BitwiseMLP(nn.Module):
+    """The gated MLP as the engine runs it: per rank one product of its rows of gate|up, the
+    engine's SiLU-and-mul, the rank's partial sum of down; the partial sums all-reduced. Holds the
+    HF MLP's three linears under their names (their own forwards are not called)."""
+
+    def __init__(self, mlp: nn.Module, context: BitwiseContext, fp8: bool, down_fp8: bool) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.context, self.fp8, self.down_fp8 = context, fp8, down_fp8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.context
+        tp = ctx.tensor_parallel_size
+        gate_up = StackedLinear((self.gate_proj, self.up_proj), (self.gate_proj.out_features, self.up_proj.out_features), self.fp8, False)
+        down = StackedLinear((self.down_proj,), (self.down_proj.out_features,), self.down_fp8, True)
+        fp8_layers = [layer for layer in (gate_up, down) if layer.fp8]
+        quantized = dict(zip(map(id, fp8_layers), quantize_stacked(fp8_layers, tp, ctx.rounding, x.device))) if fp8_layers else {}
+        x2 = x.reshape(-1, x.shape[-1])
+        partials = []
+        for rank in range(tp):
+            both = stacked_product(gate_up, x2, rank, tp, quantized.get(id(gate_up)), ctx.rounding, ctx.fp8_gemm, ctx.kernels)
+            act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, both)
+            partials.append(stacked_product(down, act, rank, tp, quantized.get(id(down)), ctx.rounding, ctx.fp8_gemm, ctx.kernels))
+        out = all_reduce_sum(partials)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding of a tensor-parallel engine (`vocab_parallel_embedding`), same weight."""
+
+    def __init__(self, embedding: nn.Embedding, context: BitwiseContext) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+        self.num_embeddings, self.embedding_dim, self.padding_idx = embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx
+        self.context = context
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_embedding(ids, self.weight, self.context.tensor_parallel_size)
+
+
+class EngineLMHead(nn.Module):
+    """lm_head [..., H] -> FP32 logits [..., V] as the engine computes them (`vocab_parallel_logits`:
+    BF16 products through the engine's linear, per rank's vocabulary rows, then FP32), same weight
+    (tied or not)."""
+
+    def __init__(self, head: nn.Linear, context: BitwiseContext) -> None:
+        super().__init__()
+        self.weight = head.weight
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.context = context
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        ctx = self.context
+        logits = vocab_parallel_logits(hidden.reshape(-1, hidden.shape[-1]), self.weight, ctx.tensor_parallel_size, ctx.kernels)
+        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+
+
+class IdentityRotary(nn.Module):
+    """The model's rotary embedding made the identity (cos 1, sin 0, in the input dtype): HF's
+    `apply_rotary_pos_emb` then returns q and k unchanged (bit for bit but for the sign of a zero),
+    and `bitwise_attention` applies the engine's RoPE with its FP32 table instead."""
+
+    def __init__(self, head_size: int) -> None:
+        super().__init__()
+        self.head_size = head_size
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*position_ids.shape, self.head_size)
+        return torch.ones(shape, dtype=x.dtype, device=x.device), torch.zeros(shape, dtype=x.dtype, device=x.device)
+

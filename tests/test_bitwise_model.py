@@ -1,0 +1,243 @@
+"""`make_bitwise`: an HF model's own forward as the bitwise engine's (CPU: every op runs its
+pure-torch reference, so these tests check the plumbing; the engine kernels on CUDA are the GPU
+tests'). The reference is `BitwiseForward` on an untouched copy of the same model: its packed
+forward has been proven equal to the engine's log-probs on GPUs (benchmarks/RESULTS.md).
+
+Checked: the converted model's hidden states and log-probs (its FP32 logits, then
+`torch.log_softmax`) equal `BitwiseForward`'s bit for bit for Llama and Qwen3, BF16 and FP8, at
+tensor parallel size 1 and 2, with a BF16 and an FP8 KV cache; the same under what stacks do around
+the forward (sequences packed into one row with `position_ids` restarting at 0, right- and
+left-padded batches with an attention mask, micro-batches, gradient checkpointing); gradients reach
+every parameter and equal `BitwiseForward`'s; Parameters and their names are unchanged; bad input
+and unsupported settings raise.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from fp8_align.config import FP8Config
+from fp8_align.hf_training import BitwiseForward, UnsupportedModelError, make_bitwise, set_kv_scales
+from fp8_align.vllm_plugin.kv.scales import KVScaleError
+from tests.model_factory import tiny_hf_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
+PROMPT_LENS = [3, 10, 2]
+#: FP8 KV-cache scales of the 2-layer test models (FP32 amax / 448 of K/V of order 1).
+KV_SCALES = {layer: {"k_scale": 0.004 + 0.001 * layer, "v_scale": 0.003} for layer in range(2)}
+
+
+def _packed(sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+    """One row of the sequences side by side, positions restarting at 0 (verl's remove-padding)."""
+    return {
+        "input_ids": torch.tensor([[t for s in sequences for t in s]]),
+        "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None],
+    }
+
+
+def _token_logprobs(logits: torch.Tensor, sequences: list[list[int]], prompt_lens: list[int], rows: list[list[int]]) -> torch.Tensor:
+    """The completion tokens' log-probs from `logits` [N, V] (FP32) whose rows `rows[i]` are sequence i's tokens, in order."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    picked = [logprobs[row[p - 1 : len(s) - 1], s[p:]] for s, p, row in zip(sequences, prompt_lens, rows)]
+    return torch.cat(picked)
+
+
+def _packed_rows(sequences: list[list[int]]) -> list[list[int]]:
+    starts = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).tolist()
+    return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+
+
+def _converted(kind: str, cfg: FP8Config, tensor_parallel_size: int = 1, kv_scales: dict | None = None) -> tuple[torch.nn.Module, BitwiseForward]:
+    """A converted tiny model and `BitwiseForward` on an untouched copy of it."""
+    model = tiny_hf_model(kind)
+    reference = BitwiseForward(copy.deepcopy(model), cfg, kv_scales=kv_scales, tensor_parallel_size=tensor_parallel_size)
+    make_bitwise(model, cfg, kv_scales=kv_scales, tensor_parallel_size=tensor_parallel_size)
+    return model, reference
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_packed_forward_is_bitwise_forwards(kind: str, precision: str, tensor_parallel_size: int) -> None:
+    model, reference = _converted(kind, FP8Config(on_policy="bitwise", precision=precision), tensor_parallel_size)
+    with torch.no_grad():
+        hidden = model.model(**_packed(SEQUENCES)).last_hidden_state[0]
+        logits = model(**_packed(SEQUENCES)).logits[0]
+        assert logits.dtype == torch.float32
+        assert torch.equal(hidden, reference.hidden_states(SEQUENCES))
+        mine = _token_logprobs(logits, SEQUENCES, PROMPT_LENS, _packed_rows(SEQUENCES))
+        assert torch.equal(mine, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)))
+
+
+def test_fp8_kv_cache_forward_is_bitwise_forwards_and_needs_the_scales() -> None:
+    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")
+    model, reference = _converted("qwen3", cfg, kv_scales=KV_SCALES)
+    with torch.no_grad():
+        assert torch.equal(model.model(**_packed(SEQUENCES)).last_hidden_state[0], reference.hidden_states(SEQUENCES))
+        bf16_cache, _ = _converted("qwen3", FP8Config(on_policy="bitwise"))
+        assert not torch.equal(model.model(**_packed(SEQUENCES)).last_hidden_state, bf16_cache.model(**_packed(SEQUENCES)).last_hidden_state)
+    unset = tiny_hf_model("qwen3")
+    make_bitwise(unset, cfg)
+    with pytest.raises(ValueError, match=re.escape("call set_kv_scales(model, engine_kv_scales(llm))")):
+        unset(**_packed(SEQUENCES))
+    with pytest.raises(KVScaleError, match=re.escape("missing [1]")):
+        set_kv_scales(unset, {0: KV_SCALES[0]})
+    set_kv_scales(unset, KV_SCALES)
+    with torch.no_grad():
+        assert torch.equal(unset.model(**_packed(SEQUENCES)).last_hidden_state[0], reference.hidden_states(SEQUENCES))
+    with pytest.raises(ValueError, match="K/V scales apply to an FP8 KV cache"):
+        set_kv_scales(bf16_cache, KV_SCALES)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batches_give_the_packed_bits(side: str) -> None:
+    """A padded batch [3, 33] with an attention mask (left padding with the stacks' position_ids,
+    the mask's cumulative sum - 1): every token's log-probs are the packed forward's; padding
+    positions do not leak into them."""
+    model, reference = _converted("qwen3", FP8Config(on_policy="bitwise", precision="fp8"))
+    width = max(len(s) for s in SEQUENCES)
+    ids = torch.zeros(len(SEQUENCES), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    rows = []
+    for i, seq in enumerate(SEQUENCES):
+        start = 0 if side == "right" else width - len(seq)
+        ids[i, start : start + len(seq)] = torch.tensor(seq)
+        mask[i, start : start + len(seq)] = 1
+        rows.append(list(range(i * width + start, i * width + start + len(seq))))
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits.reshape(-1, 1000)
+    mine = _token_logprobs(logits, SEQUENCES, PROMPT_LENS, rows)
+    assert torch.equal(mine, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)))
+
+
+def test_micro_batches_give_bitwise_forwards_bits_per_micro_batch() -> None:
+    model, reference = _converted("llama", FP8Config(on_policy="bitwise", precision="fp8"))
+    for chosen in (slice(0, 1), slice(1, 3)):
+        part, prompts = SEQUENCES[chosen], PROMPT_LENS[chosen]
+        with torch.no_grad():
+            logits = model(**_packed(part)).logits[0]
+        assert torch.equal(_token_logprobs(logits, part, prompts, _packed_rows(part)), torch.cat(reference.token_logprobs(part, prompts)))
+
+
+def _gradients(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_gives_the_same_bits_and_gradients() -> None:
+    """Training mode with transformers' gradient checkpointing (each decoder layer recomputed in the
+    backward, through the cached q|k|v product): the same log-probs and the same gradients, bit for
+    bit, as without it; every parameter gets a gradient."""
+    model = tiny_hf_model("qwen3")
+    make_bitwise(model, FP8Config(on_policy="bitwise", precision="fp8"))
+    model.train()
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logprobs = _token_logprobs(model(**_packed(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, _packed_rows(SEQUENCES))
+        return logprobs.detach(), _gradients(model, logprobs.sum())
+
+    plain_logprobs, plain = run()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed_logprobs, checkpointed = run()
+    assert torch.equal(plain_logprobs, checkpointed_logprobs)
+    assert plain.keys() == checkpointed.keys() == {name for name, _ in model.named_parameters()}
+    for name, grad in plain.items():
+        assert torch.equal(grad, checkpointed[name]), name
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gradients_are_bitwise_forwards(precision: str, tensor_parallel_size: int) -> None:
+    """The converted model's backward against `BitwiseForward`'s on the same loss: both are the
+    standard BF16 gradient of the same ops, and at tensor parallel size 1 every parameter's
+    gradient is the same bits (HF's separate residual add and norm have the fused op's gradient).
+    At size 2 `BitwiseForward` norms each rank's q/k heads in a call of their own, so the q_norm /
+    k_norm weight gradients sum the same terms in another order: those within 1% (relative
+    Frobenius norm; measured 0.3%), every other parameter the same bits."""
+    cfg = FP8Config(on_policy="bitwise", precision=precision)
+    model = tiny_hf_model("qwen3")
+    reference_model = copy.deepcopy(model)
+    reference = BitwiseForward(reference_model, cfg, tensor_parallel_size=tensor_parallel_size)
+    make_bitwise(model, cfg, tensor_parallel_size=tensor_parallel_size)
+    mine = _gradients(model, _token_logprobs(model(**_packed(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, _packed_rows(SEQUENCES)).sum())
+    theirs = _gradients(reference_model, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)).sum())
+    assert mine.keys() == theirs.keys() == {name for name, _ in model.named_parameters()}
+    for name, grad in mine.items():
+        if tensor_parallel_size > 1 and name.endswith(("q_norm.weight", "k_norm.weight")):
+            assert ((grad - theirs[name]).norm() / theirs[name].norm()).item() < 0.01, name
+        else:
+            assert torch.equal(grad, theirs[name]), name
+
+
+def test_parameters_and_their_names_are_the_models() -> None:
+    model = tiny_hf_model("qwen3")
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    context = make_bitwise(model, FP8Config(on_policy="bitwise", precision="fp8"), tensor_parallel_size=2)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[name] is before[name] for name in before)
+    assert list(model.state_dict()) == keys
+    assert model.fp8_align_bitwise is context and model.config._attn_implementation == "fp8_align_bitwise"
+
+
+def test_bad_positions_and_settings_are_refused() -> None:
+    model = tiny_hf_model("qwen3")
+    make_bitwise(model, FP8Config(on_policy="bitwise"))
+    ids = torch.tensor([SEQUENCES[0]])
+    with pytest.raises(ValueError, match="its first token is at position 3, not 0"):
+        model(input_ids=ids, position_ids=torch.arange(3, 3 + ids.shape[1])[None])
+    with pytest.raises(ValueError, match="position 6 does not follow the previous token's"):
+        model(input_ids=ids, position_ids=torch.cat([torch.arange(5), torch.arange(6, 6 + ids.shape[1] - 5)])[None])
+    with pytest.raises(ValueError, match="keys from a generation cache"):
+        with torch.no_grad():
+            first = model(input_ids=ids[:, :5], use_cache=True)
+            model(input_ids=ids[:, 5:6], past_key_values=first.past_key_values, use_cache=True)
+    with pytest.raises(ValueError, match="converted already"):
+        make_bitwise(model, FP8Config(on_policy="bitwise"))
+    dropout = tiny_hf_model("llama")
+    for layer in dropout.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    make_bitwise(dropout, FP8Config(on_policy="bitwise"))
+    dropout.train()
+    with pytest.raises(ValueError, match="attention dropout 0.1"):
+        dropout(input_ids=ids)
+
+
+def test_unsupported_models_and_configs_are_refused() -> None:
+    with pytest.raises(ValueError, match="set on_policy='bitwise'"):
+        make_bitwise(tiny_hf_model("qwen3"), FP8Config())
+    with pytest.raises(ValueError, match="engine runs BF16 weights"):
+        make_bitwise(tiny_hf_model("qwen3").float(), FP8Config(on_policy="bitwise"))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be one of"):
+        make_bitwise(tiny_hf_model("qwen3"), FP8Config(on_policy="bitwise"), tensor_parallel_size=4)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)).to(torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match="this model is 'gpt2'"):
+        make_bitwise(gpt2, FP8Config(on_policy="bitwise"))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_the_proofs_converted_model_scores_as_bitwise_forward(temperature: float) -> None:
+    """benchmarks/on_policy_bitwise.py --make-bitwise scores with `ConvertedModel`; on CPU its log-probs
+    are `BitwiseForward.token_logprobs`' bits, at T = 1 and at a temperature (processed log-probs)."""
+    from benchmarks.on_policy_bitwise import ConvertedModel
+
+    cfg = FP8Config(on_policy="bitwise", precision="fp8")
+    model = tiny_hf_model("qwen3")
+    reference = BitwiseForward(copy.deepcopy(model), cfg)
+    scorer = ConvertedModel(model, cfg, None, 1)
+    with torch.no_grad():
+        mine = scorer.token_logprobs(SEQUENCES, PROMPT_LENS, temperature)
+        theirs = reference.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=temperature)
+    assert [len(x) for x in mine] == [len(s) - p for s, p in zip(SEQUENCES, PROMPT_LENS)]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
