@@ -119,7 +119,7 @@ def op_rows(gpt: nn.Module, hf_config: Any, cfg: FP8Config, bitwise: BitwiseForw
         logits = gpt(ids, torch.arange(seq, device=ids.device)[None], attention_mask=None)
     capture.remove()
     eps = float(hf_config.rms_norm_eps)
-    heads, kv_heads, size = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads), bitwise.head_size
+    heads, kv_heads, size = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads), bitwise.context.head_size
     rows: list[dict[str, Any]] = []
 
     def row(op: str, megatron_kernel: str, engine_kernel: str, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -158,7 +158,7 @@ def op_rows(gpt: nn.Module, hf_config: Any, cfg: FP8Config, bitwise: BitwiseForw
         args, kwargs, _ = capture.seen["core_attention"]
         rotated = torch.cat([args[0].reshape(seq, -1), args[1].reshape(seq, -1)], dim=-1)
         positions = torch.arange(seq, device=q.device)
-        q_engine, k_engine = torch.ops.fp8_align.bitwise_rope(positions, q.contiguous(), k.contiguous(), bitwise.table, size, bitwise.rope.rotary_dim)
+        q_engine, k_engine = torch.ops.fp8_align.bitwise_rope(positions, q.contiguous(), k.contiguous(), bitwise.context.table, size, bitwise.context.rope.rotary_dim)
         return rotated, torch.cat([q_engine, k_engine], dim=-1)
 
     row("rope", "Megatron apply_rotary_pos_emb (its FP32 inverse frequencies)", "fp8_align RoPE, FP32 table from config.json (float64 math)", rope)

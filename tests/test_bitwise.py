@@ -25,7 +25,7 @@ from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, apply_ro
 from fp8_align.config import FP8ConfigError
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError
 from fp8_align.hf_training import bitwise as bitwise_training
-from fp8_align.hf_training import engine_ops, stacked
+from fp8_align.hf_training import bitwise_modules, convert, engine_ops, stacked
 from tests.model_factory import tiny_hf_model
 
 BITWISE = FP8Config(on_policy="bitwise")
@@ -332,7 +332,7 @@ def test_fp8_gradients_follow_plain_autograd_of_the_standard_ops(monkeypatch: py
         return torch.cat(BitwiseForward(model, cfg).token_logprobs(SEQUENCES, PROMPT_LENS)).sum()
 
     engine = _gradients(model, loss)
-    for module in (bitwise_training, stacked):  # every engine_op of the forward
+    for module in (bitwise_training, bitwise_modules, convert, stacked):  # every engine_op of the forward
         monkeypatch.setattr(module, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
     errors = _relative_errors(engine, _gradients(model, loss))
     assert len(errors) == len(list(model.parameters()))
@@ -383,10 +383,10 @@ def test_tensor_parallel_trainer_runs_each_ranks_slice_as_vllm_splits_it() -> No
     attn, mlp, head = model.model.layers[0].self_attn, model.model.layers[0].mlp, model.lm_head.weight
     q, kv, inter = attn.q_proj.out_features // 2, attn.k_proj.out_features // 2, mlp.gate_proj.out_features // 2
     expected = []
-    for rank in range(2):
+    for rank in range(2):  # q|k|v of both ranks (one layer's products, computed before attention), then o
         expected.append(torch.cat([attn.q_proj.weight[rank * q : (rank + 1) * q], attn.k_proj.weight[rank * kv : (rank + 1) * kv],
                                    attn.v_proj.weight[rank * kv : (rank + 1) * kv]]))  # fmt: skip
-        expected.append(attn.o_proj.weight[:, rank * q : (rank + 1) * q])
+    expected += [attn.o_proj.weight[:, rank * q : (rank + 1) * q] for rank in range(2)]
     for rank in range(2):
         expected.append(torch.cat([mlp.gate_proj.weight[rank * inter : (rank + 1) * inter], mlp.up_proj.weight[rank * inter : (rank + 1) * inter]]))
         expected.append(mlp.down_proj.weight[:, rank * inter : (rank + 1) * inter])

@@ -117,7 +117,7 @@ def test_fp8_kv_backward_is_straight_through_the_quantization(monkeypatch: pytes
     forwards differing by the FP8 cache and BF16 rounding. A backward through the quantizer (zero
     almost everywhere) or a missing term is off by O(1)."""
     from fp8_align.hf_training import bitwise as bitwise_training
-    from fp8_align.hf_training import stacked
+    from fp8_align.hf_training import bitwise_modules, convert, stacked
 
     model = tiny_hf_model("qwen3")
 
@@ -127,7 +127,7 @@ def test_fp8_kv_backward_is_straight_through_the_quantization(monkeypatch: pytes
         return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
 
     engine = gradients()
-    for module in (bitwise_training, stacked):  # every engine_op of the forward
+    for module in (bitwise_training, bitwise_modules, convert, stacked):  # every engine_op of the forward
         monkeypatch.setattr(module, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
     reference = gradients()
     assert engine.keys() == reference.keys() and len(engine) == len(list(model.parameters()))
@@ -138,7 +138,7 @@ def test_fp8_kv_backward_is_straight_through_the_quantization(monkeypatch: pytes
 def test_scales_are_required_complete_and_valid() -> None:
     model = tiny_hf_model("llama")
     forward = BitwiseForward(model, FP8_KV)
-    with pytest.raises(ValueError, match=r"call set_kv_scales\(engine_kv_scales\(llm\)\)"):
+    with pytest.raises(ValueError, match=r"call set_kv_scales\(model, engine_kv_scales\(llm\)\)"):
         forward.token_logprobs(SEQUENCES, PROMPT_LENS)
     with pytest.raises(KVScaleError, match=r"missing \[1\]"):
         forward.set_kv_scales({0: {"k_scale": 0.1, "v_scale": 0.1}})

@@ -1,15 +1,17 @@
 """`make_bitwise`: an HF model's own forward as the bitwise engine's (CPU: every op runs its
 pure-torch reference, so these tests check the plumbing; the engine kernels on CUDA are the GPU
-tests'). The reference is `BitwiseForward` on an untouched copy of the same model: its packed
-forward has been proven equal to the engine's log-probs on GPUs (benchmarks/RESULTS.md).
+tests'). The reference is `ExplicitBitwiseForward` (tests/bitwise_reference.py): the same ops called
+one by one in the engine's order without transformers' modeling code, the trainer proven equal to
+the engine's log-probs on GPUs before the module swap (benchmarks/RESULTS.md).
 
 Checked: the converted model's hidden states and log-probs (its FP32 logits, then
-`torch.log_softmax`) equal `BitwiseForward`'s bit for bit for Llama and Qwen3, BF16 and FP8, at
+`torch.log_softmax`) equal the reference's bit for bit for Llama and Qwen3, BF16 and FP8, at
 tensor parallel size 1 and 2, with a BF16 and an FP8 KV cache; the same under what stacks do around
 the forward (sequences packed into one row with `position_ids` restarting at 0, right- and
 left-padded batches with an attention mask, micro-batches, gradient checkpointing); gradients reach
-every parameter and equal `BitwiseForward`'s; Parameters and their names are unchanged; bad input
-and unsupported settings raise.
+every parameter and equal the reference's; `BitwiseForward` (a converted Parameter-sharing copy)
+gives the same bits and leaves its model as it was; Parameters and their names are unchanged;
+bad input and unsupported settings raise.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError, make_bitwise, set_kv_scales
 from fp8_align.vllm_plugin.kv.scales import KVScaleError
+from tests.bitwise_reference import ExplicitBitwiseForward
 from tests.model_factory import tiny_hf_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -53,10 +56,10 @@ def _packed_rows(sequences: list[list[int]]) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
 
 
-def _converted(kind: str, cfg: FP8Config, tensor_parallel_size: int = 1, kv_scales: dict | None = None) -> tuple[torch.nn.Module, BitwiseForward]:
-    """A converted tiny model and `BitwiseForward` on an untouched copy of it."""
+def _converted(kind: str, cfg: FP8Config, tensor_parallel_size: int = 1, kv_scales: dict | None = None) -> tuple[torch.nn.Module, ExplicitBitwiseForward]:
+    """A converted tiny model and the explicit reference on an untouched copy of it."""
     model = tiny_hf_model(kind)
-    reference = BitwiseForward(copy.deepcopy(model), cfg, kv_scales=kv_scales, tensor_parallel_size=tensor_parallel_size)
+    reference = ExplicitBitwiseForward(copy.deepcopy(model), cfg, kv_scales=kv_scales, tensor_parallel_size=tensor_parallel_size)
     make_bitwise(model, cfg, kv_scales=kv_scales, tensor_parallel_size=tensor_parallel_size)
     return model, reference
 
@@ -156,16 +159,16 @@ def test_gradient_checkpointing_gives_the_same_bits_and_gradients() -> None:
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gradients_are_bitwise_forwards(precision: str, tensor_parallel_size: int) -> None:
-    """The converted model's backward against `BitwiseForward`'s on the same loss: both are the
+    """The converted model's backward against the explicit reference's on the same loss: both are the
     standard BF16 gradient of the same ops, and at tensor parallel size 1 every parameter's
     gradient is the same bits (HF's separate residual add and norm have the fused op's gradient).
-    At size 2 `BitwiseForward` norms each rank's q/k heads in a call of their own, so the q_norm /
+    At size 2 the reference norms each rank's q/k heads in a call of their own, so the q_norm /
     k_norm weight gradients sum the same terms in another order: those within 1% (relative
     Frobenius norm; measured 0.3%), every other parameter the same bits."""
     cfg = FP8Config(on_policy="bitwise", precision=precision)
     model = tiny_hf_model("qwen3")
     reference_model = copy.deepcopy(model)
-    reference = BitwiseForward(reference_model, cfg, tensor_parallel_size=tensor_parallel_size)
+    reference = ExplicitBitwiseForward(reference_model, cfg, tensor_parallel_size=tensor_parallel_size)
     make_bitwise(model, cfg, tensor_parallel_size=tensor_parallel_size)
     mine = _gradients(model, _token_logprobs(model(**_packed(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, _packed_rows(SEQUENCES)).sum())
     theirs = _gradients(reference_model, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)).sum())
@@ -229,15 +232,41 @@ def test_unsupported_models_and_configs_are_refused() -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_the_proofs_converted_model_scores_as_bitwise_forward(temperature: float) -> None:
     """benchmarks/on_policy_bitwise.py --make-bitwise scores with `ConvertedModel`; on CPU its log-probs
-    are `BitwiseForward.token_logprobs`' bits, at T = 1 and at a temperature (processed log-probs)."""
+    are the reference's `token_logprobs` bits, at T = 1 and at a temperature (processed log-probs)."""
     from benchmarks.on_policy_bitwise import ConvertedModel
 
     cfg = FP8Config(on_policy="bitwise", precision="fp8")
     model = tiny_hf_model("qwen3")
-    reference = BitwiseForward(copy.deepcopy(model), cfg)
+    reference = ExplicitBitwiseForward(copy.deepcopy(model), cfg)
     scorer = ConvertedModel(model, cfg, None, 1)
     with torch.no_grad():
         mine = scorer.token_logprobs(SEQUENCES, PROMPT_LENS, temperature)
         theirs = reference.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=temperature)
     assert [len(x) for x in mine] == [len(s) - p for s, p in zip(SEQUENCES, PROMPT_LENS)]
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_bitwise_forward_is_a_converted_copy_and_leaves_its_model(tensor_parallel_size: int) -> None:
+    """`BitwiseForward` scores through a converted copy that shares the model's Parameters: the same
+    log-probs and gradients as the explicit reference, and the model itself keeps its own modules,
+    forward and attention implementation."""
+    cfg = FP8Config(on_policy="bitwise", precision="fp8", kv_cache_dtype="fp8")
+    model = tiny_hf_model("qwen3")
+    modules_before = [type(m) for m in model.modules()]
+    with torch.no_grad():
+        hf_logits = model(**_packed(SEQUENCES)).logits
+    reference_model = copy.deepcopy(model)
+    reference = ExplicitBitwiseForward(reference_model, cfg, kv_scales=KV_SCALES, tensor_parallel_size=tensor_parallel_size)
+    forward = BitwiseForward(model, cfg, kv_scales=KV_SCALES, tensor_parallel_size=tensor_parallel_size)
+    assert forward.converted is not model and all(a is b for a, b in zip(forward.converted.parameters(), model.parameters()))
+    mine = _gradients(model, torch.cat(forward.token_logprobs(SEQUENCES, PROMPT_LENS)).sum())
+    theirs = _gradients(reference_model, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)).sum())
+    for name, grad in mine.items():
+        if tensor_parallel_size > 1 and name.endswith(("q_norm.weight", "k_norm.weight")):
+            assert ((grad - theirs[name]).norm() / theirs[name].norm()).item() < 0.01, name
+        else:
+            assert torch.equal(grad, theirs[name]), name
+    assert [type(m) for m in model.modules()] == modules_before
+    with torch.no_grad():
+        assert torch.equal(model(**_packed(SEQUENCES)).logits, hf_logits)

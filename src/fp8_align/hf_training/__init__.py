@@ -3,23 +3,13 @@
 `linear`: block-FP8 linears that still train (`apply_fp8_training`, `Fp8TrainingLinear`).
 `convert`: `make_bitwise(model, cfg)` turns an HF model's own forward into a bitwise engine's
 (`FP8Config(on_policy="bitwise")`), so a stack's log-probs from its logits are the engine's bits.
-`bitwise`: `BitwiseForward`, token log-probs of packed sequences through the same kernels.
-
-`make_bitwise` and `set_kv_scales` are loaded on first use (`convert` imports transformers, which
-fp8_align's core does not depend on).
+`bitwise`: `BitwiseForward`, token log-probs of packed sequences through a converted copy.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
 from fp8_align.hf_training.bitwise import BitwiseForward
+from fp8_align.hf_training.convert import make_bitwise, set_kv_scales
 from fp8_align.hf_training.linear import FORWARD_KERNELS, STACKED_PROJECTIONS, Fp8TrainingLinear, apply_fp8_training, stacked_shard_sizes
 from fp8_align.hf_training.stacked import UnsupportedModelError
-
-#: Names served from `fp8_align.hf_training.convert`, imported when first asked for.
-_CONVERT_NAMES = ("make_bitwise", "set_kv_scales")
 
 __all__ = [
     "FORWARD_KERNELS",
@@ -32,9 +22,3 @@ __all__ = [
     "set_kv_scales",
     "stacked_shard_sizes",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CONVERT_NAMES:
-        return getattr(importlib.import_module("fp8_align.hf_training.convert"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,65 +1,46 @@
-"""The trainer half of `FP8Config(on_policy="bitwise")`: an HF Llama/Qwen2/Qwen3 model's forward run
-kernel for kernel as a bitwise vLLM engine runs it, so its token log-probs are the engine's bits.
-
-`BitwiseForward(model, cfg)` reads the model's own Parameters (optimizers, state dicts and weight
-sync see the usual tensors) and computes, over packed sequences: embedding, RMSNorm with the fused
-residual add, the projections stacked as vLLM stacks them (q|k|v, gate|up: one product each, with
-the same GEMM calls as the engine; block FP8 through the plugin's fixed-tile backend for the layers
-the recipe quantizes, vLLM's batch-invariant matmul for BF16 ones), RMSNorm of q/k per head (Qwen3),
-RoPE with the FP32 table, attention with vLLM's TRITON_ATTN kernel over a paged copy of K/V
-(BF16, or E4M3 with the engine's per-layer scales: `hf_training.attention`),
-SiLU-and-mul, the final norm, lm_head and the log-softmax of the sampler. With
-`tensor_parallel_size=2` it runs each engine rank's share as that rank does (vLLM's Megatron-style
-split: q|k|v and gate|up by output rows, o and down by input columns, embedding and lm_head by
-vocabulary range) and sums the row-parallel partial outputs as the engine's all-reduce does: one
-BF16 addition (`all_reduce_sum`). Each op is an autograd
-function whose forward is the engine's kernel and whose backward is the standard gradient of the
-op at the model's precision (BF16), as a BF16 trainer computes it: in closed form for the linears,
-the log-softmax and RoPE (the inverse rotation, no second forward); by autograd through torch's
-fused BF16 op at the same inputs for RMSNorm, SiLU-and-mul and attention (SDPA, flash on CUDA);
-FP8 projections: BF16 straight-through. So training runs at a BF16 trainer's cost.
-
-On CUDA the kernels are the engine's (fp8_align's Triton operators and vLLM's, via
-`vllm_plugin.compat.batch_invariant_kernels`); on CPU every op runs its pure-torch reference, which
-no CPU engine shares (a CPU engine refuses `on_policy="bitwise"`): the CPU path checks the plumbing.
+"""The trainer half of `FP8Config(on_policy="bitwise")` as one object: `BitwiseForward(model, cfg)`
+scores packed sequences with the engine's bits through a copy of the HF model converted by
+`make_bitwise` (`fp8_align.hf_training.convert`; the copy shares every Parameter with `model`,
+which stays as it is), then takes the engine sampler's log-softmax of the completion positions.
+The kernels, their gradients and the tensor-parallel layout are the converted model's
+(`bitwise_modules`, `engine_ops`, `stacked`): on CUDA the engine's, on CPU their pure-torch
+references, which no CPU engine shares (a CPU engine refuses `on_policy="bitwise"`): the CPU path
+checks the plumbing.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
-import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
-from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
-from fp8_align.hf_emulation import recipe_fp8_modules
-from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device, kv_scales_on_device
-from fp8_align.hf_training.engine_ops import (
-    engine_kernels, engine_op, fp8_gemm_for, fused_add_rms_norm_gradient_fn, inverse_rope_table, log_softmax_vjp, reference_kernels,
-    rms_norm_gradient_fn, silu_and_mul_gradient_fn,
-)  # fmt: skip
+from fp8_align.hf_training.attention import KVCacheScales, host_to_device
+from fp8_align.hf_training.bitwise_modules import BitwiseContext
+from fp8_align.hf_training.convert import make_bitwise, set_kv_scales
+from fp8_align.hf_training.engine_ops import EngineKernels, engine_op, log_softmax_vjp
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
-from fp8_align.hf_training.linear import STACKED_PROJECTIONS
-from fp8_align.hf_training.stacked import (
-    ROW_PARALLEL, Fp8Weights, StackedLinear, all_reduce_sum, check_bitwise_model, check_tensor_parallel_size, quantize_stacked,
-    stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
-)  # fmt: skip
+from fp8_align.hf_training.stacked import check_bitwise_model
+
+
+def parameter_sharing_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s modules that holds the same Parameter objects (gradients, optimizer
+    steps and weight syncs reach both; buffers are copied)."""
+    return copy.deepcopy(model, {id(p): p for p in model.parameters()})
 
 
 class BitwiseForward:
     """Token log-probs of packed sequences through the engine's kernels, with gradients.
 
     `model`: an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` in BF16 on one
-    device; `cfg`: the engine's FP8Config (`on_policy="bitwise"`; its recipe picks the FP8 layers).
-    Other model families raise UnsupportedModelError. With `cfg.kv_cache_dtype == "fp8"` the
-    forward needs the per-layer K/V scales the engine generated with: `kv_scales` here or
-    `set_kv_scales` (`{layer: {"k_scale", "v_scale"[, "q_scale"]}}`, as
-    `fp8_align.vllm_plugin.engine_kv_scales(llm)` returns them). `tensor_parallel_size`: the
-    engine's (one of `TENSOR_PARALLEL_SIZES`); it must divide the attention heads, the KV heads
+    device, left unchanged (a Parameter-sharing copy is converted); `cfg`: the engine's FP8Config
+    (`on_policy="bitwise"`; its recipe picks the FP8 layers). Other model families raise
+    UnsupportedModelError. With `cfg.kv_cache_dtype == "fp8"` the forward needs the per-layer K/V
+    scales the engine generated with: `kv_scales` here or `set_kv_scales`. `tensor_parallel_size`:
+    the engine's (one of `TENSOR_PARALLEL_SIZES`); it must divide the attention heads, the KV heads
     and the intermediate size (ValueError otherwise). The trainer itself stays on one device.
     """
 
@@ -68,149 +49,52 @@ class BitwiseForward:
     ) -> None:
         config = model.config.get_text_config()
         check_bitwise_model(config, cfg, "BitwiseForward")
-        check_tensor_parallel_size(config, tensor_parallel_size)
         self.model, self.cfg, self.config = model, cfg, config
+        self.converted = parameter_sharing_copy(model)
+        self.context: BitwiseContext = make_bitwise(self.converted, cfg, kv_scales=kv_scales, tensor_parallel_size=tensor_parallel_size)
         self.tensor_parallel_size = tensor_parallel_size
-        self.head_size = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        self.rope = RopeSpec.from_hf_config(config)
         self.device = next(model.parameters()).device
-        self.kernels = engine_kernels() if self.device.type == "cuda" else reference_kernels()
-        self.table = rope_table(self.rope, self.device)
-        self.inverse_table = inverse_rope_table(self.table)
-        self.fp8_names = {name for name, _ in (recipe_fp8_modules(model, cfg, config.num_hidden_layers) if cfg.precision == "fp8" else [])}
-        self.stacked = {
-            f"model.layers.{index}.{part}.{names[0]}": self._stacked_linear(f"model.layers.{index}.{part}", names)
-            for index in range(len(model.model.layers))
-            for part, names in (("self_attn", STACKED_PROJECTIONS[0]), ("self_attn", ("o_proj",)), ("mlp", STACKED_PROJECTIONS[1]), ("mlp", ("down_proj",)))
-        }  # fmt: skip
-        #: The scale rounding in the layer state of every FP8 product, built once (`cfg.rounding` builds one per call).
-        self.rounding = cfg.rounding
-        self.fp8_gemm = fp8_gemm_for(cfg, self.device, [model.get_submodule(name).weight for name in sorted(self.fp8_names)])
         self.vocab_size = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().out_features)
-        #: Per decoder layer, the FP8 KV-cache scales of the rollout being scored (None: not set yet).
-        self.kv_scales: dict[int, KVCacheScales] | None = None
-        if kv_scales is not None:
-            self.set_kv_scales(kv_scales)
+
+    @property
+    def kernels(self) -> EngineKernels:
+        """The forward kernels of the ops that are not fp8_align's own (BF16 linear, log-softmax, attention)."""
+        return self.context.kernels
+
+    @kernels.setter
+    def kernels(self, kernels: EngineKernels) -> None:
+        self.context.kernels = kernels
+
+    @property
+    def fp8_names(self) -> frozenset[str]:
+        """The HF names of the linears the recipe runs in FP8."""
+        return self.context.fp8_names
+
+    @property
+    def kv_scales(self) -> dict[int, KVCacheScales] | None:
+        """Per decoder layer, the FP8 KV-cache scales of the rollout being scored (None: not set yet)."""
+        return self.context.kv_scales
 
     def set_kv_scales(self, scales: Mapping[int, Mapping[str, float]]) -> None:
         """Score with the engine's FP8 KV-cache scales `scales` ({decoder layer: {"k_scale", "v_scale"
         [, "q_scale"]}}, FP32 amax / 448: what `engine_kv_scales(llm)` returns, or
-        `calibrate_kv_scales(...).scales`), the ones the rollout being scored was generated with.
-        Every decoder layer needs both scales; `q_scale` is accepted and not used (a bitwise engine
-        attends with BF16 queries). Raises ValueError for a BF16-cache config and KVScaleError
-        naming the layer or value otherwise; the scales in use do not change then."""
-        self.kv_scales = kv_scales_on_device(self.cfg.kv_cache_dtype, scales, self.config.num_hidden_layers, self.device, "BitwiseForward")
+        `calibrate_kv_scales(...).scales`), the ones the rollout being scored was generated with
+        (`convert.set_kv_scales`: ValueError for a BF16-cache config, KVScaleError naming the layer
+        or value otherwise; the scales in use do not change then)."""
+        set_kv_scales(self.converted, scales)
 
-    def _layer_kv_scales(self, index: int) -> KVCacheScales | None:
-        """Layer `index`'s FP8 KV-cache scales, or None for a BF16 cache."""
-        if self.cfg.kv_cache_dtype != "fp8":
-            return None
-        if self.kv_scales is None:
-            raise ValueError(
-                "FP8Config(kv_cache_dtype='fp8'): the trainer quantizes K/V as the engine did, with the per-layer scales "
-                "the rollout was generated with; call set_kv_scales(engine_kv_scales(llm)) (fp8_align.vllm_plugin) "
-                "after the scales were pushed or calibrated and before scoring"
-            )
-        return self.kv_scales[index]
-
-    def _stacked_linear(self, prefix: str, names: Sequence[str]) -> StackedLinear:
-        fp8 = {f"{prefix}.{name}" in self.fp8_names for name in names}
-        if len(fp8) > 1:
-            raise ValueError(f"{prefix}: {list(names)} are one layer in vLLM; the recipe quantizes only some of them")
-        modules = tuple(self.model.get_submodule(f"{prefix}.{name}") for name in names)
-        return StackedLinear(modules, tuple(m.out_features for m in modules), fp8.pop(), row_parallel=names[0] in ROW_PARALLEL)
-
-    def _fp8_weights(self) -> dict[str, Fp8Weights]:
-        """Per FP8 stacked layer, per engine rank: the codes and scales of the rank's slice of the
-        current weights (`quantize_stacked`, one grouped launch for the whole model)."""
-        keys = [key for key, layer in self.stacked.items() if layer.fp8]
-        return dict(zip(keys, quantize_stacked([self.stacked[key] for key in keys], self.tensor_parallel_size, self.rounding, self.device)))
-
-    # ------------------------------------------------------------------ ops
-    def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, Fp8Weights], rank: int = 0) -> torch.Tensor:
-        """Engine rank `rank`'s outputs of the stacked layer `key` on its input x [T, K_rank] (`stacked_product`)."""
-        return stacked_product(
-            self.stacked[key], x, rank, self.tensor_parallel_size, fp8_weights.get(key), self.rounding, self.fp8_gemm, self.kernels
-        )
-
-    def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:
-        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", self.config.rms_norm_eps)))
-        if residual is None:
-            return engine_op(functools.partial(torch.ops.fp8_align.bitwise_rms_norm, eps=eps), functools.partial(rms_norm_gradient_fn, eps=eps), x, norm.weight)
-        return engine_op(
-            functools.partial(torch.ops.fp8_align.bitwise_fused_add_rms_norm, eps=eps),
-            functools.partial(fused_add_rms_norm_gradient_fn, eps=eps), x, residual, norm.weight,
-        )  # fmt: skip
-
-    def _rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        size, rotary = self.head_size, self.rope.rotary_dim
-
-        def rotation(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return apply_rope(positions, q, self.table, size, rotary), apply_rope(positions, k, self.table, size, rotary)
-
-        def kernel(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.ops.fp8_align.bitwise_rope(positions, q, k, self.table, size, rotary)
-
-        def vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
-            grad_q, grad_k = (g.contiguous() for g in grads)
-            return torch.ops.fp8_align.bitwise_rope(positions, grad_q, grad_k, self.inverse_table, size, rotary)
-
-        return engine_op(kernel, rotation, q, k, vjp=vjp)
-
-    def _attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        """Layer `index`'s attention: forward through the engine's kernel (over its FP8 cache when
-        the config has one), backward the BF16 gradient at the unquantized K/V (straight through)."""
-        return engine_op(
-            functools.partial(self.kernels.attention, batch=batch, head_size=self.head_size, kv_scales=self._layer_kv_scales(index)),
-            functools.partial(attention_reference, batch=batch, head_size=self.head_size, compute_dtype=q.dtype), q, k, v,
-        )  # fmt: skip
-
-    def _layer(
-        self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, batch: PackedBatch,
-        fp8_weights: dict[str, Fp8Weights],
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        prefix, ranks = f"model.layers.{index}", range(self.tensor_parallel_size)
-        if residual is None:
-            residual, x = h, self._norm(h, layer.input_layernorm)
-        else:
-            x, residual = self._norm(h, layer.input_layernorm, residual)
-        attn = layer.self_attn
-        q_size, kv_size = (attn.q_proj.out_features // len(ranks), attn.k_proj.out_features // len(ranks))
-        partials = []
-        for rank in ranks:  # each rank: its heads' q|k|v, norms, RoPE, attention and o_proj partial sum
-            q, k, v = self._stacked(f"{prefix}.self_attn.q_proj", x, fp8_weights, rank).split([q_size, kv_size, kv_size], dim=-1)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of every head before RoPE
-                q = self._norm(q.reshape(q.shape[0], -1, self.head_size), attn.q_norm).reshape(q.shape)
-                k = self._norm(k.reshape(k.shape[0], -1, self.head_size), attn.k_norm).reshape(k.shape)
-            q, k = self._rope(batch.position, q, k)
-            partials.append(self._stacked(f"{prefix}.self_attn.o_proj", self._attention(index, q, k, v, batch), fp8_weights, rank))
-        x, residual = self._norm(all_reduce_sum(partials), layer.post_attention_layernorm, residual)
-        partials = []
-        for rank in ranks:  # each rank: its columns of gate|up, SiLU-and-mul and down_proj partial sum
-            gate_up = self._stacked(f"{prefix}.mlp.gate_proj", x, fp8_weights, rank)
-            act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, gate_up)
-            partials.append(self._stacked(f"{prefix}.mlp.down_proj", act, fp8_weights, rank))
-        return all_reduce_sum(partials), residual
-
-    # ------------------------------------------------------------------ public
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Final normed hidden states [sum(len), hidden] (BF16) of the packed `sequences` (token-id
         lists, each non-empty, ids in the vocabulary, at most the model's positions long; checked
         on the host before any kernel runs, ValueError naming the sequence otherwise)."""
-        check_sequences(sequences, self.vocab_size, self.rope.max_positions)
+        check_sequences(sequences, self.vocab_size, self.context.rope.max_positions)
         return self._hidden_states(sequences)
 
     def _hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        self._layer_kv_scales(0)  # an FP8-cache config without scales fails before any kernel runs
-        batch = PackedBatch.from_lengths([len(s) for s in sequences], self.device)
-        ids = host_to_device(torch.tensor([t for s in sequences for t in s], dtype=torch.long), self.device)
-        inner = self.model.model
-        fp8_weights = self._fp8_weights()
-        h = vocab_parallel_embedding(ids, self.model.model.embed_tokens.weight, self.tensor_parallel_size)
-        residual = None
-        for index, layer in enumerate(inner.layers):
-            h, residual = self._layer(index, layer, h, residual, batch, fp8_weights)
-        return self._norm(h, inner.norm, residual)[0]
+        self.context.layer_kv_scales(0)  # an FP8-cache config without scales fails before any kernel runs
+        ids = host_to_device(torch.tensor([[t for s in sequences for t in s]], dtype=torch.long), self.device)
+        positions = host_to_device(torch.cat([torch.arange(len(s)) for s in sequences])[None], self.device)
+        return self.converted.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
 
     def token_logprobs(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], chunk_rows: int = 2048, temperature: float = 1.0
@@ -224,7 +108,7 @@ class BitwiseForward:
         1.0 for vLLM's default `raw_logprobs`, which are taken before the temperature. Bad input
         raises ValueError naming the sequence and the limit before any kernel runs. lm_head and
         log-softmax run on `chunk_rows` rows at a time."""
-        check_sequences(sequences, self.vocab_size, self.rope.max_positions)
+        check_sequences(sequences, self.vocab_size, self.context.rope.max_positions)
         check_prompt_lens(sequences, prompt_lens)
         check_temperature(temperature)
         rows, targets, start = [], [], 0
@@ -238,7 +122,7 @@ class BitwiseForward:
         picked = []
         for chunk in range(0, row_index.numel(), chunk_rows):
             part = slice(chunk, chunk + chunk_rows)
-            logits = vocab_parallel_logits(hidden[row_index[part]], self.model.lm_head.weight, self.tensor_parallel_size, self.kernels)
+            logits = self.converted.lm_head(hidden[row_index[part]])
             if temperature != 1.0:
                 logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
             logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)

@@ -40,6 +40,8 @@ class BitwiseContext:
     table: torch.Tensor
     inverse_table: torch.Tensor
     num_layers: int
+    #: The HF names of the linears the recipe runs in FP8.
+    fp8_names: frozenset[str] = frozenset()
     kv_scales: dict[int, KVCacheScales] | None = None
     #: The packed layout of the forward in progress (`bitwise_attention` builds it once per forward).
     layout_cache: dict[str, Any] = field(default_factory=dict)

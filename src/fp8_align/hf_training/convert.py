@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
 from fp8_align.config import FP8Config
@@ -161,7 +159,11 @@ def bitwise_attention(
 def _register_attention() -> None:
     """`bitwise_attention` in transformers' attention interface and FlashAttention's mask convention
     (no mask, or the 2-D padding mask) in its mask interface, both under `ATTENTION_IMPLEMENTATION`
-    (registering again replaces the entry with the same function)."""
+    (registering again replaces the entry with the same function). transformers is imported here:
+    the models converted need it, fp8_align's core does not (`fp8-align doctor` runs without it)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, bitwise_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, flash_attention_mask)
 
@@ -198,7 +200,7 @@ def make_bitwise(
         cfg=cfg, rounding=cfg.rounding, kernels=engine_kernels() if device.type == "cuda" else reference_kernels(),
         fp8_gemm=fp8_gemm_for(cfg, device, [model.get_submodule(name).weight for name in sorted(fp8_names)]),
         tensor_parallel_size=tensor_parallel_size, head_size=head_size, rope=rope, table=table, inverse_table=inverse_rope_table(table),
-        num_layers=config.num_hidden_layers,
+        num_layers=config.num_hidden_layers, fp8_names=frozenset(fp8_names),
     )  # fmt: skip
 
     def fp8(prefix: str, names: tuple[str, ...]) -> bool:
