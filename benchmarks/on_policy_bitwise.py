@@ -5,7 +5,6 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
         [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--kv-cache-dtypes auto,fp8]
         [--batch-sizes 1,7,64,512] [--max-tokens 96] [--work /root/bitwise_work]
         [--logprobs-mode raw_logprobs|processed_logprobs] [--temperatures 1.0[,0.6]] [--tensor-parallel-size 1|2]
-        [--make-bitwise]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
@@ -29,10 +28,6 @@ the same bits at every batch size.
 starts each engine over both GPUs and scores with `BitwiseForward(..., tensor_parallel_size=2)` on
 GPU 0; each row also gives `max_abs_dlogp_unsharded_trainer`, the same tokens scored as one GPU's
 engine computes them, which shows what reproducing the ranks' partial sums is worth.
-
-`--make-bitwise` also scores every row with a second copy of the HF model converted by
-`fp8_align.hf_training.make_bitwise` (its own forward on the packed sequences, `ConvertedModel`):
-`max_abs_dlogp_make_bitwise` per row.
 """
 
 from __future__ import annotations
@@ -111,7 +106,7 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
 
 def run_one(
     model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path,
-    logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1, converted: bool = False,
+    logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows."""
     import torch
@@ -141,8 +136,6 @@ def run_one(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     trainer = BitwiseForward(model, cfg, kv_scales=scales, tensor_parallel_size=tensor_parallel_size)
     unsharded = BitwiseForward(model, cfg, kv_scales=scales) if tensor_parallel_size > 1 else None
-    converted_model = ConvertedModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(),
-                                     cfg, scales, tensor_parallel_size) if converted else None  # fmt: skip
     rows, invariance = [], []
     for sampling, temperature in [("greedy", 0.0)] + [("sampled", t) for t in temperatures]:
         # greedy requests' processed log-probs are taken before any temperature, as raw ones are
@@ -183,8 +176,6 @@ def run_one(
             })  # fmt: skip
             if unsharded is not None:
                 rows[-1]["max_abs_dlogp_unsharded_trainer"] = _metrics(flat_engine, _score(unsharded, sequences, prompt_lens, scored_at))[0]
-            if converted_model is not None:
-                rows[-1]["max_abs_dlogp_make_bitwise"] = _metrics(flat_engine, _score(converted_model, sequences, prompt_lens, scored_at))[0]
             print(json.dumps(rows[-1]), flush=True)
         invariance.append({
             "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
@@ -197,37 +188,6 @@ def run_one(
     gc.collect()
     name = f"{model_name}/{variant}/{kv_cache_dtype}"
     return {"rows": rows, "invariance": invariance, "engine_start_s": {name: round(engine_start_s, 1)}, "kv_scales": {name: scales}}
-
-
-class ConvertedModel:
-    """An HF model converted by `fp8_align.hf_training.make_bitwise`, scoring as `BitwiseForward`
-    does: the sequences packed into one row with `position_ids` restarting at 0, the model's own
-    forward (FP32 logits), the logits of the completion positions divided by an FP32 temperature
-    tensor (the engine's sampler), the engine's log-softmax (`BitwiseContext.kernels`)."""
-
-    def __init__(self, model: Any, cfg: Any, kv_scales: Any, tensor_parallel_size: int) -> None:
-        from fp8_align.hf_training import make_bitwise
-
-        self.model = model
-        self.context = make_bitwise(model, cfg, kv_scales=kv_scales, tensor_parallel_size=tensor_parallel_size)
-
-    def token_logprobs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[Any]:
-        import torch
-
-        device = self.model.lm_head.weight.device
-        ids = torch.tensor([[t for s in sequences for t in s]], device=device)
-        positions = torch.cat([torch.arange(len(s)) for s in sequences])[None].to(device)
-        rows, targets, start = [], [], 0
-        for seq, prompt in zip(sequences, prompt_lens):
-            rows += range(start + prompt - 1, start + len(seq) - 1)
-            targets += seq[prompt:]
-            start += len(seq)
-        hidden = self.model.model(input_ids=ids, position_ids=positions).last_hidden_state[0]
-        logits = self.model.lm_head(hidden[torch.tensor(rows, device=device)])
-        if temperature != 1.0:
-            logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=device)
-        logprobs = self.context.kernels.log_softmax(logits).gather(1, torch.tensor(targets, device=device)[:, None])[:, 0]
-        return list(logprobs.split([len(s) - p for s, p in zip(sequences, prompt_lens)]))
 
 
 def _score(trainer: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[float]:
@@ -268,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", default="1.0", help="sampling temperatures of the sampled rows (hf_training.inputs.check_temperature)")
     parser.add_argument("--tensor-parallel-size", type=int, choices=(1, 2), default=1,
                         help="the engine's (2: two GPUs, the trainer on GPU 0 scores each rank's share as that rank does)")
-    parser.add_argument("--make-bitwise", action="store_true",
-                        help="also score with the HF model converted by make_bitwise (its own forward): max_abs_dlogp_make_bitwise per row")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -285,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.one:
-        result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size,
-                         args.make_bitwise)  # fmt: skip
+        result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size)
         args.out.write_text(json.dumps(result))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
@@ -303,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         log = args.work / f"{model}_{variant}_{kv}.log"
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
                "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
-               "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size),
-               *(["--make-bitwise"] if args.make_bitwise else [])]  # fmt: skip
+               "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size)]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():
@@ -320,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=1))
         for row in result["rows"]:
             print(f"{model:12s} {variant:9s} kv={kv:4s} {row['sampling']:8s} T={row['temperature']:<4g} b={row['batch_size']:<4d} tokens={row['tokens']:<6d} "
-                  f"max|dlogp|={row['max_abs_dlogp']:.3g} mult={row['mult_prob_error']:.6f}"
-                  + (f" make_bitwise max|dlogp|={row['max_abs_dlogp_make_bitwise']:.3g}" if "max_abs_dlogp_make_bitwise" in row else ""),
-                  flush=True)  # fmt: skip
+                  f"max|dlogp|={row['max_abs_dlogp']:.3g} mult={row['mult_prob_error']:.6f}", flush=True)  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1))
     return 1 if report["failures"] else 0
 

@@ -229,23 +229,6 @@ def test_unsupported_models_and_configs_are_refused() -> None:
         make_bitwise(gpt2, FP8Config(on_policy="bitwise"))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_the_proofs_converted_model_scores_as_bitwise_forward(temperature: float) -> None:
-    """benchmarks/on_policy_bitwise.py --make-bitwise scores with `ConvertedModel`; on CPU its log-probs
-    are the reference's `token_logprobs` bits, at T = 1 and at a temperature (processed log-probs)."""
-    from benchmarks.on_policy_bitwise import ConvertedModel
-
-    cfg = FP8Config(on_policy="bitwise", precision="fp8")
-    model = tiny_hf_model("qwen3")
-    reference = ExplicitBitwiseForward(copy.deepcopy(model), cfg)
-    scorer = ConvertedModel(model, cfg, None, 1)
-    with torch.no_grad():
-        mine = scorer.token_logprobs(SEQUENCES, PROMPT_LENS, temperature)
-        theirs = reference.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=temperature)
-    assert [len(x) for x in mine] == [len(s) - p for s, p in zip(SEQUENCES, PROMPT_LENS)]
-    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
-
-
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_bitwise_forward_is_a_converted_copy_and_leaves_its_model(tensor_parallel_size: int) -> None:
     """`BitwiseForward` scores through a converted copy that shares the model's Parameters: the same
