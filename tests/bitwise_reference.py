@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
-from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
+from fp8_align.bitwise.reference import RopeSpec, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
 from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference, host_to_device, kv_scales_on_device
 from fp8_align.hf_training.engine_ops import (
-    engine_kernels, engine_op, fp8_gemm_for, fused_add_rms_norm_gradient_fn, inverse_rope_table, log_softmax_vjp, reference_kernels,
-    rms_norm_gradient_fn, silu_and_mul_gradient_fn,
+    completion_logprobs, engine_kernels, engine_op, engine_rope, fp8_gemm_for, fused_add_rms_norm_gradient_fn, inverse_rope_table,
+    reference_kernels, rms_norm_gradient_fn, silu_and_mul_gradient_fn,
 )  # fmt: skip
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
@@ -109,19 +109,7 @@ class ExplicitBitwiseForward:
         )  # fmt: skip
 
     def _rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        size, rotary = self.head_size, self.rope.rotary_dim
-
-        def rotation(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return apply_rope(positions, q, self.table, size, rotary), apply_rope(positions, k, self.table, size, rotary)
-
-        def kernel(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.ops.fp8_align.bitwise_rope(positions, q, k, self.table, size, rotary)
-
-        def vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
-            grad_q, grad_k = (g.contiguous() for g in grads)
-            return torch.ops.fp8_align.bitwise_rope(positions, grad_q, grad_k, self.inverse_table, size, rotary)
-
-        return engine_op(kernel, rotation, q, k, vjp=vjp)
+        return engine_rope(positions, q, k, self.table, self.inverse_table, self.head_size, self.rope.rotary_dim)
 
     def _attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """Layer `index`'s attention: forward through the engine's kernel (over its FP8 cache when
@@ -193,20 +181,5 @@ class ExplicitBitwiseForward:
         check_sequences(sequences, self.vocab_size, self.rope.max_positions)
         check_prompt_lens(sequences, prompt_lens)
         check_temperature(temperature)
-        rows, targets, start = [], [], 0
-        for seq, prompt in zip(sequences, prompt_lens):
-            rows.append(torch.arange(start + prompt - 1, start + len(seq) - 1))
-            targets.extend(seq[prompt:])
-            start += len(seq)
-        row_index = host_to_device(torch.cat(rows), self.device)
-        target = host_to_device(torch.tensor(targets, dtype=torch.long), self.device)
-        hidden = self._hidden_states(sequences)
-        picked = []
-        for chunk in range(0, row_index.numel(), chunk_rows):
-            part = slice(chunk, chunk + chunk_rows)
-            logits = vocab_parallel_logits(hidden[row_index[part]], self.model.lm_head.weight, self.tensor_parallel_size, self.kernels)
-            if temperature != 1.0:
-                logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
-            logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)
-            picked.append(logprobs.gather(1, target[part, None])[:, 0])
-        return list(torch.cat(picked).split([len(s) - p for s, p in zip(sequences, prompt_lens)]))
+        logits = functools.partial(vocab_parallel_logits, weight=self.model.lm_head.weight, tensor_parallel_size=self.tensor_parallel_size, kernels=self.kernels)
+        return completion_logprobs(self._hidden_states(sequences), sequences, prompt_lens, logits, self.kernels, temperature, chunk_rows)

@@ -11,7 +11,6 @@ checks the plumbing.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -21,7 +20,7 @@ from fp8_align.config import FP8Config
 from fp8_align.hf_training.attention import KVCacheScales, host_to_device
 from fp8_align.hf_training.bitwise_modules import BitwiseContext
 from fp8_align.hf_training.convert import make_bitwise, set_kv_scales
-from fp8_align.hf_training.engine_ops import EngineKernels, engine_op, log_softmax_vjp
+from fp8_align.hf_training.engine_ops import EngineKernels, completion_logprobs
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
 from fp8_align.hf_training.stacked import check_bitwise_model
 
@@ -111,20 +110,4 @@ class BitwiseForward:
         check_sequences(sequences, self.vocab_size, self.context.rope.max_positions)
         check_prompt_lens(sequences, prompt_lens)
         check_temperature(temperature)
-        rows, targets, start = [], [], 0
-        for seq, prompt in zip(sequences, prompt_lens):
-            rows.append(torch.arange(start + prompt - 1, start + len(seq) - 1))
-            targets.extend(seq[prompt:])
-            start += len(seq)
-        row_index = host_to_device(torch.cat(rows), self.device)
-        target = host_to_device(torch.tensor(targets, dtype=torch.long), self.device)
-        hidden = self._hidden_states(sequences)
-        picked = []
-        for chunk in range(0, row_index.numel(), chunk_rows):
-            part = slice(chunk, chunk + chunk_rows)
-            logits = self.converted.lm_head(hidden[row_index[part]])
-            if temperature != 1.0:
-                logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
-            logprobs = engine_op(self.kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)
-            picked.append(logprobs.gather(1, target[part, None])[:, 0])
-        return list(torch.cat(picked).split([len(s) - p for s, p in zip(sequences, prompt_lens)]))
+        return completion_logprobs(self._hidden_states(sequences), sequences, prompt_lens, self.converted.lm_head, self.kernels, temperature, chunk_rows)

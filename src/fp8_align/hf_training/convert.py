@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8_align.bitwise.reference import RopeSpec, apply_rope, rope_table
+from fp8_align.bitwise.reference import RopeSpec, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
 from fp8_align.hf_training.attention import PackedBatch, attention_reference, kv_scales_on_device
 from fp8_align.hf_training.bitwise_modules import (
     BitwiseContext, BitwiseMLP, EngineLMHead, EngineProjection, EngineRMSNorm, IdentityRotary, ProjectionGroup, VocabParallelEmbedding,
 )  # fmt: skip
-from fp8_align.hf_training.engine_ops import engine_kernels, engine_op, fp8_gemm_for, inverse_rope_table, reference_kernels
+from fp8_align.hf_training.engine_ops import engine_kernels, engine_op, engine_rope, fp8_gemm_for, inverse_rope_table, reference_kernels
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
 from fp8_align.hf_training.stacked import UnsupportedModelError, check_bitwise_model, check_tensor_parallel_size
 
@@ -93,24 +93,6 @@ def _layout(context: BitwiseContext, attention_mask: torch.Tensor | None, positi
     return layout
 
 
-def _rope(context: BitwiseContext, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's RoPE of q [T, Hq * D] and k [T, Hk * D] at `positions` [T] (FP32 table), with
-    the inverse rotation as its backward."""
-    size, rotary = context.head_size, context.rope.rotary_dim
-
-    def rotation(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rope(positions, q, context.table, size, rotary), apply_rope(positions, k, context.table, size, rotary)
-
-    def kernel(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.fp8_align.bitwise_rope(positions, q, k, context.table, size, rotary)
-
-    def vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
-        grad_q, grad_k = (g.contiguous() for g in grads)
-        return torch.ops.fp8_align.bitwise_rope(positions, grad_q, grad_k, context.inverse_table, size, rotary)
-
-    return engine_op(kernel, rotation, q, k, vjp=vjp)
-
-
 def bitwise_attention(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
@@ -144,7 +126,8 @@ def bitwise_attention(
     q_width, kv_width = q.shape[1] // tp, k.shape[1] // tp
     outputs = []
     for rank in range(tp):  # each rank: its heads' RoPE and attention
-        rq, rk = _rope(context, layout.batch.position, q[:, rank * q_width : (rank + 1) * q_width], k[:, rank * kv_width : (rank + 1) * kv_width])
+        rq, rk = engine_rope(layout.batch.position, q[:, rank * q_width : (rank + 1) * q_width], k[:, rank * kv_width : (rank + 1) * kv_width],
+                             context.table, context.inverse_table, size, context.rope.rotary_dim)  # fmt: skip
         rv = v[:, rank * kv_width : (rank + 1) * kv_width]
         outputs.append(engine_op(
             lambda q, k, v: context.kernels.attention(q, k, v, batch=layout.batch, head_size=size, kv_scales=context.layer_kv_scales(index)),

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fp8_align.hf_training.attention import attention_reference, paged_triton_attention
+from fp8_align.bitwise.reference import apply_rope
+from fp8_align.hf_training.attention import attention_reference, host_to_device, paged_triton_attention
 from fp8_align.config import FP8Config
 from fp8_align.hf_training.linear import bf16_straight_through
 from fp8_align.rounding import Rounding
@@ -165,3 +166,50 @@ def fp8_gemm_for(cfg: FP8Config, device: torch.device, fp8_weights: Sequence[tor
         return lambda layer, x, bias: emulated_block_fp8_linear(x, layer.weight, layer, bias)
     weight = fp8_weights[0]
     return select_kernel(cfg, weight.shape, [weight.shape[0]], device, weight.dtype).apply
+
+
+def engine_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, inverse_table: torch.Tensor, head_size: int, rotary_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's RoPE (`bitwise_rope`, FP32 `table`) of q [T, Hq * D] and k [T, Hk * D] at
+    `positions` [T]; backward: the same kernel with `inverse_table` (`inverse_rope_table`), the
+    exact transpose of the rotation."""
+
+    def rotation(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(positions, q, table, head_size, rotary_dim), apply_rope(positions, k, table, head_size, rotary_dim)
+
+    def kernel(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.fp8_align.bitwise_rope(positions, q, k, table, head_size, rotary_dim)
+
+    def vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+        grad_q, grad_k = (g.contiguous() for g in grads)
+        return torch.ops.fp8_align.bitwise_rope(positions, grad_q, grad_k, inverse_table, head_size, rotary_dim)
+
+    return engine_op(kernel, rotation, q, k, vjp=vjp)
+
+
+def completion_logprobs(
+    hidden: torch.Tensor, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    kernels: EngineKernels, temperature: float = 1.0, chunk_rows: int = 2048,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Per sequence, FP32 [len - prompt_len] log-probs of its completion tokens, as the engine's
+    sampler returns them, from `hidden` [sum(len), H] (the packed sequences' final hidden states):
+    `logits_fn` (lm_head -> FP32 logits) on each position that predicts a completion token,
+    `chunk_rows` rows at a time, divided by an FP32 `temperature` tensor when it is not 1 (vLLM's
+    sampler), then the engine's log-softmax (backward: autograd's formula)."""
+    rows, targets, start = [], [], 0
+    for seq, prompt in zip(sequences, prompt_lens):
+        rows.append(torch.arange(start + prompt - 1, start + len(seq) - 1))
+        targets.extend(seq[prompt:])
+        start += len(seq)
+    row_index = host_to_device(torch.cat(rows), hidden.device)
+    target = host_to_device(torch.tensor(targets, dtype=torch.long), hidden.device)
+    picked = []
+    for chunk in range(0, row_index.numel(), chunk_rows):
+        part = slice(chunk, chunk + chunk_rows)
+        logits = logits_fn(hidden[row_index[part]])
+        if temperature != 1.0:
+            logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
+        logprobs = engine_op(kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)
+        picked.append(logprobs.gather(1, target[part, None])[:, 0])
+    return list(torch.cat(picked).split([len(s) - p for s, p in zip(sequences, prompt_lens)]))
