@@ -169,15 +169,7 @@ class ExplicitBitwiseForward:
     def token_logprobs(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], chunk_rows: int = 2048, temperature: float = 1.0
     ) -> list[torch.Tensor]:
-        """Per sequence, FP32 [len - prompt_len] log-probs of its tokens after the prompt, each given
-        its prefix, as the engine's sampler returns them (`logprobs` of the sampled tokens).
-        `sequences` as `hidden_states` takes them; one `prompt_lens` entry per sequence, each in
-        1..len - 1 (every sequence has at least one completion token). `temperature`: the sampling
-        temperature of an engine started with `logprobs_mode="processed_logprobs"` (log-probs of the
-        FP32 logits divided by an FP32 temperature tensor, as vLLM's sampler divides; no top-k/top-p);
-        1.0 for vLLM's default `raw_logprobs`, which are taken before the temperature. Bad input
-        raises ValueError naming the sequence and the limit before any kernel runs. lm_head and
-        log-softmax run on `chunk_rows` rows at a time."""
+        """`BitwiseForward.token_logprobs`' contract, from this forward's hidden states and lm_head products."""
         check_sequences(sequences, self.vocab_size, self.rope.max_positions)
         check_prompt_lens(sequences, prompt_lens)
         check_temperature(temperature)
