@@ -1,0 +1,76 @@
+"""`make_bitwise` under PyTorch's FSDP2 (`fully_shard`), as FSDP stacks train: two CPU processes
+(gloo), each decoder layer and the root sharded over both, BF16 weights all-gathered before each
+layer's forward and gradients reduce-scattered after its backward. On every rank the converted
+model's log-probs equal the unsharded converted model's bit for bit, and so does every
+parameter's gradient (both ranks score the same sequences, so the averaged BF16 gradient is the
+unsharded one exactly). Runs the CPU reference ops; the sharding plumbing is what is checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+
+from fp8_align.config import FP8Config
+from fp8_align.hf_training import make_bitwise
+from tests.model_factory import tiny_hf_model
+
+WORLD_SIZE = 2
+SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
+PROMPT_LENS = [3, 10, 2]
+
+
+def _completion_logprobs(model: torch.nn.Module) -> torch.Tensor:
+    """The completion tokens' log-probs of SEQUENCES packed into one row, from the model's logits."""
+    ids = torch.tensor([[t for s in SEQUENCES for t in s]])
+    positions = torch.cat([torch.arange(len(s)) for s in SEQUENCES])[None]
+    logprobs = torch.log_softmax(model(input_ids=ids, position_ids=positions).logits[0], dim=-1)
+    picked, start = [], 0
+    for seq, prompt in zip(SEQUENCES, PROMPT_LENS):
+        picked.append(logprobs[start + prompt - 1 : start + len(seq) - 1].gather(1, torch.tensor(seq[prompt:])[:, None])[:, 0])
+        start += len(seq)
+    return torch.cat(picked)
+
+
+def _rank(rank: int, port: int, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        cfg = FP8Config(on_policy="bitwise", precision="fp8")
+        model = tiny_hf_model("qwen3")
+        reference = copy.deepcopy(model)
+        make_bitwise(model, cfg)
+        make_bitwise(reference, cfg)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        sharded = _completion_logprobs(model)
+        sharded.sum().backward()
+        unsharded = _completion_logprobs(reference)
+        unsharded.sum().backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        want = {name: p.grad for name, p in reference.named_parameters()}
+        torch.save({
+            "logprobs_equal": torch.equal(sharded.detach(), unsharded.detach()),
+            "unequal_grads": sorted(name for name in want if not torch.equal(grads[name], want[name])),
+            "names_equal": grads.keys() == want.keys(),
+        }, out / f"rank{rank}.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_model_gives_the_unsharded_bits_and_gradients(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_rank, args=(port, tmp_path), nprocs=WORLD_SIZE)
+    for rank in range(WORLD_SIZE):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["logprobs_equal"], rank
+        assert result["names_equal"], rank
+        assert result["unequal_grads"] == [], (rank, result["unequal_grads"])
