@@ -68,15 +68,10 @@ class ExplicitBitwiseForward:
         self.kv_scales = kv_scales_on_device(self.cfg.kv_cache_dtype, scales, self.config.num_hidden_layers, self.device, "reference")
 
     def _layer_kv_scales(self, index: int) -> KVCacheScales | None:
-        """Layer `index`'s FP8 KV-cache scales, or None for a BF16 cache."""
+        """Layer `index`'s FP8 KV-cache scales (set before scoring), or None for a BF16 cache."""
         if self.cfg.kv_cache_dtype != "fp8":
             return None
-        if self.kv_scales is None:
-            raise ValueError(
-                "FP8Config(kv_cache_dtype='fp8'): the trainer quantizes K/V as the engine did, with the per-layer scales "
-                "the rollout was generated with; call set_kv_scales(engine_kv_scales(llm)) (fp8_align.vllm_plugin) "
-                "after the scales were pushed or calibrated and before scoring"
-            )
+        assert self.kv_scales is not None, "the reference scores an FP8 cache with the scales it was given"
         return self.kv_scales[index]
 
     def _stacked_linear(self, prefix: str, names: Sequence[str]) -> StackedLinear:

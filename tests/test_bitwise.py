@@ -26,6 +26,7 @@ from fp8_align.config import FP8ConfigError
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError
 from fp8_align.hf_training import bitwise_modules, convert, engine_ops, stacked
 from tests.model_factory import tiny_hf_model
+from tests.packed_sequences import PROMPT_LENS, SEQUENCES
 
 BITWISE = FP8Config(on_policy="bitwise")
 
@@ -265,8 +266,6 @@ def test_triton_kernels_match_references_and_do_not_depend_on_the_batch() -> Non
 
 
 # --------------------------------------------------------------------------- trainer forward
-SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
-PROMPT_LENS = [3, 10, 2]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

@@ -20,22 +20,15 @@ from torch.distributed.fsdp import fully_shard
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import make_bitwise
 from tests.model_factory import tiny_hf_model
+from tests.packed_sequences import PROMPT_LENS, SEQUENCES, completion_logprobs_from_logits, packed_inputs, packed_rows
 
 WORLD_SIZE = 2
-SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
-PROMPT_LENS = [3, 10, 2]
 
 
 def _completion_logprobs(model: torch.nn.Module) -> torch.Tensor:
     """The completion tokens' log-probs of SEQUENCES packed into one row, from the model's logits."""
-    ids = torch.tensor([[t for s in SEQUENCES for t in s]])
-    positions = torch.cat([torch.arange(len(s)) for s in SEQUENCES])[None]
-    logprobs = torch.log_softmax(model(input_ids=ids, position_ids=positions).logits[0], dim=-1)
-    picked, start = [], 0
-    for seq, prompt in zip(SEQUENCES, PROMPT_LENS):
-        picked.append(logprobs[start + prompt - 1 : start + len(seq) - 1].gather(1, torch.tensor(seq[prompt:])[:, None])[:, 0])
-        start += len(seq)
-    return torch.cat(picked)
+    logits = model(**packed_inputs(SEQUENCES)).logits[0]
+    return completion_logprobs_from_logits(logits, SEQUENCES, PROMPT_LENS, packed_rows(SEQUENCES))
 
 
 def _rank(rank: int, port: int, out: Path) -> None:

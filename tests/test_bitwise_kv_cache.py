@@ -21,10 +21,9 @@ from fp8_align.hf_training import BitwiseForward
 from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference
 from fp8_align.vllm_plugin.kv.scales import KVScaleError
 from tests.model_factory import tiny_hf_model
+from tests.packed_sequences import PROMPT_LENS, SEQUENCES
 
 FP8_KV = FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")
-SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
-PROMPT_LENS = [3, 10, 2]
 
 
 def _e4m3_values() -> torch.Tensor:

@@ -27,33 +27,12 @@ from fp8_align.hf_training import BitwiseForward, UnsupportedModelError, make_bi
 from fp8_align.vllm_plugin.kv.scales import KVScaleError
 from tests.bitwise_reference import ExplicitBitwiseForward
 from tests.model_factory import tiny_hf_model
+from tests.packed_sequences import PROMPT_LENS, SEQUENCES, completion_logprobs_from_logits, packed_inputs, packed_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-SEQUENCES = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 33, 5)]
-PROMPT_LENS = [3, 10, 2]
 #: FP8 KV-cache scales of the 2-layer test models (FP32 amax / 448 of K/V of order 1).
 KV_SCALES = {layer: {"k_scale": 0.004 + 0.001 * layer, "v_scale": 0.003} for layer in range(2)}
-
-
-def _packed(sequences: list[list[int]]) -> dict[str, torch.Tensor]:
-    """One row of the sequences side by side, positions restarting at 0 (verl's remove-padding)."""
-    return {
-        "input_ids": torch.tensor([[t for s in sequences for t in s]]),
-        "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None],
-    }
-
-
-def _token_logprobs(logits: torch.Tensor, sequences: list[list[int]], prompt_lens: list[int], rows: list[list[int]]) -> torch.Tensor:
-    """The completion tokens' log-probs from `logits` [N, V] (FP32) whose rows `rows[i]` are sequence i's tokens, in order."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    picked = [logprobs[row[p - 1 : len(s) - 1], s[p:]] for s, p, row in zip(sequences, prompt_lens, rows)]
-    return torch.cat(picked)
-
-
-def _packed_rows(sequences: list[list[int]]) -> list[list[int]]:
-    starts = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).tolist()
-    return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
 
 
 def _converted(kind: str, cfg: FP8Config, tensor_parallel_size: int = 1, kv_scales: dict | None = None) -> tuple[torch.nn.Module, ExplicitBitwiseForward]:
@@ -70,11 +49,11 @@ def _converted(kind: str, cfg: FP8Config, tensor_parallel_size: int = 1, kv_scal
 def test_packed_forward_is_bitwise_forwards(kind: str, precision: str, tensor_parallel_size: int) -> None:
     model, reference = _converted(kind, FP8Config(on_policy="bitwise", precision=precision), tensor_parallel_size)
     with torch.no_grad():
-        hidden = model.model(**_packed(SEQUENCES)).last_hidden_state[0]
-        logits = model(**_packed(SEQUENCES)).logits[0]
+        hidden = model.model(**packed_inputs(SEQUENCES)).last_hidden_state[0]
+        logits = model(**packed_inputs(SEQUENCES)).logits[0]
         assert logits.dtype == torch.float32
         assert torch.equal(hidden, reference.hidden_states(SEQUENCES))
-        mine = _token_logprobs(logits, SEQUENCES, PROMPT_LENS, _packed_rows(SEQUENCES))
+        mine = completion_logprobs_from_logits(logits, SEQUENCES, PROMPT_LENS, packed_rows(SEQUENCES))
         assert torch.equal(mine, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)))
 
 
@@ -82,18 +61,18 @@ def test_fp8_kv_cache_forward_is_bitwise_forwards_and_needs_the_scales() -> None
     cfg = FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")
     model, reference = _converted("qwen3", cfg, kv_scales=KV_SCALES)
     with torch.no_grad():
-        assert torch.equal(model.model(**_packed(SEQUENCES)).last_hidden_state[0], reference.hidden_states(SEQUENCES))
+        assert torch.equal(model.model(**packed_inputs(SEQUENCES)).last_hidden_state[0], reference.hidden_states(SEQUENCES))
         bf16_cache, _ = _converted("qwen3", FP8Config(on_policy="bitwise"))
-        assert not torch.equal(model.model(**_packed(SEQUENCES)).last_hidden_state, bf16_cache.model(**_packed(SEQUENCES)).last_hidden_state)
+        assert not torch.equal(model.model(**packed_inputs(SEQUENCES)).last_hidden_state, bf16_cache.model(**packed_inputs(SEQUENCES)).last_hidden_state)
     unset = tiny_hf_model("qwen3")
     make_bitwise(unset, cfg)
     with pytest.raises(ValueError, match=re.escape("call set_kv_scales(model, engine_kv_scales(llm))")):
-        unset(**_packed(SEQUENCES))
+        unset(**packed_inputs(SEQUENCES))
     with pytest.raises(KVScaleError, match=re.escape("missing [1]")):
         set_kv_scales(unset, {0: KV_SCALES[0]})
     set_kv_scales(unset, KV_SCALES)
     with torch.no_grad():
-        assert torch.equal(unset.model(**_packed(SEQUENCES)).last_hidden_state[0], reference.hidden_states(SEQUENCES))
+        assert torch.equal(unset.model(**packed_inputs(SEQUENCES)).last_hidden_state[0], reference.hidden_states(SEQUENCES))
     with pytest.raises(ValueError, match="K/V scales apply to an FP8 KV cache"):
         set_kv_scales(bf16_cache, KV_SCALES)
 
@@ -116,7 +95,7 @@ def test_padded_batches_give_the_packed_bits(side: str) -> None:
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits.reshape(-1, 1000)
-    mine = _token_logprobs(logits, SEQUENCES, PROMPT_LENS, rows)
+    mine = completion_logprobs_from_logits(logits, SEQUENCES, PROMPT_LENS, rows)
     assert torch.equal(mine, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)))
 
 
@@ -125,8 +104,8 @@ def test_micro_batches_give_bitwise_forwards_bits_per_micro_batch() -> None:
     for chosen in (slice(0, 1), slice(1, 3)):
         part, prompts = SEQUENCES[chosen], PROMPT_LENS[chosen]
         with torch.no_grad():
-            logits = model(**_packed(part)).logits[0]
-        assert torch.equal(_token_logprobs(logits, part, prompts, _packed_rows(part)), torch.cat(reference.token_logprobs(part, prompts)))
+            logits = model(**packed_inputs(part)).logits[0]
+        assert torch.equal(completion_logprobs_from_logits(logits, part, prompts, packed_rows(part)), torch.cat(reference.token_logprobs(part, prompts)))
 
 
 def _gradients(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -144,7 +123,7 @@ def test_gradient_checkpointing_gives_the_same_bits_and_gradients() -> None:
     model.train()
 
     def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logprobs = _token_logprobs(model(**_packed(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, _packed_rows(SEQUENCES))
+        logprobs = completion_logprobs_from_logits(model(**packed_inputs(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, packed_rows(SEQUENCES))
         return logprobs.detach(), _gradients(model, logprobs.sum())
 
     plain_logprobs, plain = run()
@@ -170,7 +149,7 @@ def test_gradients_are_bitwise_forwards(precision: str, tensor_parallel_size: in
     reference_model = copy.deepcopy(model)
     reference = ExplicitBitwiseForward(reference_model, cfg, tensor_parallel_size=tensor_parallel_size)
     make_bitwise(model, cfg, tensor_parallel_size=tensor_parallel_size)
-    mine = _gradients(model, _token_logprobs(model(**_packed(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, _packed_rows(SEQUENCES)).sum())
+    mine = _gradients(model, completion_logprobs_from_logits(model(**packed_inputs(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, packed_rows(SEQUENCES)).sum())
     theirs = _gradients(reference_model, torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS)).sum())
     assert mine.keys() == theirs.keys() == {name for name, _ in model.named_parameters()}
     for name, grad in mine.items():
@@ -238,7 +217,7 @@ def test_bitwise_forward_is_a_converted_copy_and_leaves_its_model(tensor_paralle
     model = tiny_hf_model("qwen3")
     modules_before = [type(m) for m in model.modules()]
     with torch.no_grad():
-        hf_logits = model(**_packed(SEQUENCES)).logits
+        hf_logits = model(**packed_inputs(SEQUENCES)).logits
     reference_model = copy.deepcopy(model)
     reference = ExplicitBitwiseForward(reference_model, cfg, kv_scales=KV_SCALES, tensor_parallel_size=tensor_parallel_size)
     forward = BitwiseForward(model, cfg, kv_scales=KV_SCALES, tensor_parallel_size=tensor_parallel_size)
@@ -252,4 +231,4 @@ def test_bitwise_forward_is_a_converted_copy_and_leaves_its_model(tensor_paralle
             assert torch.equal(grad, theirs[name]), name
     assert [type(m) for m in model.modules()] == modules_before
     with torch.no_grad():
-        assert torch.equal(model(**_packed(SEQUENCES)).logits, hf_logits)
+        assert torch.equal(model(**packed_inputs(SEQUENCES)).logits, hf_logits)

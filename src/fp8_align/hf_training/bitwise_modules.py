@@ -149,14 +149,14 @@ class BitwiseMLP(nn.Module):
         tp = ctx.tensor_parallel_size
         gate_up = StackedLinear((self.gate_proj, self.up_proj), (self.gate_proj.out_features, self.up_proj.out_features), self.fp8, False)
         down = StackedLinear((self.down_proj,), (self.down_proj.out_features,), self.down_fp8, True)
-        fp8_layers = [layer for layer in (gate_up, down) if layer.fp8]
-        quantized = dict(zip(map(id, fp8_layers), quantize_stacked(fp8_layers, tp, ctx.rounding, x.device))) if fp8_layers else {}
+        quantized = iter(quantize_stacked([layer for layer in (gate_up, down) if layer.fp8], tp, ctx.rounding, x.device))
+        gate_up_fp8, down_fp8 = (next(quantized) if layer.fp8 else None for layer in (gate_up, down))
         x2 = x.reshape(-1, x.shape[-1])
         partials = []
         for rank in range(tp):
-            both = stacked_product(gate_up, x2, rank, tp, quantized.get(id(gate_up)), ctx.rounding, ctx.fp8_gemm, ctx.kernels)
+            both = stacked_product(gate_up, x2, rank, tp, gate_up_fp8, ctx.rounding, ctx.fp8_gemm, ctx.kernels)
             act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, both)
-            partials.append(stacked_product(down, act, rank, tp, quantized.get(id(down)), ctx.rounding, ctx.fp8_gemm, ctx.kernels))
+            partials.append(stacked_product(down, act, rank, tp, down_fp8, ctx.rounding, ctx.fp8_gemm, ctx.kernels))
         out = all_reduce_sum(partials)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
