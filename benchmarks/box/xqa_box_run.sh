@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -20,8 +20,10 @@
 # `--batch fp8_align_kv_dg=512 --attention-backend FLASHINFER --model-runner v2` on 0.25.1).
 # tests-tp: tests/test_gpu_tp.py and tests/test_gpu_stack_sync_tp.py over every visible GPU (carry .whl/site from
 # benchmarks/box/build_stack_site.sh; their Ray cases need FP8_ALIGN_GPUKIT=.gpukit_ray); not inside a par chain; killed after
-# $TESTS_TP_TIMEOUT seconds (default 600); tests-tp=FILE[,FILE...]: those files, one pytest (and time limit) each.
+# $TESTS_TP_TIMEOUT seconds (default 600); tests-tp=FILE[,FILE...]: those files, one pytest (and time limit) each;
+# $TESTS_TP_ARGS: more pytest arguments for each (no spaces inside one, e.g. --deselect=NODE).
 # proof-tp: benchmarks/on_policy_bitwise.py --tensor-parallel-size 2 (the 4-layer Qwen3-8B shape; $PROOF_TP_ARGS) over both GPUs.
+# proof: the same on GPU 0 at tensor parallel size 1 ($PROOF_ARGS); the 4-layer Qwen3-8B shape needs no staged model.
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -148,7 +150,7 @@ while [ $# -gt 0 ]; do
         name="pytest_tp"; [ -n "$files" ] && name="pytest_$(basename "$run" .py)"
         # shellcheck disable=SC2086
         PYTHONPATH="$PWD/.whl/site:${PYTHONPATH:-}" timeout "${TESTS_TP_TIMEOUT:-600}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s \
-          --basetemp "/root/pt_$name" $run > "$out/$name.txt" 2>&1
+          --basetemp "/root/pt_$name" ${TESTS_TP_ARGS:-} $run > "$out/$name.txt" 2>&1
         echo "$run rc=$?"; grep -E "passed|failed|skipped|Error|error" "$out/$name.txt" | grep -v INFO | tail -25
       done ;;
     proof-tp)
@@ -158,6 +160,12 @@ while [ $# -gt 0 ]; do
         --work /root/bitwise_tp_work ${PROOF_TP_ARGS:-} > "$out/on_policy_bitwise_tp2.log" 2>&1
       echo "rc=$?"; tail -30 "$out/on_policy_bitwise_tp2.log"
       tail -c 20000 /root/bitwise_tp_work/*.log > "$out/bitwise_tp_engine_logs.txt" 2>/dev/null; true ;;
+    proof)
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=0 python3 benchmarks/on_policy_bitwise.py --out "$out/on_policy_bitwise.json" --models qwen3-8b-4l \
+        --work /root/bitwise_work ${PROOF_ARGS:-} > "$out/on_policy_bitwise.log" 2>&1
+      echo "rc=$?"; tail -30 "$out/on_policy_bitwise.log"
+      tail -c 20000 /root/bitwise_work/*.log > "$out/bitwise_engine_logs.txt" 2>/dev/null; true ;;
     tests-fi|tests-mla)
       # one test file alone (tests takes ~14 minutes on vLLM 0.25: give its slowest file a GPU of its own)
       file=tests/test_gpu_flashinfer_scales.py; [ "$stage" = tests-mla ] && file=tests/test_gpu_mla.py

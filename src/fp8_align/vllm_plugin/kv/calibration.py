@@ -34,6 +34,7 @@ import torch
 from fp8_align.quant.scales import scale_from_amax
 from fp8_align.vllm_plugin.kv.probe import attention_probe, probe_attention, unprobe_attention
 from fp8_align.vllm_plugin.kv.scales import KVScales, attention_layers, push_kv_scales
+from fp8_align.vllm_plugin.worker_calls import call_workers
 
 #: Per-layer amaxes: {layer: {"k_amax", "v_amax"[, "q_amax"]}}, in the activations' units.
 KVAmaxes = dict[int, dict[str, float]]
@@ -75,10 +76,10 @@ def calibrate_kv_scales(llm: Any, prompts: Sequence[Sequence[int]], *, include_q
     _check_lengths(batch, model_config.max_model_len)
     tokens = sum(len(prompt) for prompt in batch)
     try:
-        llm.collective_rpc(_start_in_worker, args=(include_q,))
+        call_workers(llm, _start_in_worker, (include_q,))
         _run_batch(llm, batch)
     finally:
-        observed = llm.collective_rpc(_stop_in_worker)
+        observed = call_workers(llm, _stop_in_worker)
     worker_amaxes = [_check_observation(rank, observation, tokens, include_q) for rank, observation in enumerate(observed)]
     amaxes = _max_over_workers(worker_amaxes)
     scales = _scales(amaxes)

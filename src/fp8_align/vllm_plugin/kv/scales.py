@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from fp8_align.vllm_plugin.kv.flashinfer_scales import unread_scales_reason
+from fp8_align.vllm_plugin.worker_calls import call_workers
 
 #: Scale names a layer may carry; the first two are required.
 REQUIRED_KEYS = ("k_scale", "v_scale")
@@ -54,19 +55,19 @@ def push_kv_scales(llm: Any, scales: Mapping[int, Mapping[str, float]]) -> None:
     """Write `scales` ({layer index: {"k_scale", "v_scale"[, "q_scale"]}}, FP32 amax/448) into every
     attention layer of every worker of `llm` (a `vllm.LLM`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1).
 
-    Raises KVScaleError for a bad value or key here, and (re-raised by vLLM) when the layer set
-    differs from the engine's attention layers. Clears the prefix cache: its FP8 KV entries were
+    Raises KVScaleError for a bad value or key here, and (raised in the workers, then here after
+    every worker replied) when the layer set differs from the engine's attention layers. Clears the prefix cache: its FP8 KV entries were
     stored with the old scales.
     """
     payload = validate_kv_scales(scales)
-    llm.collective_rpc(_push_kv_scales_in_worker, args=(payload,))
+    call_workers(llm, _push_kv_scales_in_worker, (payload,))
     llm.reset_prefix_cache()
 
 
 def read_kv_scales(llm: Any) -> list[KVScales]:
     """Per worker: {layer index: {"k_scale", "v_scale", "q_scale"}} as the attention layers hold them
     (the FP32 buffers; `push_kv_scales` keeps the host copies equal)."""
-    return llm.collective_rpc(_read_kv_scales_in_worker)
+    return call_workers(llm, _read_kv_scales_in_worker)
 
 
 def engine_kv_scales(llm: Any) -> KVScales:

@@ -73,6 +73,7 @@ from fp8_align.vllm_plugin.refit.experts import (
     unfuse_expert_tensors,
 )
 from fp8_align.vllm_plugin.refit.transport import received_update, staged_update
+from fp8_align.vllm_plugin.worker_calls import call_workers
 
 
 @dataclass(frozen=True)
@@ -130,15 +131,16 @@ def refit_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.PathL
         or a directory of them. CUDA tensors are shared with the workers through CUDA IPC (same
         machine; each worker must see the tensor's GPU under the same device index, as with one
         GPU); CPU tensors are staged as one safetensors file under /dev/shm.
-    Returns one `RefitResult` per worker. A refused update raises `RefitError` here (non-tensor
-    values, bad path) or in the worker, which vLLM re-raises here as a plain
-    `Exception("Worker failed with error '<RefitError message>', ...")`; either message names the
-    offending tensor, and the engine still serves the previous weights. Clears the prefix cache,
+    Returns one `RefitResult` per worker. A refused update raises `RefitError` naming the
+    offending tensor, here (non-tensor values, bad path) or in the workers, whose refusal is
+    raised here after every worker replied (`worker_calls.call_workers`: the engine's later calls
+    read fresh replies at any tensor parallel size); the engine still serves the previous
+    weights. Clears the prefix cache,
     whose KV entries were computed with the old weights. Returns after the workers' GPU work
     finished. Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the worker function is pickled).
     """
     with staged_update(weights) as (files, cuda_handles):
-        results = llm.collective_rpc(_refit_in_worker, args=(files, cuda_handles))
+        results = call_workers(llm, _refit_in_worker, (files, cuda_handles))
     llm.reset_prefix_cache()
     return results
 
