@@ -18,6 +18,7 @@ import torch
 from fp8_align.config import FP8Config
 from fp8_align.vllm_plugin.inspection import portable_fp8_codes
 from fp8_align.vllm_plugin.layer_state import is_fp8_align_layer
+from fp8_align.vllm_plugin.refit import refit_weights
 from tests.engines import MERGED_SHARDS
 
 #: A Qwen3-shaped model: hidden 1024, 4 layers, head_dim 128 (every shard a multiple of 128).
@@ -152,6 +153,15 @@ def assert_codes_equal(state: dict[str, Any], model_dir: Path) -> None:
             assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)), (layer, projection)
             checked += 1
     assert checked == (SMALL["num_hidden_layers"] - 1) * len(MERGED_SHARDS)
+
+
+def start_from(llm: Any, model_dir: Path) -> dict[str, Any]:
+    """Put `model_dir`'s weights into the one-GPU engine `llm` with `refit_weights`, whatever an
+    earlier test left there; returns its FP8 state (`fp8_state`), checked to hold their codes."""
+    refit_weights(llm, model_dir)
+    state = llm.apply_model(fp8_state)[0]
+    assert_codes_equal(state, model_dir)
+    return state
 
 
 def assert_same_storage(before: dict[str, Any], after: dict[str, Any]) -> None:

