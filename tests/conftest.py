@@ -20,6 +20,8 @@ pytest.register_assert_rewrite("tests.engines", "tests.gpu_models")  # their ass
 
 from fp8_align.error_bench.generate import GenerationJob, start_generation  # noqa: E402
 from tests.engines import MAX_TOKENS, PROMPTS, EngineRunner, start_fresh_engine, sync_checkpoints  # noqa: E402
+from tests.gpu_models import refit_checkpoints  # noqa: E402
+from tests.model_factory import make_tiny_qwen3_moe  # noqa: E402
 from tests.tp_slices import TP_ENGINE, TP_ENV, TP_FP8_FIELDS, make_tp_llama  # noqa: E402
 
 
@@ -96,3 +98,18 @@ def tp_fresh_w2(tp_models: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     job = start_generation(spec, tmp_path_factory.mktemp("tp_refs") / "w2.pt")
     yield job
     job.kill()
+
+
+@pytest.fixture(scope="session")
+def refit_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """W1 and W2 of tests/gpu_models.py's SMALL Qwen3 shape: the GPU refit and stack-sync engines
+    start from W1 and are synced to W2 (tests/test_gpu_refit.py, test_gpu_stack_sync.py, test_gpu_stack_sync_tp.py)."""
+    return refit_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """W1 (seed 0) and W2 (seed 1) of the tiny Qwen3-MoE (tests/model_factory.py), for the MoE
+    engines that start from W1 and are refit to W2 (tests/test_gpu_moe.py, test_vllm_plugin_ep.py)."""
+    root = tmp_path_factory.mktemp("qwen3_moe_models")
+    return {name: make_tiny_qwen3_moe(root / name, seed=seed) for name, seed in (("w1", 0), ("w2", 1))}

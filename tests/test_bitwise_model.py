@@ -194,7 +194,7 @@ def test_bad_positions_and_settings_are_refused() -> None:
         dropout(input_ids=ids)
 
 
-def test_unsupported_models_and_configs_are_refused() -> None:
+def test_unsupported_models_and_configs_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="set on_policy='bitwise'"):
         make_bitwise(tiny_hf_model("qwen3"), FP8Config())
     with pytest.raises(ValueError, match="engine runs BF16 weights"):
@@ -206,6 +206,14 @@ def test_unsupported_models_and_configs_are_refused() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)).to(torch.bfloat16)
     with pytest.raises(UnsupportedModelError, match="this model is 'gpt2'"):
         make_bitwise(gpt2, FP8Config(on_policy="bitwise"))
+    from transformers import PreTrainedModel
+
+    model = tiny_hf_model("qwen3")
+    modules_before = [type(m) for m in model.modules()]
+    monkeypatch.delattr(PreTrainedModel, "set_attn_implementation")  # an older transformers' model
+    with pytest.raises(UnsupportedModelError, match="set_attn_implementation"):
+        make_bitwise(model, FP8Config(on_policy="bitwise"))
+    assert [type(m) for m in model.modules()] == modules_before  # refused before any module was swapped
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])

@@ -36,15 +36,8 @@ NUM_EXPERTS, INTER, HIDDEN, NUM_LAYERS = 8, 128, 256, 3
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.model_factory import make_tiny_qwen3_moe
-
-    return {name: make_tiny_qwen3_moe(tmp_path_factory.mktemp(f"moe_{name}"), seed=seed) for name, seed in (("w1", 0), ("w2", 1))}
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
-    with vllm_runner(checkpoints["w1"], FIRST_LAYER_BF16, **LLM_KWARGS) as runner:
+def llm(qwen3_moe_models: dict[str, Path], vllm_runner: Any) -> Any:
+    with vllm_runner(qwen3_moe_models["w1"], FIRST_LAYER_BF16, **LLM_KWARGS) as runner:
         yield runner.llm
 
 
@@ -53,13 +46,13 @@ def _assert_experts_hold(state: dict[str, Any], weights: dict[str, torch.Tensor]
     assert_experts_hold(state, weights, NUM_EXPERTS, INTER, HIDDEN)
 
 
-def test_experts_run_fp8_on_vllm_triton_moe(llm: Any, checkpoints: dict[str, Path]) -> None:
+def test_experts_run_fp8_on_vllm_triton_moe(llm: Any, qwen3_moe_models: dict[str, Path]) -> None:
     [state] = llm.apply_model(expert_state)
     assert {e["method"] for e in state["layers"].values()} == {"Fp8AlignMoEMethod"}
     assert {e["kernel"] for e in state["layers"].values()} == {"vllm_triton"}
     assert set(state["routers"].values()) == {"Fp8AlignBf16LinearMethod"}
     assert state["e8m0"] == "0"
-    _assert_experts_hold(state, checkpoint_weights(checkpoints["w1"]))
+    _assert_experts_hold(state, checkpoint_weights(qwen3_moe_models["w1"]))
 
 
 def test_moe_layer_matches_the_reference(llm: Any) -> None:
@@ -69,21 +62,21 @@ def test_moe_layer_matches_the_reference(llm: Any) -> None:
     assert_within_moe_tolerance(result)
 
 
-def test_refit_and_fused_sync_rewrite_experts_in_place(llm: Any, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_refit_and_fused_sync_rewrite_experts_in_place(llm: Any, qwen3_moe_models: dict[str, Path], tmp_path: Path) -> None:
     from fp8_align.vllm_plugin.refit import refit_weights
 
     [before] = llm.apply_model(expert_state)
-    w2 = checkpoint_weights(checkpoints["w2"], "cuda")
+    w2 = checkpoint_weights(qwen3_moe_models["w2"], "cuda")
     refit_weights(llm, w2)
     [after] = llm.apply_model(expert_state)
-    _assert_experts_hold(after, checkpoint_weights(checkpoints["w2"]))
+    _assert_experts_hold(after, checkpoint_weights(qwen3_moe_models["w2"]))
     assert {n: e["pointers"] for n, e in after["layers"].items()} == {n: e["pointers"] for n, e in before["layers"].items()}
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     out = llm.generate([TokensPrompt(prompt_token_ids=[5, 17, 99, 230])], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 8
-    w1 = checkpoint_weights(checkpoints["w1"])
+    w1 = checkpoint_weights(qwen3_moe_models["w1"])
     fused = []
     for layer in (1, 2):
         p = f"model.layers.{layer}.mlp.experts"

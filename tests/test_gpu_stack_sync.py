@@ -36,7 +36,7 @@ import torch
 from tests.engines import FIRST_LAYER_BF16, generate_greedy
 from tests.gpu_models import (
     IN_PROCESS_LLM_KWARGS, NEW_TOKENS, assert_codes_equal, assert_same_storage, cuda_weights, fp8_state,
-    refit_checkpoints, refit_prompts, start_from,
+    refit_prompts, start_from,
 )  # fmt: skip
 
 pytestmark = [
@@ -52,20 +52,14 @@ VERL_JOB_ID = f"fp8align{os.getpid()}"
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """W1 and W2 as in tests/test_gpu_refit.py."""
-    return refit_checkpoints(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return refit_prompts()
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
+def llm(refit_models: dict[str, Path], vllm_runner: Any) -> Any:
     with vllm_runner(
-        checkpoints["w1"], FIRST_LAYER_BF16, **IN_PROCESS_LLM_KWARGS,
+        refit_models["w1"], FIRST_LAYER_BF16, **IN_PROCESS_LLM_KWARGS,
         worker_extension_cls="tests.gpu_stack_workers.OpenRLHFAndVerlWorkerExtension",
         env={"VERL_RAY_JOB_ID": VERL_JOB_ID},  # names verl's ZMQ socket; the workers inherit it
     ) as runner:  # fmt: skip
@@ -82,26 +76,26 @@ def _openrlhf_push(llm: Any, name: str, param: torch.Tensor, last: bool) -> None
     llm.collective_rpc("update_weight_cuda_ipc", args=(name, param.dtype, param.shape, ipc_handles, last))
 
 
-def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
-    before = start_from(llm, checkpoints["w1"])
+def test_openrlhf_cuda_ipc_sync_requantizes_in_place(llm: Any, refit_models: dict[str, Path], prompts: list[list[int]]) -> None:
+    before = start_from(llm, refit_models["w1"])
     w1_outputs = generate_greedy(llm, prompts, NEW_TOKENS)  # graphs captured and replayed before the sync
-    weights = cuda_weights(checkpoints["w2"])
+    weights = cuda_weights(refit_models["w2"])
     for count, (name, param) in enumerate(weights.items(), start=1):
         _openrlhf_push(llm, name, param, count == len(weights))
     after = llm.apply_model(fp8_state)[0]
-    assert_codes_equal(after, checkpoints["w2"])
+    assert_codes_equal(after, refit_models["w2"])
     assert_same_storage(before, after)
     outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w1_outputs, "generation after OpenRLHF's sync is the same as with W1"
 
 
-def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
+def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, refit_models: dict[str, Path], prompts: list[list[int]]) -> None:
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    before = start_from(llm, checkpoints["w2"])
+    before = start_from(llm, refit_models["w2"])
     w2_outputs = generate_greedy(llm, prompts, NEW_TOKENS)
-    weights = cuda_weights(checkpoints["w1"])
+    weights = cuda_weights(refit_models["w1"])
     # Two buckets at least: the embeddings alone are 64 MiB here.
     sender = BucketedWeightSender(f"ipc:///tmp/rl-colocate-zmq-{VERL_JOB_ID}-replica-0-rank-0.sock", bucket_size_mb=96)
     errors: list[BaseException] = []
@@ -118,17 +112,17 @@ def test_verl_bucketed_ipc_sync_requantizes_in_place(llm: Any, checkpoints: dict
     thread.join(timeout=120)
     assert not thread.is_alive() and not errors, errors
     after = llm.apply_model(fp8_state)[0]
-    assert_codes_equal(after, checkpoints["w1"])
+    assert_codes_equal(after, refit_models["w1"])
     assert_same_storage(before, after)
     outputs = generate_greedy(llm, prompts, NEW_TOKENS)
     assert all(len(out["token_ids"]) == NEW_TOKENS for out in outputs)
     assert outputs != w2_outputs, "generation after verl's sync is the same as with W2"
 
 
-def test_bad_tensor_through_openrlhf_is_refused_and_nothing_written(llm: Any, checkpoints: dict[str, Path]) -> None:
-    before = start_from(llm, checkpoints["w1"])
+def test_bad_tensor_through_openrlhf_is_refused_and_nothing_written(llm: Any, refit_models: dict[str, Path]) -> None:
+    before = start_from(llm, refit_models["w1"])
     name = "model.layers.2.mlp.down_proj.weight"
-    weight = cuda_weights(checkpoints["w2"])[name].clone()
+    weight = cuda_weights(refit_models["w2"])[name].clone()
     weight[5, 7] = float("inf")
     with pytest.raises(Exception, match=rf"{name}: holds NaN or Inf"):
         _openrlhf_push(llm, name, weight, True)

@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from tests.engines import FIRST_LAYER_BF16, generate_greedy
-from tests.gpu_models import IN_PROCESS_LLM_KWARGS, NEW_TOKENS, SMALL, assert_same_storage, fp8_state, refit_checkpoints, refit_prompts
+from tests.gpu_models import IN_PROCESS_LLM_KWARGS, NEW_TOKENS, SMALL, assert_same_storage, fp8_state, refit_prompts
 from tests.tp_slices import TP, assert_ranks_hold
 
 pytestmark = [
@@ -64,23 +64,18 @@ BACKENDS = ["mp", pytest.param("ray", marks=pytest.mark.skipif(importlib.util.fi
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return refit_checkpoints(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def weights(checkpoints: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
+def weights(refit_models: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
     """W1's and W2's tensors on the host, by HF name."""
     from safetensors.torch import load_file
 
-    return {name: {k: t for file in sorted(path.glob("*.safetensors")) for k, t in load_file(file).items()} for name, path in checkpoints.items()}
+    return {name: {k: t for file in sorted(path.glob("*.safetensors")) for k, t in load_file(file).items()} for name, path in refit_models.items()}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def llm(request: pytest.FixtureRequest, checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
+def llm(request: pytest.FixtureRequest, refit_models: dict[str, Path], vllm_runner: Any) -> Any:
     env = {"VERL_RAY_JOB_ID": VERL_JOB_ID, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with vllm_runner(
-        checkpoints["w1"], FP8_KV_CONFIG, **IN_PROCESS_LLM_KWARGS, tensor_parallel_size=TP,
+        refit_models["w1"], FP8_KV_CONFIG, **IN_PROCESS_LLM_KWARGS, tensor_parallel_size=TP,
         distributed_executor_backend=request.param,
         worker_extension_cls="tests.gpu_stack_workers.OpenRLHFAndVerlWorkerExtension", env=env,
     ) as runner:  # fmt: skip
@@ -103,11 +98,11 @@ def _assert_synced(llm: Any, before: list[dict[str, Any]], weights: dict[str, to
     assert outputs != w1_outputs, f"generation after {stack}'s sync is the same as with W1"
 
 
-def _start_from_w1(llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+def _start_from_w1(llm: Any, refit_models: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
     """W1 into the engine through fp8_align's own refit; returns every rank's FP8 state."""
     from fp8_align.vllm_plugin.refit import refit_weights
 
-    refit_weights(llm, checkpoints["w1"])
+    refit_weights(llm, refit_models["w1"])
     states = llm.apply_model(fp8_state)
     assert_ranks_hold(states, weights["w1"], FP8_LAYERS, pow2=False)
     return states
@@ -162,9 +157,9 @@ def _verl_push(llm: Any, weights: dict[str, torch.Tensor]) -> None:
 
 
 def test_openrlhf_cuda_ipc_sync_requantizes_each_rank_in_place(
-    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+    llm: Any, refit_models: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
 ) -> None:
-    before = _start_from_w1(llm, checkpoints, weights)
+    before = _start_from_w1(llm, refit_models, weights)
     w1_outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
     w2 = weights["w2"]
     for count, (name, tensor) in enumerate(w2.items(), start=1):
@@ -173,22 +168,22 @@ def test_openrlhf_cuda_ipc_sync_requantizes_each_rank_in_place(
 
 
 def test_verl_bucketed_ipc_sync_requantizes_each_rank_in_place(
-    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+    llm: Any, refit_models: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
 ) -> None:
-    before = _start_from_w1(llm, checkpoints, weights)
+    before = _start_from_w1(llm, refit_models, weights)
     w1_outputs = generate_greedy(llm, refit_prompts(), NEW_TOKENS)
     _verl_push(llm, weights["w2"])
     _assert_synced(llm, before, weights["w2"], w1_outputs, "verl")
 
 
 def test_refit_weights_with_an_inf_tensor_is_refused_on_every_rank(
-    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+    llm: Any, refit_models: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
 ) -> None:
     """fp8_align's own `refit_weights` of all of W2 with one tensor holding Inf (host tensors,
     staged as one file): refused naming that tensor; every rank still holds W1, in place."""
     from fp8_align.vllm_plugin.refit import RefitError, refit_weights
 
-    before = _start_from_w1(llm, checkpoints, weights)
+    before = _start_from_w1(llm, refit_models, weights)
     name = "model.layers.1.self_attn.q_proj.weight"
     bad = dict(weights["w2"])
     bad[name] = bad[name].clone()
@@ -223,13 +218,13 @@ def test_push_kv_scales_reaches_every_rank_and_a_refused_push_writes_none(llm: A
 
 
 def test_an_inf_tensor_through_openrlhf_is_refused_on_every_rank(
-    llm: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+    llm: Any, refit_models: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
 ) -> None:
     """OpenRLHF's own `update_weight_cuda_ipc` of a tensor holding Inf: refused on both ranks,
     each still holds W1 in place. The refusal raises inside vLLM's executor (the stack's call, not
     fp8_align's), which leaves rank 1's reply queued (vllm-project/vllm#49972): every later
     all-rank call of this engine reads rank 1's previous reply, so this test is the engine's last."""
-    before = _start_from_w1(llm, checkpoints, weights)
+    before = _start_from_w1(llm, refit_models, weights)
     name = "model.layers.2.mlp.down_proj.weight"
     bad = weights["w2"][name].clone()
     bad[5, 7] = float("inf")  # in rank 0's half of the row-parallel input columns

@@ -48,7 +48,6 @@ from tests.ep_moe_checks import (
     share_vs_reference,
 )
 from tests.gpu_moe_checks import assert_within_moe_tolerance
-from tests.model_factory import make_tiny_qwen3_moe
 from tests.tp_slices import TP, TP_ENGINE, TP_ENV
 
 pytestmark = pytest.mark.slow
@@ -61,20 +60,14 @@ EP_ENGINE = {**TP_ENGINE, "compilation_config": ENGINE["compilation_config"], "e
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ep_models")
-    return {name: make_tiny_qwen3_moe(root / name, seed=seed) for name, seed in (("w1", 0), ("w2", 1))}
+def weights(qwen3_moe_models: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: load_file(str(path / "model.safetensors")) for name, path in qwen3_moe_models.items()}
 
 
 @pytest.fixture(scope="module")
-def weights(checkpoints: dict[str, Path]) -> dict[str, dict[str, torch.Tensor]]:
-    return {name: load_file(str(path / "model.safetensors")) for name, path in checkpoints.items()}
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoints: dict[str, Path], vllm_runner: Any) -> Any:
+def engine(qwen3_moe_models: dict[str, Path], vllm_runner: Any) -> Any:
     """The EP engine from W1 and its greedy PROMPTS completions right after start."""
-    with vllm_runner(checkpoints["w1"], FP8_FIELDS, env=TP_ENV, worker_extension_cls=OPENRLHF_WORKER, **EP_ENGINE) as runner:
+    with vllm_runner(qwen3_moe_models["w1"], FP8_FIELDS, env=TP_ENV, worker_extension_cls=OPENRLHF_WORKER, **EP_ENGINE) as runner:
         yield runner.llm, generate_greedy(runner.llm)
 
 
@@ -98,21 +91,21 @@ def test_each_rank_holds_and_computes_only_its_experts(engine: Any, weights: dic
     assert_within_moe_tolerance(result["sum"])
 
 
-def test_refit_writes_only_local_experts(engine: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]) -> None:
-    assert_refit_writes_only_local_experts(engine[0], checkpoints, weights, TP, NUM_EXPERTS, NUM_LAYERS)
+def test_refit_writes_only_local_experts(engine: Any, qwen3_moe_models: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    assert_refit_writes_only_local_experts(engine[0], qwen3_moe_models, weights, TP, NUM_EXPERTS, NUM_LAYERS)
 
 
 def test_openrlhf_sync_writes_only_local_experts(
-    engine: Any, checkpoints: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
+    engine: Any, qwen3_moe_models: dict[str, Path], weights: dict[str, dict[str, torch.Tensor]]
 ) -> None:
     """From W2 (the previous test leaves it; refit again so this test stands alone) back to W1
     through OpenRLHF's per-tensor `load_weights`; then the engine generates what it did at start."""
     from fp8_align.vllm_plugin.refit import refit_weights
 
     llm, w1_outputs = engine
-    refit_weights(llm, checkpoints["w2"])
+    refit_weights(llm, qwen3_moe_models["w2"])
     before = llm.apply_model(local_expert_state)
-    path = checkpoints["w1"] / "model.safetensors"
+    path = qwen3_moe_models["w1"] / "model.safetensors"
     [info, _] = llm.collective_rpc(calls.openrlhf_update_weights, args=(str(path), list(weights["w1"])))
     assert "WorkerWrap" in info["worker_classes"]
     assert_same_expert_storage(before, _assert_ranks_hold(llm, weights["w1"]))

@@ -160,7 +160,8 @@ def make_bitwise(
     engine's `tensor_parallel_size` (module docstring); its logits are FP32. Returns the model's
     `BitwiseContext` (also `model.fp8_align_bitwise`). With `cfg.kv_cache_dtype == "fp8"` the
     forward needs the engine's K/V scales: `kv_scales` here or `set_kv_scales(model, scales)`.
-    Raises UnsupportedModelError for other model families, ValueError for a non-bitwise config, a
+    Raises UnsupportedModelError for other model families or a transformers without
+    `set_attn_implementation`, ValueError for a non-bitwise config, a
     model not in BF16, a tensor parallel size the engine does not run bitwise or that does not
     divide the heads, or a model converted already."""
     config = model.config.get_text_config()
@@ -171,6 +172,10 @@ def make_bitwise(
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         raise UnsupportedModelError("make_bitwise needs transformers' CausalLM layout: model.model.rotary_emb, model.model.layers, model.lm_head")
+    if not hasattr(model, "set_attn_implementation"):
+        raise UnsupportedModelError(
+            "make_bitwise needs a transformers release whose models have `set_attn_implementation` (tested: 5.17 and 5.19)"
+        )
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.bfloat16}:
         raise ValueError(f"make_bitwise: the engine runs BF16 weights; this model holds {sorted(map(str, dtypes))} (model.to(torch.bfloat16))")
@@ -212,10 +217,7 @@ def make_bitwise(
         inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, context)
     model.lm_head = EngineLMHead(model.lm_head, context)
     _register_attention()
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
-    else:  # transformers 4.x
-        model.config._attn_implementation = ATTENTION_IMPLEMENTATION
+    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     setattr(model, CONTEXT_ATTRIBUTE, context)
     if kv_scales is not None:
         set_kv_scales(model, kv_scales)
