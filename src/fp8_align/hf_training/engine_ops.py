@@ -60,6 +60,22 @@ class _EngineOp(torch.autograd.Function):
         return (None, None, None, None, *(next(found) if t.requires_grad else None for t in inputs))
 
 
+def without_autocast(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` run with torch.autocast off for the device of its first tensor argument, so the
+    engine's kernels get the dtypes the engine gives them even where a stack runs the forward under
+    autocast (verl's FSDP engine does, BF16)."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if device is None or not torch.is_autocast_enabled(device):
+            return function(*args, **kwargs)
+        with torch.autocast(device_type=device, enabled=False):
+            return function(*args, **kwargs)
+
+    return run
+
+
 def engine_op(
     engine_fn: Callable[..., Any], gradient_fn: Callable[..., Any], *inputs: torch.Tensor, vjp: Vjp | None = None, save_output: bool = False
 ) -> Any:
@@ -158,6 +174,19 @@ def engine_kernels() -> EngineKernels:
     return EngineKernels(kernels.linear, functools.partial(kernels.log_softmax, dim=-1), functools.partial(paged_triton_attention, kernels))
 
 
+def kernels_for(device: torch.device) -> EngineKernels:
+    """The forwards a converted model on `device` runs: the engine's on CUDA, the references elsewhere."""
+    return engine_kernels() if device.type == "cuda" else reference_kernels()
+
+
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, kernels: EngineKernels) -> torch.Tensor:
+    """FP32 log-probs [...] of `labels` [...] (int64) under FP32 `logits` [..., V]: the engine's
+    log-softmax of each row (backward: autograd's formula), then the label's entry."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    logprobs = engine_op(kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), rows, vjp=log_softmax_vjp, save_output=True)
+    return logprobs.gather(1, labels.reshape(-1, 1))[:, 0].reshape(labels.shape)
+
+
 def fp8_gemm_for(cfg: FP8Config, device: torch.device, fp8_weights: Sequence[torch.Tensor]) -> Fp8Gemm:
     """The block-FP8 product of the engine's bitwise backend on CUDA (`select_kernel` for `cfg`,
     which is the same for every layer of a bitwise engine), the CPU backend's emulated product
@@ -210,6 +239,5 @@ def completion_logprobs(
         logits = logits_fn(hidden[row_index[part]])
         if temperature != 1.0:
             logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
-        logprobs = engine_op(kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), logits, vjp=log_softmax_vjp, save_output=True)
-        picked.append(logprobs.gather(1, target[part, None])[:, 0])
+        picked.append(label_logprobs(logits, target[part], kernels))
     return list(torch.cat(picked).split([len(s) - p for s, p in zip(sequences, prompt_lens)]))

@@ -1,0 +1,83 @@
+"""The RL stacks' own log-prob functions in the trainer process, replaced by the engine's.
+
+A converted model (`make_bitwise`) returns the engine's FP32 logits. The stack then divides them
+by the temperature and takes the labels' log-probs in its own code. Where that code is not the
+engine's log-softmax (docs/on_policy.md, "What the stacks do"), `patch_stack_logprobs(stack)`
+replaces the function the stack calls with one of the same contract that computes
+`engine_ops.label_logprobs`: vLLM's batch-invariant log-softmax on CUDA (the engine sampler's),
+the pure-torch one elsewhere, with autograd's gradient.
+
+Each patch names the module attribute it replaces and the release it was read from. It applies
+only when asked, applies once however often it is asked, and `unpatch_stack_logprobs(stack)` puts
+the original back.
+
+- verl 0.9.1: `verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits(logits, labels,
+  inplace_backward)`. This is what `FSDPEngineWithLMHead.prepare_model_outputs` calls, its
+  compute_log_prob and update_policy path, after it divides the logits by the temperature. For a
+  converted model's FP32 logits that division is a true division by an FP32 tensor, as vLLM's
+  sampler divides.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fp8_align.hf_training.engine_ops import kernels_for, label_logprobs
+
+
+@dataclass(frozen=True)
+class StackPatch:
+    """One stack's log-prob function: where it lives, the release read, its replacement."""
+
+    module: str
+    attribute: str
+    release: str
+    replacement: Callable[..., torch.Tensor]
+
+
+def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """verl 0.9.1's `logprobs_from_logits` contract: FP32 log-probs [...] of `labels` [...] under
+    `logits` [..., V]. Here they are the engine's (`label_logprobs`). `inplace_backward`, a memory
+    option of flash-attn's kernel, changes nothing here. Raises ValueError for logits that are not
+    FP32, since those are not a converted model's."""
+    if logits.dtype != torch.float32:
+        raise ValueError(
+            f"fp8_align's engine log-probs take a converted model's FP32 logits (make_bitwise); these are {logits.dtype}"
+        )
+    return label_logprobs(logits, labels, kernels_for(logits.device))
+
+
+#: The stacks whose log-prob function `patch_stack_logprobs` replaces.
+STACK_PATCHES: dict[str, StackPatch] = {
+    "verl": StackPatch("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits", "verl 0.9.1", verl_logprobs_from_logits),
+}
+_originals: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def patch_stack_logprobs(stack: str) -> StackPatch:
+    """Replace `stack`'s log-prob function in this process with the engine's (module docstring);
+    returns the patch. Imports the stack's module; a second call changes nothing. Raises
+    ValueError for a stack without a patch (the keys of `STACK_PATCHES`)."""
+    patch = _patch(stack)
+    module = importlib.import_module(patch.module)
+    if stack not in _originals:
+        _originals[stack] = getattr(module, patch.attribute)
+        setattr(module, patch.attribute, patch.replacement)
+    return patch
+
+
+def unpatch_stack_logprobs(stack: str) -> None:
+    """Put `stack`'s own log-prob function back; nothing happens when it is not patched."""
+    patch = _patch(stack)
+    if stack in _originals:
+        setattr(importlib.import_module(patch.module), patch.attribute, _originals.pop(stack))
+
+
+def _patch(stack: str) -> StackPatch:
+    if stack not in STACK_PATCHES:
+        raise ValueError(f"no log-prob patch for {stack!r}; patched stacks: {sorted(STACK_PATCHES)}")
+    return STACK_PATCHES[stack]
