@@ -5,6 +5,7 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
         [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--kv-cache-dtypes auto,fp8]
         [--batch-sizes 1,7,64,512] [--max-tokens 96] [--work /root/bitwise_work]
         [--logprobs-mode raw_logprobs|processed_logprobs] [--temperatures 1.0[,0.6]] [--tensor-parallel-size 1|2]
+        [--scorer bitwise_forward|verl]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
@@ -28,6 +29,11 @@ the same bits at every batch size.
 starts each engine over both GPUs and scores with `BitwiseForward(..., tensor_parallel_size=2)` on
 GPU 0; each row also gives `max_abs_dlogp_unsharded_trainer`, the same tokens scored as one GPU's
 engine computes them, which shows what reproducing the ranks' partial sums is worth.
+
+`--scorer verl` scores with verl 0.9.1's own compute_log_prob code instead
+(`benchmarks/verl_scorer.VerlActorScorer`): the HF model converted by `make_bitwise`, verl's
+`logprobs_from_logits` patched by `patch_stack_logprobs("verl")`; verl must be importable; tensor
+parallel size 1. Each row names its scorer.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fp8_align.hf_training.inputs import check_temperature
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
+
+from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
 
 MODELS = ("smollm2", "qwen3-8b-4l")
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -106,7 +114,7 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
 
 def run_one(
     model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path,
-    logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1,
+    logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1, scorer: str = "bitwise_forward",
 ) -> dict[str, Any]:  # fmt: skip
     """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows."""
     import torch
@@ -134,8 +142,16 @@ def run_one(
         scales = engine_kv_scales(llm)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    trainer = BitwiseForward(model, cfg, kv_scales=scales, tensor_parallel_size=tensor_parallel_size)
     unsharded = BitwiseForward(model, cfg, kv_scales=scales) if tensor_parallel_size > 1 else None
+    if scorer == "verl":
+        from benchmarks.verl_scorer import VerlActorScorer
+        from fp8_align.hf_training import make_bitwise, patch_stack_logprobs
+
+        make_bitwise(model, cfg, kv_scales=scales)
+        patch_stack_logprobs("verl")
+        trainer: Any = VerlActorScorer(model)
+    else:
+        trainer = BitwiseForward(model, cfg, kv_scales=scales, tensor_parallel_size=tensor_parallel_size)
     rows, invariance = [], []
     for sampling, temperature in [("greedy", 0.0)] + [("sampled", t) for t in temperatures]:
         # greedy requests' processed log-probs are taken before any temperature, as raw ones are
@@ -170,7 +186,7 @@ def run_one(
             rows.append({
                 "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
                 "temperature": temperature, "logprobs_mode": logprobs_mode, "trainer_temperature": scored_at, "batch_size": size,
-                "tensor_parallel_size": tensor_parallel_size,
+                "tensor_parallel_size": tensor_parallel_size, "scorer": scorer,
                 "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
             })  # fmt: skip
@@ -228,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", default="1.0", help="sampling temperatures of the sampled rows (hf_training.inputs.check_temperature)")
     parser.add_argument("--tensor-parallel-size", type=int, choices=(1, 2), default=1,
                         help="the engine's (2: two GPUs, the trainer on GPU 0 scores each rank's share as that rank does)")
+    parser.add_argument("--scorer", choices=("bitwise_forward", "verl"), default="bitwise_forward",
+                        help="the trainer side: BitwiseForward, or verl 0.9.1's compute_log_prob on the converted model")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -239,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--temperatures: {error}")
     if args.tensor_parallel_size > 1 and not args.one and "smollm2" in args.models.split(","):
         parser.error("--tensor-parallel-size 2: SmolLM2's 9 attention heads do not split over 2 ranks; use --models qwen3-8b-4l")
+    if args.scorer == "verl" and args.tensor_parallel_size > 1:
+        parser.error("--scorer verl: tensor parallel size 1 (verl's actor scores one model, not an engine's ranks)")
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.one:
-        result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size)
+        result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer)
         args.out.write_text(json.dumps(result))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
@@ -260,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         log = args.work / f"{model}_{variant}_{kv}.log"
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
                "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
-               "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size)]  # fmt: skip
+               "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size), "--scorer", args.scorer]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():

@@ -5,6 +5,10 @@
 # verl 0.9.1 and the modules its vLLM worker extension imports, and OpenRLHF 0.11.2's package
 # tree (its wheel is tagged cp311; what the tests import is pure Python), for the box's Python 3.12
 # on x86-64. About 10 MiB: carry DEST, then `PYTHONPATH=$PWD/.whl/site:$PYTHONPATH` on the box.
+# Also the wheels verl's FSDP engine module imports beyond those (peft, datasets and its pyarrow
+# and pandas, ...; benchmarks/verl_scorer.py), for the same Python, as one tar split into parts of
+# 45 MiB: DEST/../verl_deps/verl_deps.part_NN, staged to /root/stage one call each and installed
+# there by benchmarks/box/verl_deps_setup.sh.
 set -euo pipefail
 dest="${1:-.whl/site}"
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
@@ -23,3 +27,9 @@ rm -rf "$dest"/tests "$dest"/scripts  # top-level folders of some wheels: `tests
 tar -xzf "$work"/antlr4-python3-runtime-4.9.3.tar.gz -C "$work"
 cp -r "$work"/antlr4-python3-runtime-4.9.3/src/antlr4 "$dest"/
 du -sh "$dest"
+deps="$(dirname "$dest")/verl_deps"
+rm -rf "$deps"; mkdir -p "$deps" "$work/verl_deps"
+pip download --no-deps -q -d "$work/verl_deps" "${binary[@]}" \
+  peft==0.21.2 datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0 dill==0.4.1
+tar -C "$work/verl_deps" -cf - . | split -b 45M -d -a 2 - "$deps/verl_deps.part_"
+ls -l "$deps"

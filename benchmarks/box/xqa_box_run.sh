@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -24,6 +24,8 @@
 # $TESTS_TP_ARGS: more pytest arguments for each (no spaces inside one, e.g. --deselect=NODE).
 # proof-tp: benchmarks/on_policy_bitwise.py --tensor-parallel-size 2 (the 4-layer Qwen3-8B shape; $PROOF_TP_ARGS) over both GPUs.
 # proof: the same on GPU 0 at tensor parallel size 1 ($PROOF_ARGS); the 4-layer Qwen3-8B shape needs no staged model.
+# verl: verl 0.9.1's FSDP engine importable for the stages after it (benchmarks/box/verl_deps_setup.sh: .whl/site carried,
+# .whl/verl_deps/verl_deps.part_NN staged), e.g. before proof with PROOF_ARGS="--scorer verl ...".
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -111,6 +113,7 @@ while [ $# -gt 0 ]; do
       grep -E "engine plan|fill|prepare-deepgemm|XQA decode calls|Error" "$out/engine_plan_check.log" | cut -c1-600 | tail -12 ;;
     setup) [ "${FLASHINFER_JIT:-0}" = 1 ] && echo "FlashInfer JIT on: $(command -v nvcc)" || ls "$aot" ;;
     model) source benchmarks/box/gpu_model_setup.sh || exit 1 ;;
+    verl) source benchmarks/box/verl_deps_setup.sh || exit 1 ;;
     bitwise=*)
       IFS=, read -r -a bitwise_stages <<< "${stage#bitwise=}"
       OUT="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}" bash benchmarks/box/bitwise_box_run.sh setup "${bitwise_stages[@]}"; true ;;
