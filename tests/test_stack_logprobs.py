@@ -15,6 +15,7 @@ the pure-torch kernels on CPU. On CUDA those are vLLM's batch-invariant kernels 
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,7 +64,7 @@ def test_verl_log_probs_of_a_converted_model_are_the_engines(temperature: float,
     print(f"\nT={temperature}: verl's own log-softmax off the engine's by up to {gap:.3g} nats; patched: 0")
 
 
-def test_the_patch_applies_once_is_undone_and_refuses_what_it_cannot_do(unpatched: None) -> None:
+def test_the_patch_applies_once_is_undone_and_refuses_what_it_cannot_do(unpatched: None, monkeypatch: pytest.MonkeyPatch) -> None:
     original = verl_impl.logprobs_from_logits
     assert patch_stack_logprobs("verl") is patch_stack_logprobs("verl") is STACK_PATCHES["verl"]
     assert verl_impl.logprobs_from_logits is verl_logprobs_from_logits
@@ -71,6 +72,10 @@ def test_the_patch_applies_once_is_undone_and_refuses_what_it_cannot_do(unpatche
     assert verl_impl.logprobs_from_logits is original
     with pytest.raises(ValueError, match="no log-prob patch for 'trl'"):
         patch_stack_logprobs("trl")
+    monkeypatch.setattr(importlib.metadata, "version", lambda distribution: "0.10.0")
+    with pytest.raises(ValueError, match=r"verl 0\.10\.0: patch_stack_logprobs\('verl'\) is read from verl 0\.9\.1 only"):
+        patch_stack_logprobs("verl")
+    assert verl_impl.logprobs_from_logits is original
     with pytest.raises(ValueError, match="converted model's FP32 logits"):
         verl_logprobs_from_logits(torch.zeros(3, 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long))
 

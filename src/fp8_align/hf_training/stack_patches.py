@@ -7,9 +7,9 @@ replaces the function the stack calls with one of the same contract that compute
 `engine_ops.label_logprobs`: vLLM's batch-invariant log-softmax on CUDA (the engine sampler's),
 the pure-torch one elsewhere, with autograd's gradient.
 
-Each patch names the module attribute it replaces and the release it was read from. It applies
-only when asked, applies once however often it is asked, and `unpatch_stack_logprobs(stack)` puts
-the original back.
+Each patch names the module attribute it replaces and the release it was read from; another
+installed release is refused. A patch applies only when asked, and applies once however often it is
+asked. `unpatch_stack_logprobs(stack)` puts the original back.
 
 - verl 0.9.1: `verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits(logits, labels,
   inplace_backward)`. This is what `FSDPEngineWithLMHead.prepare_model_outputs` calls, its
@@ -21,6 +21,7 @@ the original back.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,11 +32,12 @@ from fp8_align.hf_training.engine_ops import kernels_for, label_logprobs
 
 @dataclass(frozen=True)
 class StackPatch:
-    """One stack's log-prob function: where it lives, the release read, its replacement."""
+    """One stack's log-prob function: where it lives, the releases it was read from, its replacement."""
 
     module: str
     attribute: str
-    release: str
+    distribution: str
+    versions: tuple[str, ...]
     replacement: Callable[..., torch.Tensor]
 
 
@@ -53,7 +55,7 @@ def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplac
 
 #: The stacks whose log-prob function `patch_stack_logprobs` replaces.
 STACK_PATCHES: dict[str, StackPatch] = {
-    "verl": StackPatch("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits", "verl 0.9.1", verl_logprobs_from_logits),
+    "verl": StackPatch("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits", "verl", ("0.9.1",), verl_logprobs_from_logits),
 }
 _originals: dict[str, Callable[..., torch.Tensor]] = {}
 
@@ -61,8 +63,12 @@ _originals: dict[str, Callable[..., torch.Tensor]] = {}
 def patch_stack_logprobs(stack: str) -> StackPatch:
     """Replace `stack`'s log-prob function in this process with the engine's (module docstring);
     returns the patch. Imports the stack's module; a second call changes nothing. Raises
-    ValueError for a stack without a patch (the keys of `STACK_PATCHES`)."""
+    ValueError for a stack without a patch (the keys of `STACK_PATCHES`) or an installed release
+    the patch was not read from."""
     patch = _patch(stack)
+    version = importlib.metadata.version(patch.distribution)
+    if version not in patch.versions:
+        raise ValueError(f"{patch.distribution} {version}: patch_stack_logprobs({stack!r}) is read from {patch.distribution} {', '.join(patch.versions)} only")
     module = importlib.import_module(patch.module)
     if stack not in _originals:
         _originals[stack] = getattr(module, patch.attribute)
