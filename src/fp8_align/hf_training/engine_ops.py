@@ -174,8 +174,10 @@ def engine_kernels() -> EngineKernels:
     return EngineKernels(kernels.linear, functools.partial(kernels.log_softmax, dim=-1), functools.partial(paged_triton_attention, kernels))
 
 
+@functools.cache
 def kernels_for(device: torch.device) -> EngineKernels:
-    """The forwards a converted model on `device` runs: the engine's on CUDA, the references elsewhere."""
+    """The forwards a converted model on `device` runs: the engine's on CUDA, the references elsewhere
+    (one set per device, built once: a stack's patched log-prob function asks per micro-batch)."""
     return engine_kernels() if device.type == "cuda" else reference_kernels()
 
 
