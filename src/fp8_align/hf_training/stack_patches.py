@@ -16,6 +16,11 @@ asked. `unpatch_stack_logprobs(stack)` puts the original back.
   compute_log_prob and update_policy path, after it divides the logits by the temperature. For a
   converted model's FP32 logits that division is a true division by an FP32 tensor, as vLLM's
   sampler divides.
+- OpenRLHF 0.11.2: `openrlhf.models.actor.log_probs_from_logits(logits, labels, temperature)`, which
+  `Actor.forward` calls on its (packed) FP32 logits. Bitwise at temperature 1 only: at T != 1 the
+  Actor first divides the logits in place by a Python float, which CUDA computes as a multiply by
+  1/T, not as vLLM's sampler divides; the replacement refuses its own `temperature` argument
+  other than 1.
 """
 
 from __future__ import annotations
@@ -41,11 +46,10 @@ class StackPatch:
     replacement: Callable[..., torch.Tensor]
 
 
-def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
-    """verl 0.9.1's `logprobs_from_logits` contract: FP32 log-probs [...] of `labels` [...] under
-    `logits` [..., V]. Here they are the engine's (`label_logprobs`). `inplace_backward`, a memory
-    option of flash-attn's kernel, changes nothing here. Raises ValueError for logits that are not
-    FP32, since those are not a converted model's."""
+def engine_label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """FP32 log-probs [...] of `labels` [...] under a converted model's FP32 `logits` [..., V], as
+    the engine takes them (`label_logprobs`, with autograd's gradient). Raises ValueError for logits
+    that are not FP32, since those are not a converted model's."""
     if logits.dtype != torch.float32:
         raise ValueError(
             f"fp8_align's engine log-probs take a converted model's FP32 logits (make_bitwise); these are {logits.dtype}"
@@ -53,9 +57,25 @@ def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplac
     return label_logprobs(logits, labels, kernels_for(logits.device))
 
 
+def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """verl 0.9.1's `logprobs_from_logits` contract, computed by `engine_label_logprobs`.
+    `inplace_backward`, a memory option of flash-attn's kernel, changes nothing here."""
+    return engine_label_logprobs(logits, labels)
+
+
+def openrlhf_log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """OpenRLHF 0.11.2's `log_probs_from_logits` contract, computed by `engine_label_logprobs`.
+    Raises ValueError for `temperature` other than 1 (OpenRLHF would divide in place by a Python
+    float, which is not the engine's division)."""
+    if temperature != 1.0:
+        raise ValueError(f"fp8_align's OpenRLHF patch is bitwise at temperature 1 only; got temperature={temperature}")
+    return engine_label_logprobs(logits, labels)
+
+
 #: The stacks whose log-prob function `patch_stack_logprobs` replaces.
 STACK_PATCHES: dict[str, StackPatch] = {
     "verl": StackPatch("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits", "verl", ("0.9.1",), verl_logprobs_from_logits),
+    "openrlhf": StackPatch("openrlhf.models.actor", "log_probs_from_logits", "openrlhf", ("0.11.2",), openrlhf_log_probs_from_logits),
 }
 _originals: dict[str, Callable[..., torch.Tensor]] = {}
 

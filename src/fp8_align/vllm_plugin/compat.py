@@ -33,6 +33,7 @@ __all__ = [
     "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
     "cutlass_block_fp8_one_tile",
+    "pad_block_fp8_rows",
     "dispatch_cpu_unquantized_gemm",
     "flashinfer_decodes_with_xqa",
     "initialize_online_processing",
@@ -43,21 +44,44 @@ __all__ = [
 ]
 
 
+#: Row multiple `cutlass_block_fp8_mm` pads M to (the cooperative kernel's condition on vLLM 0.25).
+CUTLASS_ROW_MULTIPLE = 4
+
+
 def cutlass_block_fp8_mm(
     x_fp8: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """vLLM's CUTLASS block-FP8 GEMM: x_fp8 [M, K] e4m3 with x_scale [M, K/128] (column-major),
     weight [N, K] e4m3 with weight_scale [N/128, K/128] fp32 -> [M, N] out_dtype.
 
-    vLLM 0.20-0.22 on Hopper route it through the custom op `torch.ops.vllm.padded_cutlass` (M padded
-    to a multiple of 4); 0.25 removed that op and calls `_custom_ops.cutlass_scaled_mm` directly
-    for every M. Whichever the installed release has is called, the way vLLM itself calls it.
+    The GEMM always runs with M padded to a multiple of 4 (zero rows, unit scales), so one kernel
+    configuration serves every M. vLLM 0.20-0.22 on Hopper pad in their custom op
+    `torch.ops.vllm.padded_cutlass`, which is called when present. 0.25 removed that op and its SM90
+    entry picks a swap-AB kernel for M % 4 != 0 and the cooperative 128x128x128 one otherwise
+    (docs/dev/bitwise_on_vllm_0251.md); there `_custom_ops.cutlass_scaled_mm` is called on rows
+    padded here.
     """
     if hasattr(torch.ops.vllm, "padded_cutlass"):
         return torch.ops.vllm.padded_cutlass(x_fp8, weight, x_scale, weight_scale, [128, 128], out_dtype)
     from vllm import _custom_ops
 
-    return _custom_ops.cutlass_scaled_mm(x_fp8, weight.T, scale_a=x_scale, scale_b=weight_scale.T, out_dtype=out_dtype)
+    rows = x_fp8.shape[0]
+    pad = -rows % CUTLASS_ROW_MULTIPLE
+    if pad:
+        x_fp8, x_scale = pad_block_fp8_rows(x_fp8, x_scale, rows + pad)
+    out = _custom_ops.cutlass_scaled_mm(x_fp8, weight.T, scale_a=x_scale, scale_b=weight_scale.T, out_dtype=out_dtype)
+    return out[:rows] if pad else out
+
+
+def pad_block_fp8_rows(x_fp8: torch.Tensor, x_scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_fp8 [M, K] e4m3 and its column-major scales [M, K/128] extended to `rows` >= M rows: zero
+    codes and unit scales below, the scales still column-major. Zero rows leave the other rows'
+    products unchanged (each output row reads only its own A row)."""
+    codes = torch.zeros((rows, x_fp8.shape[1]), dtype=x_fp8.dtype, device=x_fp8.device)
+    codes[: x_fp8.shape[0]] = x_fp8
+    scales = torch.ones((x_scale.shape[1], rows), dtype=x_scale.dtype, device=x_scale.device).t()
+    scales[: x_scale.shape[0]] = x_scale
+    return codes, scales
 
 
 def cutlass_block_fp8_one_tile(n: int, k: int, capability: tuple[int, int]) -> bool:
@@ -65,8 +89,9 @@ def cutlass_block_fp8_one_tile(n: int, k: int, capability: tuple[int, int]) -> b
     for every M on this device, so a row's bits do not depend on the batch: vLLM's SM90 blockwise
     dispatch (`cutlass_gemm_blockwise_sm90_fp8_dispatch`) runs a persistent 128x128x128-tile kernel
     with whole K per tile when k <= 3n, and Stream-K with a nondeterministic reduction when k > 3n.
-    n and k must be multiples of 128 (the kernel's scale grid). Checked in vLLM 0.22.0 (SM90 only;
-    other architectures dispatch elsewhere and are not claimed)."""
+    n and k must be multiples of 128 (the kernel's scale grid). Checked in vLLM 0.22.0 and, with M
+    padded to a multiple of 4 by `cutlass_block_fp8_mm`, 0.25.1 (SM90 only; other architectures
+    dispatch elsewhere and are not claimed)."""
     return capability == (9, 0) and n % 128 == 0 and k % 128 == 0 and k <= 3 * n
 
 

@@ -10,6 +10,9 @@ from fp8_align.config import FP8Config
 #: Set by `engine_kwargs` for `on_policy="bitwise"`: vLLM's batch-invariant mode (read by the engine
 #: and its workers when they start, so it must be in this process's environment before `LLM(...)`).
 BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"
+#: Set to "0" by `engine_kwargs` for `on_policy="bitwise"`: vLLM's V1 model runner, whose sampler the
+#: bitwise proofs cover (0.25 makes V2 the default for dense models, quantized or not).
+V2_MODEL_RUNNER_ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
 #: Engine arguments of `on_policy="bitwise"` (what `vllm_plugin.on_policy` checks at engine start).
 BITWISE_ENGINE_KWARGS = {"attention_backend": "TRITON_ATTN", "enable_prefix_caching": False, "disable_cascade_attn": True}
 
@@ -31,7 +34,9 @@ def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, A
     `cfg.kv_cache_dtype`. Extra keyword arguments are merged in (an `hf_overrides` dict is merged
     key by key). With `cfg.precision == "bf16"` no quantization is requested at all, except with
     `cfg.on_policy == "bitwise"`, which also needs fp8_align in a BF16 engine: then the kwargs hold
-    `BITWISE_ENGINE_KWARGS` and this function sets VLLM_BATCH_INVARIANT=1 in `os.environ`.
+    `BITWISE_ENGINE_KWARGS` and this function sets VLLM_BATCH_INVARIANT=1 and
+    VLLM_USE_V2_MODEL_RUNNER=0 in `os.environ`; it raises ValueError when the environment already
+    asks for the V2 model runner (VLLM_USE_V2_MODEL_RUNNER other than 0).
     """
     cfg = FP8Config() if cfg is None else cfg
     kwargs: dict[str, Any] = {}
@@ -41,7 +46,13 @@ def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, A
         if cfg.kv_cache_dtype == "fp8":
             kwargs["kv_cache_dtype"] = "fp8"
     if cfg.on_policy == "bitwise":
+        if os.environ.get(V2_MODEL_RUNNER_ENV_VAR, "0") != "0":
+            raise ValueError(
+                f"on_policy='bitwise' runs vLLM's V1 model runner, but {V2_MODEL_RUNNER_ENV_VAR}="
+                f"{os.environ[V2_MODEL_RUNNER_ENV_VAR]!r} asks for V2; unset it or set it to 0"
+            )
         os.environ[BATCH_INVARIANT_ENV_VAR] = "1"
+        os.environ[V2_MODEL_RUNNER_ENV_VAR] = "0"
         kwargs.update(BITWISE_ENGINE_KWARGS)
     extra_overrides = overrides.pop("hf_overrides", None)
     if extra_overrides:

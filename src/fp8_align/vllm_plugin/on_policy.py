@@ -46,7 +46,7 @@ ATTENTION_BACKEND = BITWISE_ENGINE_KWARGS["attention_backend"]
 ROPE_TABLE_ATTR = "fp8_align_rope_table"
 #: vLLM cache dtypes of an E4M3 KV cache (what FP8Config(kv_cache_dtype="fp8") asks for on CUDA).
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-#: The attention implementation `attend_over_fp8_cache` takes over (vLLM 0.22's TRITON_ATTN).
+#: The attention implementation `attend_over_fp8_cache` takes over (TRITON_ATTN's, vLLM 0.22 and 0.25).
 FP8_CACHE_IMPL = "TritonAttentionImpl"
 #: Attention layers `attend_over_fp8_cache` changed -> the query quantizer vLLM had given them.
 _fp8_cache_layers: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -189,7 +189,7 @@ def bitwise_fp8_attention_forward(
 
 
 def attend_over_fp8_cache(model: torch.nn.Module) -> int:
-    """Instance patch `bitwise_fp8_attention` (vLLM 0.22, `BITWISE_SERIES`; FP8Config(on_policy=
+    """Instance patch `bitwise_fp8_attention` (vLLM 0.22 and 0.25, `BITWISE_SERIES`; FP8Config(on_policy=
     "bitwise", kv_cache_dtype="fp8")), on the attention layers of `model` before its first forward:
     `layer.impl.forward` (vLLM's `TritonAttentionImpl.forward`) becomes `bitwise_fp8_attention_forward`
     and `layer.query_quant` (the static FP8 query quantizer

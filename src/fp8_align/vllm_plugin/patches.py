@@ -57,7 +57,7 @@ fp8_align refuses to start an engine in a process where NeMo RL's own FP8 genera
 (`policy.generation.vllm_cfg.precision: fp8`) has patched vLLM (`nemo_rl_fp8_patches`): both
 replace how vLLM builds and post-processes FP8 layers and KV scales, so one of them must be off.
 
-`bitwise_rms_norm`, `bitwise_silu_and_mul` and `bitwise_rope` (vLLM 0.22, only for
+`bitwise_rms_norm`, `bitwise_silu_and_mul` and `bitwise_rope` (vLLM 0.22 and 0.25, only for
 `FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul and
 RotaryEmbedding classes with fp8_align's batch-invariant operators (`vllm_plugin.on_policy`).
 With an FP8 KV cache, the scoped instance patch `bitwise_fp8_attention`

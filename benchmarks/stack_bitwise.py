@@ -1,0 +1,274 @@
+"""Bitwise inside a stack's own trainer code (GPU): verl 0.9.1's or OpenRLHF 0.11.2's actor against
+an fp8_align bitwise engine, with the stack's own weight sync between its policy steps.
+
+    python benchmarks/stack_bitwise.py --out benchmarks/results/stack_bitwise.json [--stack verl|openrlhf]
+        [--variants fp8,fp8_pow2] [--kv-cache-dtype fp8|auto] [--steps 3] [--temperatures 0.6,1.0]
+        [--batch-size 64] [--max-tokens 64] [--lr 1e-3] [--work /root/stack_bitwise_work]
+
+Per variant one process: a random-init Qwen3-8B shape cut to 4 layers
+(`on_policy_bitwise.prepare_model`), one `FP8Config(on_policy="bitwise")` engine on GPU 0 that
+returns the stack's `logprobs_mode` and runs the stack's own worker extension; with an FP8 KV cache
+its scales are calibrated once by the engine and given to the trainer. The trainer is the model
+converted by `make_bitwise` with the stack's log-prob function patched (`patch_stack_logprobs`):
+- verl: `benchmarks/verl_scorer.VerlActorScorer` (its compute_log_prob and update_policy units),
+  `processed_logprobs`, verl's sync (`BucketedWeightSender` over CUDA IPC into the workers'
+  `update_weights_from_ipc`);
+- openrlhf: `benchmarks/openrlhf_scorer.OpenRLHFActorScorer` (its `Actor` on packed samples and its
+  `PolicyLoss`), vLLM's default `raw_logprobs`, temperature 1 only, OpenRLHF's sync (its trainer's
+  per-tensor CUDA-IPC handles into the workers' `update_weight_cuda_ipc`).
+
+Each step: the engine samples `--batch-size` prompts at each of `--temperatures` (a seed per
+request); verl's compute_log_prob scores every completion at its temperature, a row per
+(step, temperature): tokens, max |engine logp - verl logp|. Then, except after the last step, one
+PPO update (verl's `ppo_loss`, micro-batches of 8, AdamW at `--lr`) on the first temperature's
+batch, with the trainer's log-probs as old log-probs (both stacks' default) and batch-normalized
+advantages of a fixed reward (the share of even token ids in a completion), and the stack's sync of
+the new weights.
+The report has those rows and one summary row per (stack, vllm, variant) with `tokens` (all steps)
+and `max_abs_dlogp` (the largest of any step), device and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
+
+from benchmarks.on_policy_bitwise import VARIANTS, _device_and_versions, _metrics, prepare_model  # noqa: E402
+from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
+
+MODEL = "qwen3-8b-4l"
+MAX_MODEL_LEN = 1024
+#: Share of GPU memory the engine takes; the trainer (model, gradients, AdamW state) lives beside it.
+GPU_MEMORY_UTILIZATION = 0.4
+#: Sequences verl's compute_log_prob scores per call and per policy-step micro-batch.
+SCORE_BATCH, MICRO_BATCH = 32, 8
+#: verl's colocated sync buckets (its default is 512 MiB; smaller here so that the 4-layer model takes several).
+BUCKET_SIZE_MB = 256
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What differs between the stacks' runs: the engine's worker extension and log-prob mode."""
+
+    worker_extension: str
+    logprobs_mode: str
+    temperature_one_only: bool
+
+
+STACKS = {
+    "verl": Stack("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension", "processed_logprobs", False),
+    "openrlhf": Stack("openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", "raw_logprobs", True),
+}
+
+
+def verl_sync(llm: Any, model: Any, job_id: str) -> None:
+    """verl 0.9.1's colocated weight sync of `model`'s parameters into the engine: its trainer-side
+    `BucketedWeightSender` (CUDA-IPC buckets over ZMQ) against the workers' own
+    `update_weights_from_ipc`; raises what either side raised."""
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    sender = BucketedWeightSender(f"ipc:///tmp/rl-colocate-zmq-{job_id}-replica-0-rank-0.sock", bucket_size_mb=BUCKET_SIZE_MB)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            asyncio.run(sender.async_send_weights((name, p.detach()) for name, p in model.named_parameters()))
+        except BaseException as error:  # raised below, in the caller
+            errors.append(error)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": False})
+    thread.join(timeout=300)
+    if thread.is_alive() or errors:
+        raise RuntimeError(f"verl's weight sender did not finish: {errors or 'still running after 300 s'}")
+
+
+def openrlhf_sync(llm: Any, model: Any) -> None:
+    """OpenRLHF 0.11.2's colocated weight sync of `model`'s parameters (its trainer's CUDA-IPC path,
+    openrlhf/trainer/ray/ppo_actor.py `_handle_cuda_ipc`): per parameter a clone shared with
+    `reduce_tensor`, keyed by `get_physical_gpu_id()`, into the workers' `update_weight_cuda_ipc`."""
+    from openrlhf.trainer.ray.utils import get_physical_gpu_id
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    params = list(model.named_parameters())
+    for count, (name, param) in enumerate(params, start=1):
+        weight = param.data.clone()
+        handles = {get_physical_gpu_id(): reduce_tensor(weight)}
+        llm.collective_rpc("update_weight_cuda_ipc", args=(name, param.dtype, param.shape, handles, count == len(params)))
+
+
+def advantages_of(completions: list[list[int]]) -> list[float]:
+    """Batch-normalized advantages of a fixed reward: the share of even token ids per completion."""
+    rewards = [sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in completions]
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One engine and the stack's actor over `args.steps` policy steps; returns the rows."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fp8_align import FP8Config
+    from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs
+
+    path, probes, fillers = prepare_model(MODEL, args.work)
+    prompts = (probes + fillers)[: args.batch_size]
+    job_id = f"fp8align{os.getpid()}"
+    os.environ["VERL_RAY_JOB_ID"] = job_id  # names verl's ZMQ socket; the engine's workers inherit it
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # calibrate_kv_scales: collective_rpc with functions
+    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, **VARIANTS[variant])
+    llm = LLM(
+        model=str(path), skip_tokenizer_init=True, max_num_seqs=args.batch_size, max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=STACKS[stack].logprobs_mode,
+        worker_extension_cls=STACKS[stack].worker_extension, **engine_kwargs(cfg),
+    )  # fmt: skip
+    scales = None
+    if kv_cache_dtype == "fp8":
+        calibrate_kv_scales(llm, probes, include_q=False)
+        scales = engine_kv_scales(llm)
+    actor: Any
+    if stack == "verl":
+        from transformers import AutoModelForCausalLM
+
+        from benchmarks.verl_scorer import VerlActorScorer
+        from fp8_align.hf_training import make_bitwise, patch_stack_logprobs
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+        make_bitwise(model, cfg, kv_scales=scales)
+        patch_stack_logprobs("verl")
+        actor = VerlActorScorer(model)
+    else:
+        from benchmarks.openrlhf_scorer import OpenRLHFActorScorer
+
+        actor = OpenRLHFActorScorer(path, cfg, kv_scales=scales, device="cuda")
+        model = actor.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = {name: p.detach().clone() for name, p in model.named_parameters() if p.dim() == 2}
+    rows: list[dict[str, Any]] = []
+    for step in range(args.steps + 1):
+        batches = []
+        for t_index, temperature in enumerate(args.temperatures):
+            params = [
+                SamplingParams(temperature=temperature, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True,
+                               seed=100_000 * step + 1000 * t_index + i, detokenize=False)
+                for i in range(len(prompts))
+            ]  # fmt: skip
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            completions = [list(out.outputs[0].token_ids) for out in outputs]
+            engine = [[s[t].logprob for s, t in zip(out.outputs[0].logprobs, c)] for out, c in zip(outputs, completions)]
+            sequences = [p + c for p, c in zip(prompts, completions)]
+            prompt_lens = [len(p) for p in prompts]
+            scored: list[torch.Tensor] = []
+            for chunk in range(0, len(sequences), SCORE_BATCH):
+                part = slice(chunk, chunk + SCORE_BATCH)
+                scored += actor.token_logprobs(sequences[part], prompt_lens[part], temperature)
+            flat_engine = [x for lp in engine for x in lp]
+            flat_verl = [x for lp in scored for x in lp.tolist()]
+            max_abs, mult = _metrics(flat_engine, flat_verl)
+            rows.append({
+                "stack": stack, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "step": step, "temperature": temperature,
+                "logprobs_mode": STACKS[stack].logprobs_mode, "sequences": len(sequences), "tokens": len(flat_engine),
+                "max_abs_dlogp": max_abs, "mult_prob_error": mult,
+                "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_verl)),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+            batches.append((sequences, prompt_lens, completions, scored))
+        if step == args.steps:
+            break
+        sequences, prompt_lens, completions, scored = batches[0]
+        stats = actor.policy_step(
+            sequences, prompt_lens, args.temperatures[0], scored, advantages_of(completions), optimizer, micro_batch_size=MICRO_BATCH
+        )
+        sync_start = time.perf_counter()
+        if stack == "verl":
+            verl_sync(llm, model, job_id)
+        else:
+            openrlhf_sync(llm, model)
+        moved = sum(not torch.equal(start[name], p) for name, p in model.named_parameters() if name in start)
+        rows[-1].update(policy_step=stats, sync_s=round(time.perf_counter() - sync_start, 2), matrices_moved=f"{moved}/{len(start)}")
+        print(json.dumps(rows[-1]), flush=True)
+    del llm
+    gc.collect()
+    return {"rows": rows, "kv_scales": scales}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON report: rows per step and a summary row per variant")
+    parser.add_argument("--stack", choices=sorted(STACKS), default="verl")
+    parser.add_argument("--variants", default="fp8,fp8_pow2")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="fp8")
+    parser.add_argument("--steps", type=int, default=3, help="policy steps (each followed by verl's sync and a new rollout)")
+    parser.add_argument("--temperatures", default="0.6,1.0", help="sampling temperatures; the first one is trained on")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (large enough to move BF16 weights)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_stack_bitwise"))
+    parser.add_argument("--one", metavar="VARIANT", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    for temperature in args.temperatures:
+        try:
+            check_temperature(temperature)
+        except ValueError as error:
+            parser.error(f"--temperatures: {error}")  # includes greedy (0): a policy step trains on samples
+    if STACKS[args.stack].temperature_one_only and args.temperatures != [1.0]:
+        parser.error(f"--stack {args.stack}: --temperatures 1.0 only (docs/on_policy.md: its actor multiplies by 1/T on CUDA)")
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    if args.steps < 1 or args.batch_size < 4:
+        parser.error("--steps must be at least 1 and --batch-size at least 4 (the 4 probe prompts)")
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        args.out.write_text(json.dumps(run_variant(args.stack, args.one, args.kv_cache_dtype, args)))
+        return 0
+    versions = _device_and_versions()
+    report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **versions}
+    report.update(summary=[], rows=[], kv_scales={}, failures=[])
+    for variant in args.variants.split(","):
+        kv = args.kv_cache_dtype if VARIANTS[variant].get("precision") == "fp8" else "auto"
+        part, log = args.work / f"{args.stack}_{variant}.json", args.work / f"{args.stack}_{variant}.log"
+        part.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--out", str(part), "--stack", args.stack, "--one", variant, "--kv-cache-dtype", kv, "--steps", str(args.steps),
+               "--temperatures", ",".join(map(str, args.temperatures)), "--batch-size", str(args.batch_size),
+               "--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--work", str(args.work)]  # fmt: skip
+        with log.open("w") as handle:
+            code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+        if code or not part.is_file():
+            report["failures"].append({"variant": variant, "returncode": code, "log_tail": log.read_text()[-3000:]})
+            print(f"FAILED {variant} (rc {code}); log {log}", flush=True)
+            continue
+        result = json.loads(part.read_text())
+        report["rows"] += result["rows"]
+        report["kv_scales"][variant] = result["kv_scales"]
+        report["summary"].append({
+            "stack": args.stack, "vllm": versions["vllm"], "variant": variant, "kv_cache_dtype": kv, "model": MODEL,
+            "steps": args.steps, "temperatures": args.temperatures, "tokens": sum(r["tokens"] for r in result["rows"]),
+            "max_abs_dlogp": max(r["max_abs_dlogp"] for r in result["rows"]), "device": versions["device"],
+            "versions": {k: versions[k] for k in ("torch", "cuda", "triton", "vllm")},
+        })  # fmt: skip
+        print(json.dumps(report["summary"][-1]), flush=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    args.out.write_text(json.dumps(report, indent=1))
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
