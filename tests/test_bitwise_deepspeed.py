@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import make_bitwise
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES, completion_logprobs_from_logits, packed_inputs, packed_rows
+from tests.ranks import spawn_ranks
 
 SITE = Path(__file__).resolve().parents[1] / ".cache" / "openrlhf_site"
 WORLD_SIZE = 2
@@ -75,12 +74,7 @@ def _rank(rank: int, port: int, out: Path) -> None:
 
 @pytest.mark.skipif(not (SITE / "deepspeed").is_dir(), reason="scripts/setup_cpu_env.sh installs deepspeed 0.19.6 into .cache/openrlhf_site")
 def test_zero3_partitioned_model_gives_the_unpartitioned_bits(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_rank, args=(port, tmp_path), nprocs=WORLD_SIZE)
-    for rank in range(WORLD_SIZE):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, result in enumerate(spawn_ranks(_rank, WORLD_SIZE, tmp_path)):
         assert result["partitioned"], f"rank {rank}: ZeRO-3 left a parameter whole; the all-gather was not exercised"
         assert result["logprobs_equal"], rank
         assert sorted(result["grad_errors"]) == result["names"], rank

@@ -9,18 +9,17 @@ unsharded one exactly). Runs the CPU reference ops; the sharding plumbing is wha
 from __future__ import annotations
 
 import copy
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import make_bitwise
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES, completion_logprobs_from_logits, packed_inputs, packed_rows
+from tests.ranks import spawn_ranks
 
 WORLD_SIZE = 2
 
@@ -58,12 +57,7 @@ def _rank(rank: int, port: int, out: Path) -> None:
 
 
 def test_fsdp2_sharded_model_gives_the_unsharded_bits_and_gradients(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_rank, args=(port, tmp_path), nprocs=WORLD_SIZE)
-    for rank in range(WORLD_SIZE):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, result in enumerate(spawn_ranks(_rank, WORLD_SIZE, tmp_path)):
         assert result["logprobs_equal"], rank
         assert result["names_equal"], rank
         assert result["unequal_grads"] == [], (rank, result["unequal_grads"])
