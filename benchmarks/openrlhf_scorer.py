@@ -27,6 +27,8 @@ import torch
 from openrlhf.models.actor import Actor
 from openrlhf.models.loss import PolicyLoss
 
+from benchmarks.rollout_batch import clip_and_step, left_right_padded
+
 from fp8_align import FP8Config
 from fp8_align.hf_training import make_bitwise, patch_stack_logprobs
 
@@ -40,13 +42,12 @@ def actor_batch(sequences: list[list[int]], prompt_lens: list[int], device: torc
     """`sequences` (prompt + completion token ids) as OpenRLHF hands them to its Actor: prompts
     left-padded, responses right-padded (`PAD_ID`); `attention_mask` [B, S] over both, `action_mask`
     [B, R] over the responses."""
-    prompts = [seq[:p] for seq, p in zip(sequences, prompt_lens, strict=True)]
-    responses = [seq[p:] for seq, p in zip(sequences, prompt_lens, strict=True)]
-    width_p, width_r = max(map(len, prompts)), max(map(len, responses))
-    rows = [[PAD_ID] * (width_p - len(p)) + p + r + [PAD_ID] * (width_r - len(r)) for p, r in zip(prompts, responses)]
-    mask = [[0] * (width_p - len(p)) + [1] * (len(p) + len(r)) + [0] * (width_r - len(r)) for p, r in zip(prompts, responses)]
-    action = [[1] * len(r) + [0] * (width_r - len(r)) for r in responses]
-    return {name: torch.tensor(value, device=device) for name, value in (("sequences", rows), ("attention_mask", mask), ("action_mask", action))}
+    padded = left_right_padded(sequences, prompt_lens, device, PAD_ID)
+    return {
+        "sequences": torch.cat([padded["prompt_ids"], padded["response_ids"]], dim=1),
+        "attention_mask": torch.cat([padded["prompt_mask"], padded["response_mask"]], dim=1),
+        "action_mask": padded["response_mask"],
+    }
 
 
 class OpenRLHFActorScorer:
@@ -97,9 +98,5 @@ class OpenRLHFActorScorer:
             loss = loss_fn(log_probs, old, adv, action_mask=action_mask, dp_size=1, batch_num_tokens=batch_tokens)[0]
             loss.backward()
             total += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=MAX_GRAD_NORM)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}")
-        optimizer.step()
-        optimizer.zero_grad()
-        return {"loss": total, "grad_norm": grad_norm.item()}
+        grad_norm = clip_and_step(self.model.parameters(), optimizer, MAX_GRAD_NORM)
+        return {"loss": total, "grad_norm": grad_norm}

@@ -40,6 +40,8 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
+from benchmarks.rollout_batch import clip_and_step, left_right_padded
+
 #: verl's pad token in the rollout batch here; padding never reaches the model (remove-padding).
 PAD_ID = 0
 
@@ -74,14 +76,10 @@ def rollout_batch(
     `infer_batch` set. With `old_logprobs` (per sequence, FP32 [completion length]) and
     `advantages` (one per sequence, on every completion token, as GRPO's outcome advantage is) the
     batch is a training batch instead: `compute_loss` set, no entropy."""
-    prompts = [seq[:p] for seq, p in zip(sequences, prompt_lens, strict=True)]
-    responses = [seq[p:] for seq, p in zip(sequences, prompt_lens, strict=True)]
-    width_p, width_r = max(map(len, prompts)), max(map(len, responses))
-    prompt_ids = torch.tensor([[PAD_ID] * (width_p - len(p)) + p for p in prompts], device=device)
-    response_ids = torch.tensor([r + [PAD_ID] * (width_r - len(r)) for r in responses], device=device)
-    prompt_mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts], device=device)
-    response_mask = torch.tensor([[1] * len(r) + [0] * (width_r - len(r)) for r in responses], device=device)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    padded = left_right_padded(sequences, prompt_lens, device, PAD_ID)
+    prompt_ids, response_ids, response_mask = padded["prompt_ids"], padded["response_ids"], padded["response_mask"]
+    width_r = response_ids.shape[1]
+    attention_mask = torch.cat([padded["prompt_mask"], response_mask], dim=1)
     batch = tu.get_tensordict({
         "prompts": prompt_ids, "responses": response_ids, "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask, "response_mask": response_mask, "position_ids": compute_position_id_with_mask(attention_mask),
@@ -142,12 +140,8 @@ class VerlActorScorer:
             assert loss is not None
             loss.backward()
             total += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.engine.module.parameters(), max_norm=config.grad_clip)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}")
-        optimizer.step()
-        optimizer.zero_grad()
-        return {"loss": total, "grad_norm": grad_norm.item()}
+        grad_norm = clip_and_step(self.engine.module.parameters(), optimizer, config.grad_clip)
+        return {"loss": total, "grad_norm": grad_norm}
 
     def token_logprobs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[torch.Tensor]:
         """Per sequence, FP32 [len - prompt_len] log-probs of its completion tokens, as verl's actor
