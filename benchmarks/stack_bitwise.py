@@ -1,9 +1,11 @@
-"""Bitwise inside a stack's own trainer code (GPU): verl 0.9.1's or OpenRLHF 0.11.2's actor against
-an fp8_align bitwise engine, with the stack's own weight sync between its policy steps.
+"""Bitwise inside a stack's own trainer code (GPU): verl 0.9.1's or OpenRLHF 0.11.2's actor or NeMo
+RL's DTensor policy against an fp8_align bitwise engine, with the stack's own weight sync between
+its policy steps.
 
-    python benchmarks/stack_bitwise.py --out benchmarks/results/stack_bitwise.json [--stack verl|openrlhf]
+    python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl]
         [--variants fp8,fp8_pow2] [--kv-cache-dtype fp8|auto] [--steps 3] [--temperatures 0.6,1.0]
         [--batch-size 64] [--max-tokens 64] [--lr 1e-3] [--work /root/stack_bitwise_work]
+    python benchmarks/stack_bitwise.py --out benchmarks/results/stack_bitwise.json --collect REPORT.json...
 
 Per variant one process: a random-init Qwen3-8B shape cut to 4 layers
 (`on_policy_bitwise.prepare_model`), one `FP8Config(on_policy="bitwise")` engine on GPU 0 that
@@ -15,17 +17,25 @@ converted by `make_bitwise` with the stack's log-prob function patched (`patch_s
   `update_weights_from_ipc`);
 - openrlhf: `benchmarks/openrlhf_scorer.OpenRLHFActorScorer` (its `Actor` on packed samples and its
   `PolicyLoss`), vLLM's default `raw_logprobs`, temperature 1 only, OpenRLHF's sync (its trainer's
-  per-tensor CUDA-IPC handles into the workers' `update_weight_cuda_ipc`).
+  per-tensor CUDA-IPC handles into the workers' `update_weight_cuda_ipc`);
+- nemo_rl: `benchmarks/nemo_rl_scorer.NemoRLPolicyScorer` (its DTensor policy's packed log-prob and
+  train units, vendored at 7ea279a), `processed_logprobs` (its GRPO configs' setting), NeMo RL's
+  refit (its trainer's `stream_weights_via_ipc_zmq_impl`, CUDA IPC over ZMQ, into its worker
+  extension's `update_weights_via_ipc_zmq`; weights only, so the engine keeps the K/V scales the
+  trainer scores with). Needs NeMo RL's pins first on PYTHONPATH (`.cache/nemo_rl_site`, the box's
+  `nemo_rl` stage): NeMo RL refuses transformers >= 5.12.
 
 Each step: the engine samples `--batch-size` prompts at each of `--temperatures` (a seed per
-request); verl's compute_log_prob scores every completion at its temperature, a row per
-(step, temperature): tokens, max |engine logp - verl logp|. Then, except after the last step, one
-PPO update (verl's `ppo_loss`, micro-batches of 8, AdamW at `--lr`) on the first temperature's
-batch, with the trainer's log-probs as old log-probs (both stacks' default) and batch-normalized
-advantages of a fixed reward (the share of even token ids in a completion), and the stack's sync of
-the new weights.
+request); the stack's unit scores every completion at its temperature, a row per (step,
+temperature): tokens, max |engine logp - stack logp|. Then, except after the last step, one policy
+update with the stack's loss (micro-batches of 8 sequences; NeMo RL packs them by its token budget;
+AdamW at `--lr`) on the first temperature's batch, with the trainer's log-probs as old log-probs
+(the stacks' default) and batch-normalized advantages of a fixed reward (the share of even token
+ids in a completion), and the stack's sync of the new weights.
+At step 0 each row also has `unpatched_max_abs_dlogp`: the same batch through the stack's own
+log-prob code, the patch undone for that one scoring.
 The report has those rows and one summary row per (stack, vllm, variant) with `tokens` (all steps)
-and `max_abs_dlogp` (the largest of any step), device and versions.
+and `max_abs_dlogp` (the largest of any step), device and versions (the stack's and transformers').
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -46,13 +57,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 from benchmarks.on_policy_bitwise import VARIANTS, _device_and_versions, _metrics, prepare_model  # noqa: E402
+from fp8_align.hf_training import patch_stack_logprobs, unpatch_stack_logprobs  # noqa: E402
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
 
 MODEL = "qwen3-8b-4l"
 MAX_MODEL_LEN = 1024
 #: Share of GPU memory the engine takes; the trainer (model, gradients, AdamW state) lives beside it.
 GPU_MEMORY_UTILIZATION = 0.4
-#: Sequences verl's compute_log_prob scores per call and per policy-step micro-batch.
+#: Sequences the stack's unit scores per call, and per policy-step micro-batch.
 SCORE_BATCH, MICRO_BATCH = 32, 8
 #: verl's colocated sync buckets (its default is 512 MiB; smaller here so that the 4-layer model takes several).
 BUCKET_SIZE_MB = 256
@@ -70,7 +82,12 @@ class Stack:
 STACKS = {
     "verl": Stack("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension", "processed_logprobs", False),
     "openrlhf": Stack("openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", "raw_logprobs", True),
+    "nemo_rl": Stack("tests.nemo_rl_worker.WorkerExtension", "processed_logprobs", False),
 }
+#: NeMo RL's refit buffer (it sizes it from free memory, NRL_REFIT_BUFFER_MEMORY_RATIO).
+NEMO_RL_BUFFER_BYTES = 512 * 2**20
+#: NeMo RL's `policy.max_total_sequence_length` here: the longest prompt (400) and its completion fit.
+NEMO_RL_MAX_SEQUENCE = 512
 
 
 def verl_sync(llm: Any, model: Any, job_id: str) -> None:
@@ -110,6 +127,42 @@ def openrlhf_sync(llm: Any, model: Any) -> None:
         llm.collective_rpc("update_weight_cuda_ipc", args=(name, param.dtype, param.shape, handles, count == len(params)))
 
 
+def nemo_rl_sync(llm: Any, model: Any) -> None:
+    """NeMo RL 7ea279a's colocated refit of `model`'s parameters (tests/nemo_rl_worker.py, as
+    tests/test_gpu_nemo_rl_refit.py drives it): `prepare_refit_info`, its trainer's
+    `stream_weights_via_ipc_zmq_impl` at its socket address for this GPU, its workers'
+    `update_weights_via_ipc_zmq`; raises what either side raised."""
+    from nemo_rl.utils.nvml import get_device_uuid
+
+    from tests.nemo_rl_worker import start_ipc_sender, state_dict_info
+
+    stream = [(name, p.detach()) for name, p in model.named_parameters()]
+    llm.collective_rpc("prepare_refit_info", args=(state_dict_info(stream),))
+    thread, errors = start_ipc_sender(f"ipc:///tmp/{get_device_uuid(0)}.sock", stream, NEMO_RL_BUFFER_BYTES)
+    updated = llm.collective_rpc("update_weights_via_ipc_zmq")
+    thread.join(timeout=300)
+    if thread.is_alive() or errors or updated != [True]:
+        raise RuntimeError(f"NeMo RL's refit did not finish: workers {updated}, trainer {errors or ('still running' if thread.is_alive() else 'done')}")
+
+
+def score(actor: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[Any]:
+    """The stack unit's completion log-probs of `sequences`, `SCORE_BATCH` sequences per call."""
+    scored: list[Any] = []
+    for chunk in range(0, len(sequences), SCORE_BATCH):
+        part = slice(chunk, chunk + SCORE_BATCH)
+        scored += actor.token_logprobs(sequences[part], prompt_lens[part], temperature)
+    return scored
+
+
+def stack_version(stack: str) -> str:
+    """The running stack's release (NeMo RL's from its package, with the vendored commit)."""
+    if stack == "nemo_rl":
+        import nemo_rl.package_info
+
+        return f"{nemo_rl.package_info.__shortversion__} (7ea279a)"
+    return importlib.metadata.version(stack)
+
+
 def advantages_of(completions: list[list[int]]) -> list[float]:
     """Batch-normalized advantages of a fixed reward: the share of even token ids per completion."""
     rewards = [sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in completions]
@@ -147,17 +200,27 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         from transformers import AutoModelForCausalLM
 
         from benchmarks.verl_scorer import VerlActorScorer
-        from fp8_align.hf_training import make_bitwise, patch_stack_logprobs
+        from fp8_align.hf_training import make_bitwise
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
         make_bitwise(model, cfg, kv_scales=scales)
         patch_stack_logprobs("verl")
         actor = VerlActorScorer(model)
-    else:
+    elif stack == "openrlhf":
         from benchmarks.openrlhf_scorer import OpenRLHFActorScorer
 
         actor = OpenRLHFActorScorer(path, cfg, kv_scales=scales, device="cuda")
         model = actor.model
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from benchmarks.nemo_rl_scorer import NemoRLPolicyScorer
+        from fp8_align.hf_training import make_bitwise
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+        make_bitwise(model, cfg, kv_scales=scales)
+        eos = model.config.eos_token_id
+        actor = NemoRLPolicyScorer(model, eos if isinstance(eos, int) else 0, NEMO_RL_MAX_SEQUENCE, MICRO_BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = {name: p.detach().clone() for name, p in model.named_parameters() if p.dim() == 2}
     rows: list[dict[str, Any]] = []
@@ -174,18 +237,20 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
             engine = [[s[t].logprob for s, t in zip(out.outputs[0].logprobs, c)] for out, c in zip(outputs, completions)]
             sequences = [p + c for p, c in zip(prompts, completions)]
             prompt_lens = [len(p) for p in prompts]
-            scored: list[torch.Tensor] = []
-            for chunk in range(0, len(sequences), SCORE_BATCH):
-                part = slice(chunk, chunk + SCORE_BATCH)
-                scored += actor.token_logprobs(sequences[part], prompt_lens[part], temperature)
+            scored = score(actor, sequences, prompt_lens, temperature)
             flat_engine = [x for lp in engine for x in lp]
             flat_verl = [x for lp in scored for x in lp.tolist()]
             max_abs, mult = _metrics(flat_engine, flat_verl)
+            if step == 0:  # the same batch through the stack's own log-prob code: what the patch changes
+                unpatch_stack_logprobs(stack)
+                unpatched = _metrics(flat_engine, [x for lp in score(actor, sequences, prompt_lens, temperature) for x in lp.tolist()])[0]
+                patch_stack_logprobs(stack)
             rows.append({
                 "stack": stack, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "step": step, "temperature": temperature,
                 "logprobs_mode": STACKS[stack].logprobs_mode, "sequences": len(sequences), "tokens": len(flat_engine),
                 "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_verl)),
+                **({"unpatched_max_abs_dlogp": unpatched} if step == 0 else {}),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
             batches.append((sequences, prompt_lens, completions, scored))
@@ -198,14 +263,37 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         sync_start = time.perf_counter()
         if stack == "verl":
             verl_sync(llm, model, job_id)
-        else:
+        elif stack == "openrlhf":
             openrlhf_sync(llm, model)
+        else:
+            nemo_rl_sync(llm, model)
         moved = sum(not torch.equal(start[name], p) for name, p in model.named_parameters() if name in start)
         rows[-1].update(policy_step=stats, sync_s=round(time.perf_counter() - sync_start, 2), matrices_moved=f"{moved}/{len(start)}")
         print(json.dumps(rows[-1]), flush=True)
     del llm
     gc.collect()
-    return {"rows": rows, "kv_scales": scales}
+    import transformers
+
+    return {"rows": rows, "kv_scales": scales, "stack_version": stack_version(stack), "transformers": transformers.__version__}
+
+
+def collect(reports: list[Path]) -> dict[str, Any]:
+    """One summary over several runs' reports: every summary row, with the report it came from, its
+    date and `unpatched_max_abs_dlogp` (the largest of its step-0 rows). Raises ValueError for a
+    report with failures or two rows for one (stack, vllm, variant)."""
+    rows, seen = [], set()
+    for path in reports:
+        report = json.loads(path.read_text())
+        if report["failures"]:
+            raise ValueError(f"{path}: {len(report['failures'])} failed variants")
+        for row in report["summary"]:
+            key = (row["stack"], row["vllm"], row["variant"])
+            if key in seen:
+                raise ValueError(f"{path}: a second row for {key}")
+            seen.add(key)
+            unpatched = max(r["unpatched_max_abs_dlogp"] for r in report["rows"] if r["variant"] == row["variant"] and r["step"] == 0)
+            rows.append({**row, "unpatched_max_abs_dlogp": unpatched, "date_utc": report["date_utc"], "report": path.as_posix()})
+    return {"summary": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,8 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (large enough to move BF16 weights)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_stack_bitwise"))
+    parser.add_argument("--collect", nargs="+", type=Path, metavar="REPORT",
+                        help="write to --out only the summary rows of these reports (one per stack run), nothing run")
     parser.add_argument("--one", metavar="VARIANT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.collect:
+        args.out.write_text(json.dumps(collect(args.collect), indent=1))
+        return 0
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     for temperature in args.temperatures:
         try:
@@ -262,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             "stack": args.stack, "vllm": versions["vllm"], "variant": variant, "kv_cache_dtype": kv, "model": MODEL,
             "steps": args.steps, "temperatures": args.temperatures, "tokens": sum(r["tokens"] for r in result["rows"]),
             "max_abs_dlogp": max(r["max_abs_dlogp"] for r in result["rows"]), "device": versions["device"],
-            "versions": {k: versions[k] for k in ("torch", "cuda", "triton", "vllm")},
+            "versions": {**{k: versions[k] for k in ("torch", "cuda", "triton", "vllm")}, "transformers": result["transformers"],
+                         args.stack: result["stack_version"]},
         })  # fmt: skip
         print(json.dumps(report["summary"][-1]), flush=True)
         args.out.write_text(json.dumps(report, indent=1))

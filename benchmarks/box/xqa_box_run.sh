@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl | openrlhf | stack-proof
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl | openrlhf | nemo_rl | stack-proof
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -28,7 +28,10 @@
 # .whl/verl_deps/verl_deps.part_NN staged), e.g. before proof with PROOF_ARGS="--scorer verl ..." or stack-proof.
 # openrlhf: what OpenRLHF's Actor imports beyond .whl/site and verl's deps (deepspeed, flash-attn's padding helpers:
 # scripts/setup_cpu_env.sh builds .cache/openrlhf_site, copied to /root/openrlhf_site by an earlier call) on PYTHONPATH.
-# stack-proof: benchmarks/stack_bitwise.py on GPU 0 (verl's actor, policy steps and sync against a bitwise engine; $STACK_ARGS).
+# nemo_rl: NeMo RL's DTensor-policy pins (transformers 5.5.4: NeMo RL refuses >= 5.12) unpacked from the carried
+# .whl/nemo_rl_site.tar.zst (benchmarks/box/build_stack_site.sh) and the vendored tests/third_party/nemo_rl_dtensor, first on
+# PYTHONPATH for the stages after it (stack-proof with STACK_ARGS="--stack nemo_rl ..."); last in a chain.
+# stack-proof: benchmarks/stack_bitwise.py on GPU 0 (a stack's actor, policy steps and sync against a bitwise engine; $STACK_ARGS).
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -121,6 +124,14 @@ while [ $# -gt 0 ]; do
       [ -f /root/openrlhf_site/flash_attn/bert_padding.py ] || { echo "openrlhf: copy .cache/openrlhf_site to /root/openrlhf_site first"; exit 1; }
       export PYTHONPATH="$PYTHONPATH:/root/openrlhf_site"
       python3 -c "import openrlhf.models.actor" && echo "OpenRLHF's Actor imports" || exit 1 ;;
+    nemo_rl)
+      [ -f .whl/nemo_rl_site.tar.zst ] || { echo "nemo_rl: carry .whl/nemo_rl_site.tar.zst (benchmarks/box/build_stack_site.sh)"; exit 1; }
+      if [ ! -f /root/nemo_rl_site/transformers/__init__.py ]; then
+        rm -rf /root/nemo_rl_site && LD_LIBRARY_PATH="$kit/bin" "$kit/bin/zstd" -d -q -c .whl/nemo_rl_site.tar.zst | tar -C /root -xf - || exit 1
+      fi
+      export PYTHONPATH="/root/nemo_rl_site:$PWD/tests/third_party/nemo_rl_dtensor:$PYTHONPATH"
+      python3 -c "import benchmarks.nemo_rl_scorer, transformers; print('NeMo RL DTensor policy imports; transformers', transformers.__version__)" \
+        || exit 1 ;;
     bitwise=*)
       IFS=, read -r -a bitwise_stages <<< "${stage#bitwise=}"
       OUT="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}" bash benchmarks/box/bitwise_box_run.sh setup "${bitwise_stages[@]}"; true ;;

@@ -189,6 +189,13 @@ def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, kernels: EngineKe
     return logprobs.gather(1, labels.reshape(-1, 1))[:, 0].reshape(labels.shape)
 
 
+def divided_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits` [..., V] divided by `temperature` as vLLM's sampler divides: by an FP32 tensor (a
+    true division on CUDA, where division by a Python number multiplies by its reciprocal). Out of
+    place, with autograd's gradient."""
+    return logits / torch.full((*logits.shape[:-1], 1), temperature, dtype=torch.float32, device=logits.device)
+
+
 def fp8_gemm_for(cfg: FP8Config, device: torch.device, fp8_weights: Sequence[torch.Tensor]) -> Fp8Gemm:
     """The block-FP8 product of the engine's bitwise backend on CUDA (`select_kernel` for `cfg`,
     which is the same for every layer of a bitwise engine), the CPU backend's emulated product
@@ -240,6 +247,6 @@ def completion_logprobs(
         part = slice(chunk, chunk + chunk_rows)
         logits = logits_fn(hidden[row_index[part]])
         if temperature != 1.0:
-            logits = logits / torch.full((logits.shape[0], 1), temperature, dtype=torch.float32, device=logits.device)
+            logits = divided_by_temperature(logits, temperature)
         picked.append(label_logprobs(logits, target[part], kernels))
     return list(torch.cat(picked).split([len(s) - p for s, p in zip(sequences, prompt_lens)]))

@@ -3,13 +3,13 @@
 A converted model (`make_bitwise`) returns the engine's FP32 logits. The stack then divides them
 by the temperature and takes the labels' log-probs in its own code. Where that code is not the
 engine's log-softmax (docs/on_policy.md, "What the stacks do"), `patch_stack_logprobs(stack)`
-replaces the function the stack calls with one of the same contract that computes
+replaces the functions the stack calls with ones of the same contract that compute
 `engine_ops.label_logprobs`: vLLM's batch-invariant log-softmax on CUDA (the engine sampler's),
 the pure-torch one elsewhere, with autograd's gradient.
 
-Each patch names the module attribute it replaces and the release it was read from; another
+Each patch names the module attributes it replaces and the release it was read from; another
 installed release is refused. A patch applies only when asked, and applies once however often it is
-asked. `unpatch_stack_logprobs(stack)` puts the original back.
+asked. `unpatch_stack_logprobs(stack)` puts the originals back.
 
 - verl 0.9.1: `verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits(logits, labels,
   inplace_backward)`. This is what `FSDPEngineWithLMHead.prepare_model_outputs` calls, its
@@ -21,29 +21,38 @@ asked. `unpatch_stack_logprobs(stack)` puts the original back.
   Actor first divides the logits in place by a Python float, which CUDA computes as a multiply by
   1/T, not as vLLM's sampler divides; the replacement refuses its own `temperature` argument
   other than 1.
+- NeMo RL 0.6.0 (read at commit 7ea279a; `nemo_rl.__version__`, since its PyPI name is a
+  placeholder), its DTensor policy's log-prob unit `nemo_rl.models.automodel.train`:
+  `apply_temperature_scaling(logits, sampling_params)` (an in-place division by a Python float) by
+  the engine's division, `LogprobsPostProcessor._compute_local_logprobs(self, logits, input_ids)`
+  (torch's log-softmax and gather) by the engine's log-softmax, and
+  `get_logprobs_from_vocab_parallel_logits` (its tensor- and context-parallel path) by a refusal:
+  a converted model is bitwise at tensor and context parallel size 1.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from fp8_align.hf_training.engine_ops import kernels_for, label_logprobs
+from fp8_align.hf_training.engine_ops import divided_by_temperature, kernels_for, label_logprobs
 
 
 @dataclass(frozen=True)
 class StackPatch:
-    """One stack's log-prob function: where it lives, the releases it was read from, its replacement."""
+    """One stack's log-prob code: the module, its attributes replaced (dotted paths inside it, with
+    their replacements), the releases it was read from and how to ask for the installed one."""
 
     module: str
-    attribute: str
-    distribution: str
+    replacements: tuple[tuple[str, Callable[..., Any]], ...]
     versions: tuple[str, ...]
-    replacement: Callable[..., torch.Tensor]
+    installed_version: Callable[[], str]
 
 
 def engine_label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -72,35 +81,91 @@ def openrlhf_log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, t
     return engine_label_logprobs(logits, labels)
 
 
-#: The stacks whose log-prob function `patch_stack_logprobs` replaces.
+def nemo_rl_apply_temperature_scaling(logits: torch.Tensor, sampling_params: Any) -> torch.Tensor:
+    """NeMo RL's `apply_temperature_scaling` contract: `logits` [B, S, V] divided by
+    `sampling_params.temperature` (none given, or 1: unchanged), as the engine divides
+    (`divided_by_temperature`, out of place). Raises ValueError for logits that are not FP32."""
+    if sampling_params is None or sampling_params.temperature == 1.0:
+        return logits
+    if logits.dtype != torch.float32:
+        raise ValueError(f"fp8_align's NeMo RL patch takes a converted model's FP32 logits (make_bitwise); these are {logits.dtype}")
+    return divided_by_temperature(logits, sampling_params.temperature)
+
+
+def nemo_rl_compute_local_logprobs(self: Any, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """NeMo RL's `LogprobsPostProcessor._compute_local_logprobs` contract: FP32 [B, S - 1]
+    log-probs of `input_ids[:, 1:]` [B, S] under `logits` [B, >= S - 1, V], by
+    `engine_label_logprobs` (rows are independent, so NeMo RL's `logprob_chunk_size` changes no
+    bit). Raises ValueError where NeMo RL would filter by top-k or top-p first."""
+    params = self.sampling_params
+    if params is not None and ((params.top_k is not None and params.top_k > 0) or (params.top_p is not None and params.top_p != 1.0)):
+        raise ValueError("fp8_align's NeMo RL patch takes no top-k/top-p filtering of the logits (the engine's processed log-probs are compared unfiltered)")
+    next_tokens = input_ids[:, 1:].to(logits.device)
+    return engine_label_logprobs(logits[:, : next_tokens.shape[1]], next_tokens)
+
+
+def nemo_rl_parallel_logprobs_refused(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """NeMo RL's vocab-parallel log-prob path (tensor or context parallel size > 1): refused."""
+    raise NotImplementedError("fp8_align's NeMo RL patch is bitwise at tensor and context parallel size 1 only: its DTensor policy took the vocab-parallel log-prob path")
+
+
+def _nemo_rl_version() -> str:
+    return importlib.import_module("nemo_rl.package_info").__shortversion__
+
+
+def _distribution_version(distribution: str) -> Callable[[], str]:
+    return lambda: importlib.metadata.version(distribution)
+
+
+#: The stacks whose log-prob code `patch_stack_logprobs` replaces.
 STACK_PATCHES: dict[str, StackPatch] = {
-    "verl": StackPatch("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits", "verl", ("0.9.1",), verl_logprobs_from_logits),
-    "openrlhf": StackPatch("openrlhf.models.actor", "log_probs_from_logits", "openrlhf", ("0.11.2",), openrlhf_log_probs_from_logits),
-}
-_originals: dict[str, Callable[..., torch.Tensor]] = {}
+    "verl": StackPatch(
+        "verl.workers.engine.fsdp.transformer_impl", (("logprobs_from_logits", verl_logprobs_from_logits),),
+        ("0.9.1",), _distribution_version("verl"),
+    ),
+    "openrlhf": StackPatch(
+        "openrlhf.models.actor", (("log_probs_from_logits", openrlhf_log_probs_from_logits),),
+        ("0.11.2",), _distribution_version("openrlhf"),
+    ),
+    "nemo_rl": StackPatch(
+        "nemo_rl.models.automodel.train",
+        (
+            ("apply_temperature_scaling", nemo_rl_apply_temperature_scaling),
+            ("LogprobsPostProcessor._compute_local_logprobs", nemo_rl_compute_local_logprobs),
+            ("get_logprobs_from_vocab_parallel_logits", nemo_rl_parallel_logprobs_refused),
+        ),
+        ("0.6.0",), _nemo_rl_version,
+    ),
+}  # fmt: skip
+_originals: dict[str, list[tuple[Any, str, Any]]] = {}
 
 
 def patch_stack_logprobs(stack: str) -> StackPatch:
-    """Replace `stack`'s log-prob function in this process with the engine's (module docstring);
+    """Replace `stack`'s log-prob code in this process with the engine's (module docstring);
     returns the patch. Imports the stack's module; a second call changes nothing. Raises
     ValueError for a stack without a patch (the keys of `STACK_PATCHES`) or an installed release
     the patch was not read from."""
     patch = _patch(stack)
-    version = importlib.metadata.version(patch.distribution)
+    version = patch.installed_version()
     if version not in patch.versions:
-        raise ValueError(f"{patch.distribution} {version}: patch_stack_logprobs({stack!r}) is read from {patch.distribution} {', '.join(patch.versions)} only")
+        raise ValueError(f"{stack} {version}: patch_stack_logprobs({stack!r}) is read from {stack} {', '.join(patch.versions)} only")
     module = importlib.import_module(patch.module)
     if stack not in _originals:
-        _originals[stack] = getattr(module, patch.attribute)
-        setattr(module, patch.attribute, patch.replacement)
+        saved = []
+        for path, replacement in patch.replacements:
+            *owners, attribute = path.split(".")
+            owner = functools.reduce(getattr, owners, module)
+            saved.append((owner, attribute, getattr(owner, attribute)))
+            setattr(owner, attribute, replacement)
+        _originals[stack] = saved
     return patch
 
 
 def unpatch_stack_logprobs(stack: str) -> None:
-    """Put `stack`'s own log-prob function back; nothing happens when it is not patched."""
-    patch = _patch(stack)
-    if stack in _originals:
-        setattr(importlib.import_module(patch.module), patch.attribute, _originals.pop(stack))
+    """Put `stack`'s own log-prob code back; nothing happens when it is not patched."""
+    _patch(stack)
+    for owner, attribute, original in _originals.pop(stack, []):
+        setattr(owner, attribute, original)
 
 
 def _patch(stack: str) -> StackPatch:
