@@ -91,14 +91,19 @@ class NemoRLPolicyScorer:
         self.device = next(model.parameters()).device
         patch_stack_logprobs("nemo_rl")
 
-    def _batch(self, sequences: list[list[int]], extra: dict[str, torch.Tensor] | None = None) -> BatchedDataDict[Any]:
+    def batch(self, sequences: list[list[int]], extra: dict[str, torch.Tensor] | None = None) -> BatchedDataDict[Any]:
+        """`sequences` as NeMo RL's policy receives them: `input_ids` [B, S] right-padded (with the
+        EOS id), `input_lengths` [B], and `extra`'s tensors."""
         lengths = [len(s) for s in sequences]
         input_ids = torch.full((len(sequences), max(lengths)), self.tokenizer.eos_token_id, dtype=torch.long)
         for row, seq in enumerate(sequences):
             input_ids[row, : len(seq)] = torch.tensor(seq)
         return BatchedDataDict({"input_ids": input_ids, "input_lengths": torch.tensor(lengths), **(extra or {})})
 
-    def _packed(self, data: BatchedDataDict[Any], budget_key: str) -> tuple[BatchedDataDict[Any], list[int]]:
+    def packed(self, data: BatchedDataDict[Any], budget_key: str) -> tuple[BatchedDataDict[Any], list[int]]:
+        """`data` sharded for one rank with NeMo RL's sequence-packing arguments and the token budget
+        `cfg["sequence_packing"][budget_key]`, on the model's device; and the order that undoes the
+        packer's sorting."""
         packing = {
             "algorithm": self.cfg["sequence_packing"]["algorithm"], "input_key": "input_ids", "input_lengths_key": "input_lengths",
             "sequence_length_pad_multiple": self.cfg["make_sequence_length_divisible_by"],
@@ -117,7 +122,7 @@ class NemoRLPolicyScorer:
         as NeMo RL's DTensor policy returns them (no gradient)."""
         sampling = TrainingSamplingParams(temperature=temperature)
         post = LogprobsPostProcessor(self.cfg, None, None, None, cp_size=1, enable_seq_packing=True, sampling_params=sampling)
-        shard, unsorted = self._packed(self._batch(sequences), "logprob_mb_tokens")
+        shard, unsorted = self.packed(self.batch(sequences), "logprob_mb_tokens")
         width = shard["input_ids"].shape[1]
         self.model.eval()
         parts = []
@@ -136,7 +141,8 @@ class NemoRLPolicyScorer:
         """One GRPO update over the batch as NeMo RL's DTensor policy trains (module docstring), with
         `old_logprobs` as its previous, generation and reference log-probs and `advantages` per
         sequence. NeMo RL packs micro-batches by a token budget set at construction: a
-        `micro_batch_size` other than that construction's raises ValueError. Returns {"loss": summed loss, "grad_norm": norm before clipping}."""
+        `micro_batch_size` other than that construction's raises ValueError. Returns
+        {"loss": summed loss, "grad_norm": norm before clipping}."""
         if micro_batch_size != self.micro_batch_size:
             raise ValueError(f"micro_batch_size {micro_batch_size}: this scorer packs by the budget of {self.micro_batch_size} sequences")
         width = max(len(s) for s in sequences)
@@ -150,13 +156,13 @@ class NemoRLPolicyScorer:
             "generation_logprobs": prev.clone(), "reference_policy_logprobs": prev.clone(), "token_mask": token_mask,
             "sample_mask": torch.ones(len(sequences)),
         }  # fmt: skip
-        data = self._batch(sequences, extra)
+        data = self.batch(sequences, extra)
         global_valid_seqs = data["sample_mask"].sum().to(self.device)
         global_valid_toks = (data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).sum().to(self.device)
         sampling = TrainingSamplingParams(temperature=temperature)
         loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
         post = LossPostProcessor(loss_fn, self.cfg, None, None, None, cp_size=1, dp_size=1, enable_seq_packing=True, sampling_params=sampling)
-        shard, _ = self._packed(data, "train_mb_tokens")
+        shard, _ = self.packed(data, "train_mb_tokens")
         self.model.train()
         optimizer.zero_grad()
         results = automodel_forward_backward(

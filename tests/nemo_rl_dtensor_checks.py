@@ -34,6 +34,7 @@ from fp8_align import FP8Config
 from fp8_align.hf_training import BitwiseForward, make_bitwise, patch_stack_logprobs, stack_patches, unpatch_stack_logprobs
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES
+from tests.policy_steps import assert_policy_steps_keep_the_engines_bits
 
 CFG = FP8Config(on_policy="bitwise", precision="fp8")
 #: NeMo RL packs micro-batches of `max_total_sequence_length * micro batch size` tokens: with one
@@ -68,7 +69,7 @@ def test_nemo_rl_log_probs_of_a_converted_model_are_the_engines(
     engine_label_logprobs = stack_patches.engine_label_logprobs
     monkeypatch.setattr(stack_patches, "engine_label_logprobs", lambda *args: calls.append(1) or engine_label_logprobs(*args))
     scorer = NemoRLPolicyScorer(converted, eos_token_id=0, max_total_sequence_length=MAX_LEN, micro_batch_size=MICRO_BATCH)
-    shard, _ = scorer._packed(scorer._batch(SEQUENCES), "logprob_mb_tokens")
+    shard, _ = scorer.packed(scorer.batch(SEQUENCES), "logprob_mb_tokens")
     micro_batches, _ = shard.get_microbatch_iterator_for_packable_sequences_len()
     assert micro_batches >= 2, "the packer gave one micro-batch: nothing is re-ordered"
     with torch.no_grad():
@@ -80,31 +81,14 @@ def test_nemo_rl_log_probs_of_a_converted_model_are_the_engines(
 
 def test_nemo_rl_policy_steps_keep_the_converted_model_on_the_engines_bits(models: tuple[torch.nn.Module, torch.nn.Module]) -> None:
     """Three of NeMo RL's GRPO updates (`NemoRLPolicyScorer.policy_step`: packed micro-batches,
-    `automodel_forward_backward` with its `ClippedPGLossFn`, AdamW) at T = 0.6; after each the engine
-    side (`BitwiseForward` over the weights copied by `load_state_dict`, in place of NeMo RL's
-    CUDA-IPC refit, which benchmarks/stack_bitwise.py runs on the GPU) equals NeMo RL's log-probs
-    bit for bit, and every matrix moved."""
+    `automodel_forward_backward` with its `ClippedPGLossFn`) at T = 0.6 keep its log-probs on the
+    engine's bits (tests/policy_steps.py); a micro-batch size other than the packing budget's is refused."""
     base, converted = models
     scorer = NemoRLPolicyScorer(converted, eos_token_id=0, max_total_sequence_length=MAX_LEN, micro_batch_size=MICRO_BATCH)
+    assert_policy_steps_keep_the_engines_bits(scorer, base, converted, CFG, temperature=0.6, micro_batch_size=MICRO_BATCH)
     optimizer = torch.optim.AdamW(converted.parameters(), lr=1e-3)
-    advantages = [1.0 if i % 2 else -1.0 for i in range(len(SEQUENCES))]
-    start = {name: p.detach().clone() for name, p in converted.named_parameters() if p.dim() == 2}
-    for _ in range(3):
-        with torch.no_grad():
-            engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)
-        for mine, theirs in zip(scorer.token_logprobs(SEQUENCES, PROMPT_LENS, 0.6), engine, strict=True):
-            assert torch.equal(mine, theirs)
-        stats = scorer.policy_step(SEQUENCES, PROMPT_LENS, 0.6, engine, advantages, optimizer, micro_batch_size=MICRO_BATCH)
-        assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
-        base.load_state_dict(converted.state_dict())
-    still = [name for name, p in converted.named_parameters() if name in start and torch.equal(start[name], p)]
-    assert not still, f"unchanged after 3 steps: {still}"
-    with torch.no_grad():
-        engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)
-    for mine, theirs in zip(scorer.token_logprobs(SEQUENCES, PROMPT_LENS, 0.6), engine, strict=True):
-        assert torch.equal(mine, theirs)
     with pytest.raises(ValueError, match="micro_batch_size 4"):
-        scorer.policy_step(SEQUENCES, PROMPT_LENS, 0.6, engine, advantages, optimizer, micro_batch_size=4)
+        scorer.policy_step(SEQUENCES, PROMPT_LENS, 0.6, [], [], optimizer, micro_batch_size=4)
 
 
 def test_the_nemo_rl_patch_applies_once_is_undone_and_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,6 +39,7 @@ from fp8_align.hf_training import BitwiseForward, make_bitwise, patch_stack_logp
 from fp8_align.hf_training.stack_patches import STACK_PATCHES, verl_logprobs_from_logits
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES
+from tests.policy_steps import assert_policy_steps_keep_the_engines_bits
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache"
 for site in (CACHE / "verl_site", CACHE / "openrlhf_site"):
@@ -108,33 +109,13 @@ def test_the_engines_log_probs_carry_the_standard_gradient() -> None:
 
 def test_verl_policy_steps_keep_the_converted_model_on_the_engines_bits(unpatched: None) -> None:
     """Three of verl's PPO updates (`VerlActorScorer.policy_step`: its `ppo_loss` through the
-    forward-step unit, micro-batches of 2, AdamW) on the converted model; after each, the engine
-    side (`BitwiseForward` over a model holding the synced weights, copied by `load_state_dict` in
-    place of verl's CUDA-IPC sync, which needs a GPU: benchmarks/stack_bitwise.py runs it there)
-    gives the same log-probs as verl's patched compute_log_prob, bit for bit, and every matrix
-    moved (the RMSNorm gains sit at 1.0, where a BF16 step is 2**-7 > the learning rate)."""
+    forward-step unit, micro-batches of 2) keep its patched compute_log_prob on the engine's bits
+    (tests/policy_steps.py)."""
     base = tiny_hf_model("qwen3")
     converted = copy.deepcopy(base)
     make_bitwise(converted, CFG)
     patch_stack_logprobs("verl")
-    verl = VerlActorScorer(converted)
-    optimizer = torch.optim.AdamW(converted.parameters(), lr=1e-3)
-    advantages = [1.0 if i % 2 else -1.0 for i in range(len(SEQUENCES))]
-    start = {name: p.detach().clone() for name, p in converted.named_parameters() if p.dim() == 2}
-    for _ in range(3):
-        with torch.no_grad():
-            engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)
-        for mine, theirs in zip(verl.token_logprobs(SEQUENCES, PROMPT_LENS, 0.6), engine):
-            assert torch.equal(mine, theirs)
-        stats = verl.policy_step(SEQUENCES, PROMPT_LENS, 0.6, engine, advantages, optimizer, micro_batch_size=2)
-        assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
-        base.load_state_dict(converted.state_dict())
-    still = [name for name, p in converted.named_parameters() if name in start and torch.equal(start[name], p)]
-    assert not still, f"unchanged after 3 steps: {still}"
-    with torch.no_grad():
-        engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)
-    for mine, theirs in zip(verl.token_logprobs(SEQUENCES, PROMPT_LENS, 0.6), engine):
-        assert torch.equal(mine, theirs)
+    assert_policy_steps_keep_the_engines_bits(VerlActorScorer(converted), base, converted, CFG, temperature=0.6, micro_batch_size=2)
 
 
 @pytest.mark.parametrize(
@@ -223,24 +204,7 @@ def test_openrlhf_actor_log_probs_of_a_converted_model_are_the_engines(openrlhf_
 
 def test_openrlhf_policy_steps_keep_the_converted_model_on_the_engines_bits(openrlhf_actor: tuple[torch.nn.Module, Any]) -> None:
     """Three of OpenRLHF's PPO updates (`OpenRLHFActorScorer.policy_step`: its Actor forward and
-    `PolicyLoss`, micro-batches of 2, AdamW); after each the engine side (`BitwiseForward` over the
-    weights copied by `load_state_dict`, in place of OpenRLHF's CUDA-IPC sync, which
-    benchmarks/stack_bitwise.py runs on the GPU) equals the Actor's log-probs bit for bit."""
+    `PolicyLoss`, micro-batches of 2) keep the Actor's log-probs on the engine's bits
+    (tests/policy_steps.py)."""
     base, actor = openrlhf_actor
-    optimizer = torch.optim.AdamW(actor.model.parameters(), lr=1e-3)
-    advantages = [1.0 if i % 2 else -1.0 for i in range(len(SEQUENCES))]
-    start = {name: p.detach().clone() for name, p in actor.model.named_parameters() if p.dim() == 2}
-    for _ in range(3):
-        with torch.no_grad():
-            engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS)
-        for mine, theirs in zip(actor.token_logprobs(SEQUENCES, PROMPT_LENS), engine):
-            assert torch.equal(mine, theirs)
-        stats = actor.policy_step(SEQUENCES, PROMPT_LENS, 1.0, engine, advantages, optimizer, micro_batch_size=2)
-        assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["loss"]))
-        base.load_state_dict(actor.model.state_dict())
-    still = [name for name, p in actor.model.named_parameters() if name in start and torch.equal(start[name], p)]
-    assert not still, f"unchanged after 3 steps: {still}"
-    with torch.no_grad():
-        engine = BitwiseForward(base, CFG).token_logprobs(SEQUENCES, PROMPT_LENS)
-    for mine, theirs in zip(actor.token_logprobs(SEQUENCES, PROMPT_LENS), engine):
-        assert torch.equal(mine, theirs)
+    assert_policy_steps_keep_the_engines_bits(actor, base, actor.model, CFG, temperature=1.0, micro_batch_size=2)
