@@ -57,7 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 from benchmarks.on_policy_bitwise import VARIANTS, _device_and_versions, _metrics, prepare_model  # noqa: E402
-from fp8_align.hf_training import patch_stack_logprobs, unpatch_stack_logprobs  # noqa: E402
+from fp8_align.hf_training import make_bitwise, patch_stack_logprobs, unpatch_stack_logprobs  # noqa: E402
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
 
 MODEL = "qwen3-8b-4l"
@@ -174,6 +174,7 @@ def advantages_of(completions: list[list[int]]) -> list[float]:
 def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     """One engine and the stack's actor over `args.steps` policy steps; returns the rows."""
     import torch
+    import transformers
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -200,7 +201,6 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         from transformers import AutoModelForCausalLM
 
         from benchmarks.verl_scorer import VerlActorScorer
-        from fp8_align.hf_training import make_bitwise
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
         make_bitwise(model, cfg, kv_scales=scales)
@@ -215,7 +215,6 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         from transformers import AutoModelForCausalLM
 
         from benchmarks.nemo_rl_scorer import NemoRLPolicyScorer
-        from fp8_align.hf_training import make_bitwise
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
         make_bitwise(model, cfg, kv_scales=scales)
@@ -272,8 +271,6 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         print(json.dumps(rows[-1]), flush=True)
     del llm
     gc.collect()
-    import transformers
-
     return {"rows": rows, "kv_scales": scales, "stack_version": stack_version(stack), "transformers": transformers.__version__}
 
 
