@@ -1,4 +1,4 @@
-"""HF Llama-family model -> megatron-core GPTModel (`fp8_align.megatron_ext.hf_bridge`), on CPU.
+"""HF Llama-family / Qwen3 model -> megatron-core GPTModel (`fp8_align.megatron_ext.hf_bridge`), on CPU.
 
 Real megatron-core 0.19.2 with its own (local-spec) layers, real SmolLM2-135M-Instruct weights.
 megatron-core's forward assumes CUDA in three places that have nothing to do with the weight
@@ -27,6 +27,7 @@ from fp8_align.megatron_ext.hf_bridge import (  # noqa: E402
     megatron_state_dict_from_hf,
     qkv_blocks_align,
 )
+from tests.model_factory import tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,19 @@ def test_local_megatron_model_reproduces_the_hf_logits(megatron_on_cpu, tied: bo
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+def test_local_megatron_qwen3_reproduces_the_hf_logits(megatron_on_cpu) -> None:
+    """Qwen3's per-head q/k norms map onto megatron-core's `qk_layernorm` (before RoPE, as Qwen3):
+    the same agreement as the Llama case (a norm left out or misplaced is O(1) off)."""
+    hf = tiny_hf_model("qwen3")
+    weights = megatron_state_dict_from_hf(hf.state_dict(), hf.config, fused_norms=False)
+    assert torch.equal(weights["decoder.layers.1.self_attention.k_layernorm.weight"], hf.state_dict()["model.layers.1.self_attn.k_norm.weight"])
+    gpt = MegatronCausalLM(build_megatron_gpt(hf, None, spec="local"), hf.config)
+    ids = torch.randint(0, 1000, (2, 37), generator=torch.Generator().manual_seed(1))
+    ref, got = _logprobs(hf.eval(), ids), _logprobs(gpt, ids)
+    assert (got - ref).abs().max() < 0.03
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
 @pytest.mark.slow
 def test_smollm2_in_megatron_scores_like_hf(megatron_on_cpu) -> None:
     """The real trained model: Megatron (local layers) and HF agree on next-token log-probs of text."""
@@ -125,10 +139,14 @@ def test_smollm2_in_megatron_scores_like_hf(megatron_on_cpu) -> None:
 
 
 def test_unmappable_models_are_refused_with_the_reason() -> None:
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    with pytest.raises(MegatronBridgeError, match="model_type 'qwen3'"):
-        check_llama_family(Qwen3Config())
+    with pytest.raises(MegatronBridgeError, match="model_type 'qwen2'"):
+        check_llama_family(Qwen2Config())
+    with pytest.raises(MegatronBridgeError, match="sliding-window"):
+        check_llama_family(Qwen3Config(use_sliding_window=True, sliding_window=512))
+    with pytest.raises(MegatronBridgeError, match="sliding-window"):
+        check_llama_family(MistralConfig(sliding_window=512))
     with pytest.raises(MegatronBridgeError, match="biases"):
         check_llama_family(LlamaConfig(attention_bias=True))
     with pytest.raises(MegatronBridgeError, match="rope scaling"):

@@ -1,7 +1,7 @@
 """A Megatron Core GPTModel built from a Llama-family HF checkpoint: the real training side of a benchmark.
 
 `build_megatron_gpt` turns an HF `LlamaForCausalLM`-style model (SmolLM2, Llama 2/3, Mistral
-without sliding window: RMSNorm, RoPE, SwiGLU, no biases, grouped-query attention) into a
+without sliding window, Qwen3 dense: RMSNorm, RoPE, SwiGLU, no biases, grouped-query attention) into a
 megatron-core `GPTModel` with the same weights, either with TransformerEngine layers
 (`spec="transformer_engine"`, what Megatron training runs and what runs block FP8) or with
 megatron-core's own layers (`spec="local"`, BF16 only, runs without TE). The FP8 settings come
@@ -14,6 +14,8 @@ Weight mapping (HF -> megatron-core, per decoder layer):
 - o_proj -> `linear_proj`; cat(gate_proj, up_proj) -> `mlp.linear_fc1`; down_proj -> `mlp.linear_fc2`;
 - input/post-attention RMSNorm -> `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`
   (TE fuses the norm into the next linear) or `input_layernorm` / `pre_mlp_layernorm` (local);
+- Qwen3's per-head q_norm / k_norm -> `self_attention.q_layernorm` / `k_layernorm` (megatron-core's
+  `qk_layernorm`, applied per head before RoPE, as Qwen3 applies them);
 - embed_tokens -> `embedding.word_embeddings`; norm -> `decoder.final_layernorm`; lm_head ->
   `output_layer` unless the embeddings are tied.
 
@@ -37,7 +39,9 @@ from fp8_align.config import FP8Config
 from fp8_align.megatron_ext.shim import transformer_config_kwargs
 
 #: HF model types whose weights map onto megatron-core's GPT layers as described above.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3")
+#: Of those, the ones with a per-head RMSNorm of q and k before RoPE.
+QK_NORM_MODEL_TYPES = ("qwen3",)
 SPECS = ("transformer_engine", "local")
 #: MegatronCausalLM pads sequence lengths to a multiple of this (TE FP8 GEMM shape rule).
 TOKEN_MULTIPLE = 16
@@ -61,7 +65,7 @@ def check_llama_family(hf_config: Any) -> None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
     if rope_type not in ("default", None):
         problems.append(f"rope scaling {rope_type!r}")
-    if getattr(hf_config, "sliding_window", None):
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
         problems.append("sliding-window attention")
     heads, groups = int(hf_config.num_attention_heads), int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     if heads % groups:
@@ -78,6 +82,11 @@ def head_dim(hf_config: Any) -> int:
 def qkv_blocks_align(hf_config: Any, block: int = 128) -> bool:
     """Whether megatron's interleaved QKV rows fall on the same 128-row blocks as vLLM's q/k/v shards."""
     return head_dim(hf_config) % block == 0
+
+
+def has_qk_norm(hf_config: Any) -> bool:
+    """Whether the model normalizes q and k per head before RoPE (Qwen3)."""
+    return getattr(hf_config, "model_type", None) in QK_NORM_MODEL_TYPES
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -109,6 +118,7 @@ def megatron_config_kwargs(hf_config: Any, fp8_cfg: FP8Config | None) -> dict[st
         "activation_func": torch.nn.functional.silu,
         "add_bias_linear": False,
         "add_qkv_bias": False,
+        "qk_layernorm": has_qk_norm(hf_config),
         "bf16": True,
         "params_dtype": torch.bfloat16,
         "attention_softmax_in_fp32": True,
@@ -170,6 +180,9 @@ def megatron_state_dict_from_hf(hf_state: Mapping[str, torch.Tensor], hf_config:
         mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
         out[mg + attn_norm] = hf_state[hf + "input_layernorm.weight"]
         out[mg + mlp_norm] = hf_state[hf + "post_attention_layernorm.weight"]
+        if has_qk_norm(hf_config):
+            out[mg + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
+            out[mg + "self_attention.k_layernorm.weight"] = hf_state[hf + "self_attn.k_norm.weight"]
     out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
     if not getattr(hf_config, "tie_word_embeddings", False):
         out["output_layer.weight"] = hf_state["lm_head.weight"]
@@ -198,10 +211,11 @@ def build_megatron_gpt(hf_model: nn.Module, fp8_cfg: FP8Config | None, spec: str
     hf_config = hf_model.config
     init_single_process_parallel_state()
     config = TransformerConfig(**megatron_config_kwargs(hf_config, fp8_cfg))
+    qk_norm = has_qk_norm(hf_config)
     if spec == "transformer_engine":
-        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     else:
-        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     model = GPTModel(
         config,
         layer_spec,
