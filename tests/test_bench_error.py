@@ -420,9 +420,9 @@ def test_megatron_te_side_refuses_a_rounding_te_was_not_imported_with(monkeypatc
     assert check_megatron_te_side(llama, [FP8Config()]) is None
     problem = check_megatron_te_side(llama, [FP8Config(use_weight_pow2_scale=True, use_activation_pow2_scale=True)])
     assert "FP32 block scales" in problem and "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0" in problem
-    from transformers import Qwen3Config
+    from transformers import Qwen2Config
 
-    assert "model_type 'qwen3'" in check_megatron_te_side(Qwen3Config(), [])
+    assert "model_type 'qwen2'" in check_megatron_te_side(Qwen2Config(), [])
 
 
 # ----------------------------------------------------------------------------- end to end
