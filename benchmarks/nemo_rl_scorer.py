@@ -21,9 +21,8 @@ followed call for call at data, tensor and context parallel size 1. Its `get_mic
 and `process_global_batch` all-reduce counts over the data-parallel group, which at one rank adds
 no micro-batch and changes no count: the iterator below is the one they wrap, and the two counts are
 computed as they compute them. Only the tokenizer's `eos_token_id` is read (the packing pad value).
-NeMo RL's experiment logger `nemo_rl.utils.logger` imports mlflow, wandb, swanlab, matplotlib and
-TensorBoard, which nothing here calls and which are not installed: `sys.modules` gets a module with
-its one imported name, `Logger`, before NeMo RL is imported.
+NeMo RL's experiment logger `nemo_rl.utils.logger`, which nothing here calls, is stood in for
+(`benchmarks/nemo_rl_path.py`).
 
 NeMo RL 0.6.0 at that commit refuses transformers >= 5.12: this module runs with the pins of its
 DTensor policy first on the path (`.cache/nemo_rl_site`, scripts/setup_cpu_env.sh), in a process of
@@ -32,21 +31,12 @@ its own (tests/test_nemo_rl_logprobs.py, benchmarks/stack_bitwise.py `--stack ne
 
 from __future__ import annotations
 
-import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import torch
 
-VENDORED = Path(__file__).resolve().parents[1] / "tests" / "third_party" / "nemo_rl_dtensor"
-if str(VENDORED) not in sys.path:
-    sys.path.insert(0, str(VENDORED))
-if "nemo_rl.utils.logger" not in sys.modules:
-    _logger = types.ModuleType("nemo_rl.utils.logger")
-    _logger.Logger = type("Logger", (), {"__module__": "nemo_rl.utils.logger"})  # type: ignore[attr-defined]
-    sys.modules["nemo_rl.utils.logger"] = _logger
-
+import benchmarks.nemo_rl_path  # noqa: F401  (the vendored tree on the path, the logger's stand-in)
 from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams  # noqa: E402
 from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn  # noqa: E402
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # noqa: E402

@@ -5,7 +5,7 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
         [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--kv-cache-dtypes auto,fp8]
         [--batch-sizes 1,7,64,512] [--max-tokens 96] [--work /root/bitwise_work]
         [--logprobs-mode raw_logprobs|processed_logprobs] [--temperatures 1.0[,0.6]] [--tensor-parallel-size 1|2]
-        [--scorer bitwise_forward|verl]
+        [--scorer bitwise_forward|verl|megatron|nemo_rl_megatron]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
@@ -33,13 +33,18 @@ engine computes them, which shows what reproducing the ranks' partial sums is wo
 `--scorer verl` scores with verl 0.9.1's own compute_log_prob code instead
 (`benchmarks/verl_scorer.VerlActorScorer`): the HF model converted by `make_bitwise`, verl's
 `logprobs_from_logits` patched by `patch_stack_logprobs("verl")`; verl must be importable; tensor
-parallel size 1. Each row names its scorer.
+parallel size 1. `--scorer megatron` scores with the bitwise megatron-core GPTModel
+(`fp8_align.megatron_ext.bitwise.build_bitwise_gpt` of the same checkpoint, `token_logprobs`);
+megatron-core must be importable; tensor parallel size 1. `--scorer nemo_rl_megatron` scores that
+model through NeMo RL's own Megatron-policy log-prob unit (`benchmarks/nemo_rl_megatron_scorer.py`,
+`patch_stack_logprobs("nemo_rl_megatron")`; NeMo RL's pins first on the path). Each row names its scorer.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -71,6 +76,9 @@ MAX_MODEL_LEN = 1024
 GPU_MEMORY_UTILIZATION = 0.5
 #: Sequences BitwiseForward scores per call (any grouping gives the same bits).
 TRAINER_BATCH = 32
+#: NeMo RL's Megatron `logprob_mb_tokens` here: its `max_total_sequence_length` (512 in its Megatron
+#: GRPO configs; the longest probe and its completion fit) times 4 sequences.
+NEMO_RL_LOGPROB_MB_TOKENS = 2048
 
 
 def prepare_model(name: str, work: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
@@ -143,7 +151,18 @@ def run_one(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     unsharded = BitwiseForward(model, cfg, kv_scales=scales) if tensor_parallel_size > 1 else None
-    if scorer == "verl":
+    if scorer in ("megatron", "nemo_rl_megatron"):
+        from fp8_align.megatron_ext.bitwise import build_bitwise_gpt
+
+        gpt = build_bitwise_gpt(model, cfg, kv_scales=scales)
+        if scorer == "megatron":
+            trainer = MegatronScorer(gpt)
+        else:
+            from benchmarks.nemo_rl_megatron_scorer import NemoRLMegatronScorer
+
+            eos = model.config.eos_token_id
+            trainer = NemoRLMegatronScorer(gpt, eos if isinstance(eos, int) else 0, NEMO_RL_LOGPROB_MB_TOKENS)
+    elif scorer == "verl":
         from benchmarks.verl_scorer import VerlActorScorer
         from fp8_align.hf_training import make_bitwise, patch_stack_logprobs
 
@@ -206,6 +225,18 @@ def run_one(
     return {"rows": rows, "invariance": invariance, "engine_start_s": {name: round(engine_start_s, 1)}, "kv_scales": {name: scales}}
 
 
+class MegatronScorer:
+    """`token_logprobs` of a bitwise megatron-core GPTModel (`fp8_align.megatron_ext.bitwise`), BitwiseForward's call."""
+
+    def __init__(self, gpt: Any) -> None:
+        self.gpt = gpt
+
+    def token_logprobs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[Any]:
+        from fp8_align.megatron_ext.bitwise import token_logprobs
+
+        return token_logprobs(self.gpt, sequences, prompt_lens, temperature=temperature)
+
+
 def _score(trainer: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[float]:
     """`trainer.token_logprobs` of every sequence's completion, `TRAINER_BATCH` sequences a call, flattened."""
     import torch
@@ -244,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", default="1.0", help="sampling temperatures of the sampled rows (hf_training.inputs.check_temperature)")
     parser.add_argument("--tensor-parallel-size", type=int, choices=(1, 2), default=1,
                         help="the engine's (2: two GPUs, the trainer on GPU 0 scores each rank's share as that rank does)")
-    parser.add_argument("--scorer", choices=("bitwise_forward", "verl"), default="bitwise_forward",
-                        help="the trainer side: BitwiseForward, or verl 0.9.1's compute_log_prob on the converted model")
+    parser.add_argument("--scorer", choices=("bitwise_forward", "verl", "megatron", "nemo_rl_megatron"), default="bitwise_forward",
+                        help="the trainer side: BitwiseForward, verl 0.9.1's compute_log_prob on the converted model, the bitwise "
+                             "megatron-core GPTModel, or NeMo RL's Megatron log-prob unit on it")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -257,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--temperatures: {error}")
     if args.tensor_parallel_size > 1 and not args.one and "smollm2" in args.models.split(","):
         parser.error("--tensor-parallel-size 2: SmolLM2's 9 attention heads do not split over 2 ranks; use --models qwen3-8b-4l")
-    if args.scorer == "verl" and args.tensor_parallel_size > 1:
-        parser.error("--scorer verl: tensor parallel size 1 (verl's actor scores one model, not an engine's ranks)")
+    if args.scorer != "bitwise_forward" and args.tensor_parallel_size > 1:
+        parser.error(f"--scorer {args.scorer}: tensor parallel size 1 (it scores one model, not an engine's ranks)")
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -267,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
+    if args.scorer in ("megatron", "nemo_rl_megatron"):
+        report["megatron_core"] = importlib.metadata.version("megatron-core")
     report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
     kv_dtypes = args.kv_cache_dtypes.split(",")
     unknown = sorted(set(kv_dtypes) - {"auto", "fp8"})

@@ -2,7 +2,7 @@
 RL's DTensor policy against an fp8_align bitwise engine, with the stack's own weight sync between
 its policy steps.
 
-    python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl]
+    python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl|megatron]
         [--variants fp8,fp8_pow2] [--kv-cache-dtype fp8|auto] [--steps 3] [--temperatures 0.6,1.0]
         [--batch-size 64] [--max-tokens 64] [--lr 1e-3] [--work /root/stack_bitwise_work]
     python benchmarks/stack_bitwise.py --out benchmarks/results/stack_bitwise.json --collect REPORT.json...
@@ -24,6 +24,10 @@ converted by `make_bitwise` with the stack's log-prob function patched (`patch_s
   extension's `update_weights_via_ipc_zmq`; weights only, so the engine keeps the K/V scales the
   trainer scores with). Needs NeMo RL's pins first on PYTHONPATH (`.cache/nemo_rl_site`, the box's
   `nemo_rl` stage): NeMo RL refuses transformers >= 5.12.
+- megatron: `benchmarks/megatron_scorer.MegatronBitwiseActor`, the bitwise megatron-core GPTModel
+  (`fp8_align.megatron_ext.bitwise`) under megatron-core's own DDP and optimizer,
+  `processed_logprobs`, the weights synced as HF tensors by fp8_align's `refit_weights` (no worker
+  extension; nothing is patched, so no unpatched probe).
 
 Each step: the engine samples `--batch-size` prompts at each of `--temperatures` (a seed per
 request); the stack's unit scores every completion at its temperature, a row per (step,
@@ -74,7 +78,7 @@ BUCKET_SIZE_MB = 256
 class Stack:
     """What differs between the stacks' runs: the engine's worker extension and log-prob mode."""
 
-    worker_extension: str
+    worker_extension: str | None
     logprobs_mode: str
     temperature_one_only: bool
 
@@ -83,6 +87,7 @@ STACKS = {
     "verl": Stack("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension", "processed_logprobs", False),
     "openrlhf": Stack("openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", "raw_logprobs", True),
     "nemo_rl": Stack("tests.nemo_rl_worker.WorkerExtension", "processed_logprobs", False),
+    "megatron": Stack(None, "processed_logprobs", False),
 }
 #: NeMo RL's refit buffer (it sizes it from free memory, NRL_REFIT_BUFFER_MEMORY_RATIO).
 NEMO_RL_BUFFER_BYTES = 512 * 2**20
@@ -156,6 +161,8 @@ def score(actor: Any, sequences: list[list[int]], prompt_lens: list[int], temper
 
 def stack_version(stack: str) -> str:
     """The running stack's release (NeMo RL's from its package, with the vendored commit)."""
+    if stack == "megatron":
+        return importlib.metadata.version("megatron-core")
     if stack == "nemo_rl":
         import nemo_rl.package_info
 
@@ -179,7 +186,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
     from vllm.inputs import TokensPrompt
 
     from fp8_align import FP8Config
-    from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs
+    from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs, refit_weights
 
     path, probes, fillers = prepare_model(MODEL, args.work)
     prompts = (probes + fillers)[: args.batch_size]
@@ -190,7 +197,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
     llm = LLM(
         model=str(path), skip_tokenizer_init=True, max_num_seqs=args.batch_size, max_model_len=MAX_MODEL_LEN,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=STACKS[stack].logprobs_mode,
-        worker_extension_cls=STACKS[stack].worker_extension, **engine_kwargs(cfg),
+        **({"worker_extension_cls": STACKS[stack].worker_extension} if STACKS[stack].worker_extension else {}), **engine_kwargs(cfg),
     )  # fmt: skip
     scales = None
     if kv_cache_dtype == "fp8":
@@ -211,6 +218,11 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
 
         actor = OpenRLHFActorScorer(path, cfg, kv_scales=scales, device="cuda")
         model = actor.model
+    elif stack == "megatron":
+        from benchmarks.megatron_scorer import MegatronBitwiseActor
+
+        actor = MegatronBitwiseActor(path, cfg, scales, "cuda", args.lr)
+        model = actor.gpt
     else:
         from transformers import AutoModelForCausalLM
 
@@ -220,7 +232,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         make_bitwise(model, cfg, kv_scales=scales)
         eos = model.config.eos_token_id
         actor = NemoRLPolicyScorer(model, eos if isinstance(eos, int) else 0, NEMO_RL_MAX_SEQUENCE, MICRO_BATCH)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = None if stack == "megatron" else torch.optim.AdamW(model.parameters(), lr=args.lr)  # Megatron's: the actor's own
     start = {name: p.detach().clone() for name, p in model.named_parameters() if p.dim() == 2}
     rows: list[dict[str, Any]] = []
     for step in range(args.steps + 1):
@@ -240,7 +252,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
             flat_engine = [x for lp in engine for x in lp]
             flat_verl = [x for lp in scored for x in lp.tolist()]
             max_abs, mult = _metrics(flat_engine, flat_verl)
-            if step == 0:  # the same batch through the stack's own log-prob code: what the patch changes
+            if step == 0 and stack != "megatron":  # the same batch through the stack's own log-prob code: what the patch changes
                 unpatch_stack_logprobs(stack)
                 unpatched = _metrics(flat_engine, [x for lp in score(actor, sequences, prompt_lens, temperature) for x in lp.tolist()])[0]
                 patch_stack_logprobs(stack)
@@ -249,7 +261,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
                 "logprobs_mode": STACKS[stack].logprobs_mode, "sequences": len(sequences), "tokens": len(flat_engine),
                 "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_verl)),
-                **({"unpatched_max_abs_dlogp": unpatched} if step == 0 else {}),
+                **({"unpatched_max_abs_dlogp": unpatched} if step == 0 and stack != "megatron" else {}),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
             batches.append((sequences, prompt_lens, completions, scored))
@@ -264,6 +276,8 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
             verl_sync(llm, model, job_id)
         elif stack == "openrlhf":
             openrlhf_sync(llm, model)
+        elif stack == "megatron":
+            refit_weights(llm, actor.hf_state())
         else:
             nemo_rl_sync(llm, model)
         moved = sum(not torch.equal(start[name], p) for name, p in model.named_parameters() if name in start)
@@ -288,7 +302,8 @@ def collect(reports: list[Path]) -> dict[str, Any]:
             if key in seen:
                 raise ValueError(f"{path}: a second row for {key}")
             seen.add(key)
-            unpatched = max(r["unpatched_max_abs_dlogp"] for r in report["rows"] if r["variant"] == row["variant"] and r["step"] == 0)
+            probes = [r["unpatched_max_abs_dlogp"] for r in report["rows"] if r["variant"] == row["variant"] and "unpatched_max_abs_dlogp" in r]
+            unpatched = max(probes) if probes else None  # megatron: no stack function is patched
             rows.append({**row, "unpatched_max_abs_dlogp": unpatched, "date_utc": report["date_utc"], "report": path.as_posix()})
     return {"summary": rows}
 

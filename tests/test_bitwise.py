@@ -24,7 +24,7 @@ from fp8_align import FP8Config
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, apply_rope, rope_table
 from fp8_align.config import FP8ConfigError
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError
-from fp8_align.hf_training import bitwise_modules, convert, engine_ops, stacked
+from fp8_align.hf_training import bitwise_modules, engine_ops, stacked
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES
 
@@ -343,7 +343,7 @@ def test_fp8_gradients_follow_plain_autograd_of_the_standard_ops(monkeypatch: py
         return torch.cat(BitwiseForward(model, cfg).token_logprobs(SEQUENCES, PROMPT_LENS)).sum()
 
     engine = _gradients(model, loss)
-    for module in (bitwise_modules, convert, engine_ops, stacked):  # every module that calls engine_op
+    for module in (bitwise_modules, engine_ops, stacked):  # every module that calls engine_op
         monkeypatch.setattr(module, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
     errors = _relative_errors(engine, _gradients(model, loss))
     assert len(errors) == len(list(model.parameters()))

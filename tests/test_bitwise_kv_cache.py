@@ -115,7 +115,7 @@ def test_fp8_kv_backward_is_straight_through_the_quantization(monkeypatch: pytes
     parameter's gradient is within 20% (relative Frobenius norm); measured here: at most 7%, the
     forwards differing by the FP8 cache and BF16 rounding. A backward through the quantizer (zero
     almost everywhere) or a missing term is off by O(1)."""
-    from fp8_align.hf_training import bitwise_modules, convert, engine_ops, stacked
+    from fp8_align.hf_training import bitwise_modules, engine_ops, stacked
 
     model = tiny_hf_model("qwen3")
 
@@ -125,7 +125,7 @@ def test_fp8_kv_backward_is_straight_through_the_quantization(monkeypatch: pytes
         return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
 
     engine = gradients()
-    for module in (bitwise_modules, convert, engine_ops, stacked):  # every module that calls engine_op
+    for module in (bitwise_modules, engine_ops, stacked):  # every module that calls engine_op
         monkeypatch.setattr(module, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
     reference = gradients()
     assert engine.keys() == reference.keys() and len(engine) == len(list(model.parameters()))

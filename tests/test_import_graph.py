@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "fp8_align.is_correction": 1,
     "fp8_align.hf_emulation": 1,
     "fp8_align.megatron_ext": 1,
+    "fp8_align.megatron_ext.bitwise": 2,  # the bitwise spec runs hf_training's engine ops
     "fp8_align.vllm_plugin": 1,
     "fp8_align.hf_training": 2,
     "fp8_align.adapters": 2,

@@ -1,5 +1,6 @@
-"""NeMo RL's DTensor policy on a converted model (CPU): tests/nemo_rl_dtensor_checks.py, run by
-pytest in a process of its own.
+"""NeMo RL's own log-prob units on fp8_align's bitwise models (CPU), each check file run by pytest in
+a process of its own: its DTensor policy on a converted HF model (tests/nemo_rl_dtensor_checks.py)
+and its Megatron policy on a bitwise megatron-core GPTModel (tests/nemo_rl_megatron_checks.py).
 
 NeMo RL 0.6.0 at the vendored commit (7ea279a, tests/third_party/nemo_rl_dtensor) asserts
 transformers < 5.12 when its policy package is imported, and its DTensor policy runs on
@@ -20,19 +21,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".cache" / "nemo_rl_site"
 VENDORED = ROOT / "tests" / "third_party" / "nemo_rl_dtensor"
-CHECKS = ROOT / "tests" / "nemo_rl_dtensor_checks.py"
-#: The checks the file holds (two temperatures, the policy steps, the patch's contract).
-EXPECTED_PASSED = 4
+#: Per check file, the checks it holds: DTensor (two temperatures, the policy steps, the patch's
+#: contract), Megatron (two temperatures x two length multiples, the unpatched gap, the contract).
+CHECKS = {"nemo_rl_dtensor_checks.py": 4, "nemo_rl_megatron_checks.py": 6}
 
 
 @pytest.mark.skipif(not (SITE / "transformers").is_dir(), reason="scripts/setup_cpu_env.sh installs NeMo RL's pins into .cache/nemo_rl_site")
-def test_nemo_rl_dtensor_policy_checks_pass_on_its_own_pins() -> None:
+@pytest.mark.parametrize("checks", sorted(CHECKS))
+def test_nemo_rl_policy_checks_pass_on_its_own_pins(checks: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), str(VENDORED), str(ROOT), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", str(CHECKS)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", str(ROOT / "tests" / checks)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     report = run.stdout + run.stderr
     print(report[-3000:])
     assert run.returncode == 0, report[-6000:]
-    assert f"{EXPECTED_PASSED} passed" in report, report[-3000:]
+    assert f"{CHECKS[checks]} passed" in report, report[-3000:]

@@ -12,6 +12,15 @@
 #          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache, fp8_cache_attention's
 #          current tiling; =all: every GEMM tile configuration, TRITON_ATTN launch setting and fp8_cache_attention
 #          tiling; =attention: the attention parts only, every fp8_cache_attention tiling)
+#        | kit (the vLLM bundle alone) | megatron-cost (after te-build, te-wait: benchmarks/megatron_bitwise_cost.py, power-of-two
+#          and FP32 scales -> $out/megatron_bitwise_cost_{pow2,fp32}.json) | megatron-tests (tests/test_gpu_megatron_bitwise.py) | mcore (megatron-core from the carried .whl/megatron_core-*.whl into /tmp/mcore_site, on PYTHONPATH)
+#        | megatron[=MODELS] (on_policy_bitwise.py --scorer megatron -> $out/megatron_bitwise.json; $MEGATRON_ARGS: more arguments)
+#        | nemo-rl (NeMo RL's pins from the carried .whl/nemo_rl_site.tar.zst and its vendored units first on PYTHONPATH)
+#        | nemo-rl-megatron (after mcore and nemo-rl: on_policy_bitwise.py --scorer nemo_rl_megatron -> $out/nemo_rl_megatron_bitwise.json)
+#        | megatron-steps (stack_bitwise.py --stack megatron: policy steps through megatron-core's optimizer, each synced
+#          into the engine -> $out/megatron_steps.json; $MEGATRON_STEPS_ARGS: more arguments)
+#        | bg (the stages after it run detached in /root/bitwise_bg, so one run may outlast a call)
+#        | wait[=SECONDS] (waits for the detached run, at most SECONDS (540), and brings back what it wrote so far)
 # Output under $OUT: env.txt, pytest_bitwise.txt, on_policy_bitwise*.json, on_policy_cost.json, grpo_bitwise/, logs.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out" /root/stage
@@ -75,6 +84,48 @@ for stage in "$@"; do
         > "$out/decode_profile.log" 2>&1
       echo "rc=$?"; tail -4 "$out/decode_profile.log"
       tar -C "$out" -czf "$out/decode_profile.tgz" decode_profile && rm -rf "$out/decode_profile" ;;
+    mcore)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore_site .whl/megatron_core-*.whl || exit 1
+      export PYTHONPATH="$PYTHONPATH:/tmp/mcore_site"; python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" ;;
+    kit) source benchmarks/box/gpu_box_setup.sh >/dev/null || exit 1 ;;
+    megatron-cost)  # after te-build / te-wait: the bitwise megatron-core spec vs TE's spec, forward+backward
+      source benchmarks/box/te_box_setup.sh > /dev/null || exit 1
+      python3 benchmarks/megatron_bitwise_cost.py --variant fp8_pow2 --out "$out/megatron_bitwise_cost_pow2.json" \
+        --work /root/megatron_cost_work > "$out/megatron_bitwise_cost_pow2.log" 2>&1
+      echo "rc=$?"; tail -3 "$out/megatron_bitwise_cost_pow2.log" | cut -c1-600
+      NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 python3 benchmarks/megatron_bitwise_cost.py --variant fp8 --out "$out/megatron_bitwise_cost_fp32.json" \
+        --work /root/megatron_cost_work > "$out/megatron_bitwise_cost_fp32.log" 2>&1
+      echo "rc=$?"; tail -3 "$out/megatron_bitwise_cost_fp32.log" | cut -c1-600 ;;
+    megatron-tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/test_gpu_megatron_bitwise.py > "$out/pytest_megatron_bitwise.txt" 2>&1
+      tail -15 "$out/pytest_megatron_bitwise.txt" ;;
+    nemo-rl)  # NeMo RL's pins (.whl/nemo_rl_site.tar.zst, build_stack_site.sh) and its vendored units first on the path
+      if [ ! -f /root/nemo_rl_site/transformers/__init__.py ]; then
+        kit="${FP8_ALIGN_GPUKIT:-.gpukit}"
+        LD_LIBRARY_PATH="$kit/bin" "$kit/bin/zstd" -d -q -c .whl/nemo_rl_site.tar.zst | tar -C /root -xf - || exit 1
+      fi
+      export PYTHONPATH="/root/nemo_rl_site:$PWD/tests/third_party/nemo_rl_dtensor:$PYTHONPATH" ;;
+    megatron* | nemo-rl-megatron)
+      if [ "$stage" = megatron-steps ]; then name=megatron_steps; cmd=(benchmarks/stack_bitwise.py --stack megatron ${MEGATRON_STEPS_ARGS:-} --work /root/megatron_steps_work)
+      elif [ "$stage" = nemo-rl-megatron ]; then name=nemo_rl_megatron_bitwise
+        cmd=(benchmarks/on_policy_bitwise.py --scorer nemo_rl_megatron ${MEGATRON_ARGS:-} --work /root/megatron_work)
+      else models="${stage#megatron}"; models="${models#=}"; name=megatron_bitwise
+        cmd=(benchmarks/on_policy_bitwise.py --scorer megatron ${models:+--models "$models"} ${MEGATRON_ARGS:-} --work /root/megatron_work); fi
+      python3 "${cmd[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+      echo "rc=$?"; tail -30 "$out/$name.log"
+      tail -c 20000 /root/megatron_*work/*.log > "$out/${name}_engine_logs.txt" 2>/dev/null ;;
+    bg)
+      bg=/root/bitwise_bg; shift_to=$(( $(printf '%s\n' "$@" | grep -nx bg | head -1 | cut -d: -f1) ))
+      rm -rf "$bg" && mkdir -p "$bg/out" && cp -a . "$bg/repo" || exit 1
+      # shellcheck disable=SC2016
+      setsid nohup bash -c 'cd "$0/repo" && PYTHONPATH="$PYTHONPATH" OUT="$0/out" bash benchmarks/box/bitwise_box_run.sh "$@" > "$0/log" 2>&1; echo $? > "$0/rc"' \
+        "$bg" "${@:$((shift_to + 1))}" < /dev/null > /dev/null 2>&1 &
+      echo "detached into $bg: ${*:$((shift_to + 1))}"; break ;;
+    wait*)
+      bg=/root/bitwise_bg; limit="${stage#wait}"; limit="${limit#=}"
+      for ((waited = 0; waited < ${limit:-540}; waited += 10)); do [ -f "$bg/rc" ] && break; sleep 10; done
+      echo "$bg rc=$(cat "$bg/rc" 2>/dev/null || echo running)"; tail -25 "$bg/log"
+      cp -r "$bg/out/." "$out/" 2>/dev/null; true ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -16,8 +16,10 @@ from torch import nn
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align.bitwise.reference import RopeSpec
 from fp8_align.config import FP8Config
-from fp8_align.hf_training.attention import KVCacheScales
-from fp8_align.hf_training.engine_ops import EngineKernels, Fp8Gemm, engine_op, rms_norm_gradient_fn, silu_and_mul_gradient_fn, without_autocast
+from fp8_align.hf_training.attention import KVCacheScales, PackedBatch, attention_reference
+from fp8_align.hf_training.engine_ops import (
+    EngineKernels, Fp8Gemm, engine_op, engine_rope, rms_norm_gradient_fn, silu_and_mul_gradient_fn, without_autocast,
+)  # fmt: skip
 from fp8_align.hf_training.stacked import (
     StackedLinear, all_reduce_sum, quantize_stacked, stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
 )  # fmt: skip
@@ -58,6 +60,26 @@ class BitwiseContext:
                 "fp8_align.vllm_plugin) after the scales were pushed or calibrated and before the forward"
             )
         return self.kv_scales[index]
+
+
+def engine_attention(context: BitwiseContext, batch: PackedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+    """Causal attention of the packed sequences `batch`: q [T, Hq * D], k/v [T, Hk * D] (RoPE not yet
+    applied) -> [T, Hq * D], as the engine's ranks compute it: each rank's heads get the engine's RoPE
+    at the sequences' positions, then its attention kernel (`context.kernels.attention`, with decoder
+    layer `layer_index`'s K/V scales where the cache is FP8); backward: RoPE's exact transpose and
+    the standard BF16 attention gradient."""
+    size, tp = context.head_size, context.tensor_parallel_size
+    q_width, kv_width = q.shape[1] // tp, k.shape[1] // tp
+    outputs = []
+    for rank in range(tp):
+        rq, rk = engine_rope(batch.position, q[:, rank * q_width : (rank + 1) * q_width], k[:, rank * kv_width : (rank + 1) * kv_width],
+                             context.table, context.inverse_table, size, context.rope.rotary_dim)  # fmt: skip
+        rv = v[:, rank * kv_width : (rank + 1) * kv_width]
+        outputs.append(engine_op(
+            lambda q, k, v: context.kernels.attention(q, k, v, batch=batch, head_size=size, kv_scales=context.layer_kv_scales(layer_index)),
+            lambda q, k, v: attention_reference(q, k, v, batch=batch, head_size=size, compute_dtype=q.dtype), rq, rk, rv,
+        ))  # fmt: skip
+    return outputs[0] if tp == 1 else torch.cat(outputs, dim=-1)
 
 
 class EngineRMSNorm(nn.Module):
@@ -101,22 +123,29 @@ class ProjectionGroup:
         return outputs[index]
 
     def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
-        ctx, layer = self.context, self.layer
-        tp = ctx.tensor_parallel_size
-        x2 = x.reshape(-1, x.shape[-1])
-        fp8_weights = quantize_stacked([layer], tp, ctx.rounding, x.device)[0] if self.fp8 else None
+        return stacked_outputs(self.context, self.layer, x)
 
-        def product(rank: int, rank_input: torch.Tensor) -> torch.Tensor:
-            return stacked_product(layer, rank_input, rank, tp, fp8_weights, ctx.rounding, ctx.fp8_gemm, ctx.kernels)
 
-        if self.row_parallel:
-            k = x2.shape[-1] // tp
-            out = all_reduce_sum([product(rank, x2[:, rank * k : (rank + 1) * k]) for rank in range(tp)])
-            return [out.reshape(*x.shape[:-1], out.shape[-1])]
-        sizes = layer.rank_sizes(tp)
-        per_rank = [product(rank, x2).split(list(sizes), dim=-1) for rank in range(tp)]
-        outputs = [parts[0] if tp == 1 else torch.cat(parts, dim=-1) for parts in zip(*per_rank)]
-        return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs]
+def stacked_outputs(context: BitwiseContext, layer: StackedLinear, x: torch.Tensor) -> list[torch.Tensor]:
+    """Per member of `layer`, its output [..., N_member] on x [..., K], as the engine's ranks compute
+    them (`context.tensor_parallel_size`). Column-parallel: per rank one product of the rank's rows
+    of every member, each member's columns of all ranks side by side. Row-parallel (one member):
+    per rank the product of its input columns, the partial sums added as the engine's all-reduce."""
+    tp = context.tensor_parallel_size
+    x2 = x.reshape(-1, x.shape[-1])
+    fp8_weights = quantize_stacked([layer], tp, context.rounding, x.device)[0] if layer.fp8 else None
+
+    def product(rank: int, rank_input: torch.Tensor) -> torch.Tensor:
+        return stacked_product(layer, rank_input, rank, tp, fp8_weights, context.rounding, context.fp8_gemm, context.kernels)
+
+    if layer.row_parallel:
+        k = x2.shape[-1] // tp
+        out = all_reduce_sum([product(rank, x2[:, rank * k : (rank + 1) * k]) for rank in range(tp)])
+        return [out.reshape(*x.shape[:-1], out.shape[-1])]
+    sizes = layer.rank_sizes(tp)
+    per_rank = [product(rank, x2).split(list(sizes), dim=-1) for rank in range(tp)]
+    outputs = [parts[0] if tp == 1 else torch.cat(parts, dim=-1) for parts in zip(*per_rank)]
+    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs]
 
 
 class EngineProjection(nn.Module):

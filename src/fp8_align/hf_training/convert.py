@@ -26,13 +26,12 @@ from torch import nn
 from fp8_align.bitwise.reference import RopeSpec, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import recipe_fp8_modules
-from fp8_align.hf_training.attention import PackedBatch, attention_reference, kv_scales_on_device
+from fp8_align.hf_training.attention import PackedBatch, kv_scales_on_device
 from fp8_align.hf_training.bitwise_modules import (
     BitwiseContext, BitwiseMLP, EngineLMHead, EngineProjection, EngineRMSNorm, IdentityRotary, ProjectionGroup, VocabParallelEmbedding,
+    engine_attention,
 )  # fmt: skip
-from fp8_align.hf_training.engine_ops import (
-    engine_op, engine_rope, fp8_gemm_for, inverse_rope_table, kernels_for, without_autocast,
-)  # fmt: skip
+from fp8_align.hf_training.engine_ops import fp8_gemm_for, inverse_rope_table, kernels_for, without_autocast
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
 from fp8_align.hf_training.stacked import UnsupportedModelError, check_bitwise_model, check_tensor_parallel_size
 
@@ -124,19 +123,7 @@ def bitwise_attention(
         flat = x.transpose(1, 2).reshape(rows * columns, -1)
         return flat if layout.index is None else flat.index_select(0, layout.index)
 
-    q, k, v = tokens(query), tokens(key), tokens(value)
-    tp, index = context.tensor_parallel_size, getattr(module, "layer_idx", 0)
-    q_width, kv_width = q.shape[1] // tp, k.shape[1] // tp
-    outputs = []
-    for rank in range(tp):  # each rank: its heads' RoPE and attention
-        rq, rk = engine_rope(layout.batch.position, q[:, rank * q_width : (rank + 1) * q_width], k[:, rank * kv_width : (rank + 1) * kv_width],
-                             context.table, context.inverse_table, size, context.rope.rotary_dim)  # fmt: skip
-        rv = v[:, rank * kv_width : (rank + 1) * kv_width]
-        outputs.append(engine_op(
-            lambda q, k, v: context.kernels.attention(q, k, v, batch=layout.batch, head_size=size, kv_scales=context.layer_kv_scales(index)),
-            lambda q, k, v: attention_reference(q, k, v, batch=layout.batch, head_size=size, compute_dtype=q.dtype), rq, rk, rv,
-        ))  # fmt: skip
-    out = outputs[0] if tp == 1 else torch.cat(outputs, dim=-1)
+    out = engine_attention(context, layout.batch, tokens(query), tokens(key), tokens(value), getattr(module, "layer_idx", 0))
     if layout.index is not None:
         out = out.new_zeros(rows * columns, out.shape[1]).index_copy(0, layout.index, out)
     return out.reshape(rows, columns, heads, size), None
@@ -152,6 +139,41 @@ def _register_attention() -> None:
 
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, bitwise_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, flash_attention_mask)
+
+
+def bitwise_context(model: nn.Module, cfg: FP8Config, tensor_parallel_size: int = 1) -> BitwiseContext:
+    """The `BitwiseContext` of the bitwise engine of `cfg` at `tensor_parallel_size` serving `model`
+    (an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` in BF16 on one device):
+    its kernels for the model's device, RoPE table, and the HF names of the linears the recipe runs
+    in FP8. Raises UnsupportedModelError for other model families, ValueError for a non-bitwise
+    config, weights not in BF16, or a tensor parallel size the engine does not run bitwise or that
+    does not divide the heads."""
+    config = model.config.get_text_config()
+    check_bitwise_model(config, cfg, "the bitwise trainer")
+    check_tensor_parallel_size(config, tensor_parallel_size)
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.bfloat16}:
+        raise ValueError(f"the bitwise trainer: the engine runs BF16 weights; this model holds {sorted(map(str, dtypes))} (model.to(torch.bfloat16))")
+    device = model.get_input_embeddings().weight.device
+    fp8_names = {name for name, _ in (recipe_fp8_modules(model, cfg, config.num_hidden_layers) if cfg.precision == "fp8" else [])}
+    head_size = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    rope = RopeSpec.from_hf_config(config)
+    table = rope_table(rope, device)
+    return BitwiseContext(
+        cfg=cfg, rounding=cfg.rounding, kernels=kernels_for(device),
+        fp8_gemm=fp8_gemm_for(cfg, device, [model.get_submodule(name).weight for name in sorted(fp8_names)]),
+        tensor_parallel_size=tensor_parallel_size, head_size=head_size, rope=rope, table=table, inverse_table=inverse_rope_table(table),
+        num_layers=config.num_hidden_layers, fp8_names=frozenset(fp8_names),
+    )  # fmt: skip
+
+
+def recipe_fp8(context: BitwiseContext, prefix: str, names: tuple[str, ...]) -> bool:
+    """Whether the recipe runs the engine layer that stacks HF linears `prefix.<names>` in FP8;
+    ValueError when it quantizes only some of them (vLLM computes them as one layer)."""
+    chosen = {f"{prefix}.{name}" in context.fp8_names for name in names}
+    if len(chosen) > 1:
+        raise ValueError(f"{prefix}: {list(names)} are one layer in vLLM; the recipe quantizes only some of them")
+    return chosen.pop()
 
 
 def make_bitwise(
@@ -179,26 +201,11 @@ def make_bitwise(
         raise UnsupportedModelError(
             "make_bitwise needs a transformers release whose models have `set_attn_implementation` (tested: 5.17 and 5.19)"
         )
-    dtypes = {p.dtype for p in model.parameters()}
-    if dtypes != {torch.bfloat16}:
-        raise ValueError(f"make_bitwise: the engine runs BF16 weights; this model holds {sorted(map(str, dtypes))} (model.to(torch.bfloat16))")
-    device = inner.embed_tokens.weight.device
-    fp8_names = {name for name, _ in (recipe_fp8_modules(model, cfg, config.num_hidden_layers) if cfg.precision == "fp8" else [])}
-    head_size = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    rope = RopeSpec.from_hf_config(config)
-    table = rope_table(rope, device)
-    context = BitwiseContext(
-        cfg=cfg, rounding=cfg.rounding, kernels=kernels_for(device),
-        fp8_gemm=fp8_gemm_for(cfg, device, [model.get_submodule(name).weight for name in sorted(fp8_names)]),
-        tensor_parallel_size=tensor_parallel_size, head_size=head_size, rope=rope, table=table, inverse_table=inverse_rope_table(table),
-        num_layers=config.num_hidden_layers, fp8_names=frozenset(fp8_names),
-    )  # fmt: skip
+    context = bitwise_context(model, cfg, tensor_parallel_size)
+    head_size = context.head_size
 
     def fp8(prefix: str, names: tuple[str, ...]) -> bool:
-        chosen = {f"{prefix}.{name}" in fp8_names for name in names}
-        if len(chosen) > 1:
-            raise ValueError(f"{prefix}: {list(names)} are one layer in vLLM; the recipe quantizes only some of them")
-        return chosen.pop()
+        return recipe_fp8(context, prefix, names)
 
     default_eps = float(config.rms_norm_eps)
     for index, layer in enumerate(inner.layers):

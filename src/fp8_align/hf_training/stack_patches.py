@@ -28,6 +28,14 @@ asked. `unpatch_stack_logprobs(stack)` puts the originals back.
   (torch's log-softmax and gather) by the engine's log-softmax, and
   `get_logprobs_from_vocab_parallel_logits` (its tensor- and context-parallel path) by a refusal:
   a converted model is bitwise at tensor and context parallel size 1.
+- NeMo RL 0.6.0's Megatron policy log-prob unit (`nemo_rl.models.megatron.train`, the same commit),
+  on a bitwise megatron-core GPTModel (`fp8_align.megatron_ext.bitwise`): `apply_temperature_scaling`
+  (an in-place division by a Python float, whose result its caller drops) by the engine's division,
+  in place; `nemo_rl.distributed.model_utils.DistributedLogprob` (its own composed log-softmax, with
+  a hand-written backward) by the engine's log-softmax; its chunked and top-k/top-p variants by
+  refusals. Each holds at tensor and context parallel size 1.
+
+Each replacement is a dotted path inside the patch's module, or `other.module:path` in another one.
 """
 
 from __future__ import annotations
@@ -109,6 +117,47 @@ def nemo_rl_parallel_logprobs_refused(*args: Any, **kwargs: Any) -> torch.Tensor
     raise NotImplementedError("fp8_align's NeMo RL patch is bitwise at tensor and context parallel size 1 only: its DTensor policy took the vocab-parallel log-prob path")
 
 
+def nemo_rl_megatron_apply_temperature_scaling(logits: torch.Tensor, sampling_params: Any) -> torch.Tensor:
+    """NeMo RL's Megatron `apply_temperature_scaling` contract: `logits` [..., V] divided in place by
+    `sampling_params.temperature` (none given, or 1: unchanged) and returned; the division is the
+    engine's (by an FP32 tensor, a true division on CUDA). In place because NeMo RL's caller keeps its
+    own reference and drops the result. Raises ValueError for logits that are not FP32."""
+    if sampling_params is None or sampling_params.temperature == 1.0:
+        return logits
+    if logits.dtype != torch.float32:
+        raise ValueError(f"fp8_align's NeMo RL Megatron patch takes a bitwise GPTModel's FP32 logits; these are {logits.dtype}")
+    return logits.div_(torch.full((*logits.shape[:-1], 1), sampling_params.temperature, dtype=torch.float32, device=logits.device))
+
+
+class EngineDistributedLogprob:
+    """NeMo RL's `DistributedLogprob` (an autograd Function) at tensor parallel size 1: `apply(logits
+    [..., V], target [...], vocab_start_index, vocab_end_index, group, inference_only=False)` -> FP32
+    [...] log-probs of `target`, by `engine_label_logprobs` (autograd's gradient). Raises
+    NotImplementedError for a group of more than one rank or a slice of the vocabulary."""
+
+    @staticmethod
+    def apply(
+        logits: torch.Tensor, target: torch.Tensor, vocab_start_index: int, vocab_end_index: int, group: Any, inference_only: bool = False
+    ) -> torch.Tensor:
+        ranks = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+        if ranks != 1 or vocab_start_index != 0 or vocab_end_index != logits.shape[-1]:
+            raise NotImplementedError(
+                f"fp8_align's NeMo RL Megatron patch is bitwise at tensor parallel size 1 only (a group of {ranks} ranks, "
+                f"vocabulary rows {vocab_start_index}..{vocab_end_index} of {logits.shape[-1]})"
+            )
+        return engine_label_logprobs(logits, target)
+
+
+class RefusedLogprob:
+    """A NeMo RL log-prob Function that has no engine counterpart here: `apply` raises NotImplementedError."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name, self.why = name, why
+
+    def apply(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(f"fp8_align's NeMo RL Megatron patch refuses {self.name}: {self.why}")
+
+
 def _nemo_rl_version() -> str:
     return importlib.import_module("nemo_rl.package_info").__shortversion__
 
@@ -136,6 +185,20 @@ STACK_PATCHES: dict[str, StackPatch] = {
         ),
         ("0.6.0",), _nemo_rl_version,
     ),
+    "nemo_rl_megatron": StackPatch(
+        "nemo_rl.models.megatron.train",
+        (
+            ("apply_temperature_scaling", nemo_rl_megatron_apply_temperature_scaling),
+            ("nemo_rl.distributed.model_utils:DistributedLogprob", EngineDistributedLogprob),
+            ("nemo_rl.distributed.model_utils:ChunkedDistributedLogprob",
+             RefusedLogprob("ChunkedDistributedLogprob", "unset policy.logprob_chunk_size (rows are independent: chunking changes no bit)")),
+            ("nemo_rl.distributed.model_utils:DistributedLogprobWithSampling",
+             RefusedLogprob("DistributedLogprobWithSampling", "top-k/top-p filtering is not compared (the engine's processed log-probs are unfiltered)")),
+            ("nemo_rl.distributed.model_utils:ChunkedDistributedLogprobWithSampling",
+             RefusedLogprob("ChunkedDistributedLogprobWithSampling", "top-k/top-p filtering is not compared")),
+        ),
+        ("0.6.0",), _nemo_rl_version,
+    ),
 }  # fmt: skip
 _originals: dict[str, list[tuple[Any, str, Any]]] = {}
 
@@ -153,8 +216,9 @@ def patch_stack_logprobs(stack: str) -> StackPatch:
     if stack not in _originals:
         saved = []
         for path, replacement in patch.replacements:
-            *owners, attribute = path.split(".")
-            owner = functools.reduce(getattr, owners, module)
+            where, _, inside = path.rpartition(":")
+            *owners, attribute = inside.split(".")
+            owner = functools.reduce(getattr, owners, importlib.import_module(where) if where else module)
             saved.append((owner, attribute, getattr(owner, attribute)))
             setattr(owner, attribute, replacement)
         _originals[stack] = saved

@@ -227,7 +227,47 @@ def build_megatron_gpt(hf_model: nn.Module, fp8_cfg: FP8Config | None, spec: str
         pre_process=True,
         post_process=True,
     )
-    weights = megatron_state_dict_from_hf(hf_model.state_dict(), hf_config, fused_norms=spec == "transformer_engine")
+    copy_hf_weights(model, hf_model, fused_norms=spec == "transformer_engine")
+    device = next(hf_model.parameters()).device
+    return model.to(device).eval()
+
+
+def hf_state_dict_from_megatron(megatron_state: Mapping[str, torch.Tensor], hf_config: Any, fused_norms: bool) -> dict[str, torch.Tensor]:
+    """The inverse of `megatron_state_dict_from_hf`: megatron-core GPTModel parameters -> HF names
+    (`model.` prefix; `lm_head.weight` only when the embeddings are not tied), for a weight sync
+    (`refit_weights`) or an HF copy of a Megatron-trained model; views, no arithmetic."""
+    check_llama_family(hf_config)
+    heads = int(hf_config.num_attention_heads)
+    groups = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    d, hidden = head_dim(hf_config), int(hf_config.hidden_size)
+    per_group = heads // groups * d
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": megatron_state["embedding.word_embeddings.weight"]}
+    for i in range(int(hf_config.num_hidden_layers)):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qkv = megatron_state[mg + "self_attention.linear_qkv.weight"].view(groups, per_group + 2 * d, hidden)
+        out[hf + "self_attn.q_proj.weight"] = qkv[:, :per_group].reshape(-1, hidden)
+        out[hf + "self_attn.k_proj.weight"] = qkv[:, per_group : per_group + d].reshape(-1, hidden)
+        out[hf + "self_attn.v_proj.weight"] = qkv[:, per_group + d :].reshape(-1, hidden)
+        out[hf + "self_attn.o_proj.weight"] = megatron_state[mg + "self_attention.linear_proj.weight"]
+        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = megatron_state[mg + "mlp.linear_fc1.weight"].chunk(2)
+        out[hf + "mlp.down_proj.weight"] = megatron_state[mg + "mlp.linear_fc2.weight"]
+        attn_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
+        out[hf + "input_layernorm.weight"] = megatron_state[mg + attn_norm]
+        out[hf + "post_attention_layernorm.weight"] = megatron_state[mg + mlp_norm]
+        if has_qk_norm(hf_config):
+            out[hf + "self_attn.q_norm.weight"] = megatron_state[mg + "self_attention.q_layernorm.weight"]
+            out[hf + "self_attn.k_norm.weight"] = megatron_state[mg + "self_attention.k_layernorm.weight"]
+    out["model.norm.weight"] = megatron_state["decoder.final_layernorm.weight"]
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        out["lm_head.weight"] = megatron_state["output_layer.weight"]
+    return out
+
+
+def copy_hf_weights(model: nn.Module, hf_model: nn.Module, fused_norms: bool) -> None:
+    """Copy `hf_model`'s weights into the megatron-core GPTModel `model` (`megatron_state_dict_from_hf`);
+    MegatronBridgeError unless the mapped names and shapes cover `model`'s parameters exactly."""
+    weights = megatron_state_dict_from_hf(hf_model.state_dict(), hf_model.config, fused_norms=fused_norms)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(weights))
     unused = sorted(set(weights) - set(params))
@@ -238,8 +278,6 @@ def build_megatron_gpt(hf_model: nn.Module, fp8_cfg: FP8Config | None, spec: str
             if tuple(param.shape) != tuple(weights[name].shape):
                 raise MegatronBridgeError(f"{name}: Megatron shape {tuple(param.shape)}, mapped HF shape {tuple(weights[name].shape)}")
             param.copy_(weights[name])
-    device = next(hf_model.parameters()).device
-    return model.to(device).eval()
 
 
 class MegatronCausalLM(nn.Module):

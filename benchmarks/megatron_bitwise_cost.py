@@ -1,0 +1,121 @@
+"""What the bitwise megatron-core spec costs (GPU, TransformerEngine and vLLM importable): the
+forward+backward time of a log-prob loss through the bitwise GPTModel (`build_bitwise_gpt`)
+against megatron-core's TransformerEngine spec (`hf_bridge.build_megatron_gpt`, what Megatron
+training runs) with the same block-FP8 recipe, and TE's spec in BF16, on the same weights.
+
+    python benchmarks/megatron_bitwise_cost.py --out REPORT.json [--shapes 8x512,8x2048] [--variant fp8_pow2|fp8]
+        [--repeats 5] [--work /root/megatron_cost_work]
+
+The model: the Qwen3-8B shape cut to 4 decoder layers (`on_policy_bitwise.prepare_model`). Per shape
+B x S (B sequences of S random tokens): the loss is the sum of the log-probs of tokens 1..S-1 of
+every sequence, FP32 log-softmax of FP32 logits, then backward. The bitwise model scores them with
+`token_logprobs` (THD packing, output layer on those positions only); TE's takes a [B, S] batch,
+casts its BF16 logits to FP32 and takes `torch.log_softmax`. `--variant fp8_pow2` (TE's default
+power-of-two scales; the bitwise engine's `use_*_pow2_scale`) or `fp8` (FP32 scales: run with
+NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 set for TE, which this script checks). Per model and shape:
+2 warm-up steps, then the median and spread of `--repeats` timed steps (CUDA synchronized), and
+peak GPU memory. Ratios: bitwise over TE FP8 (the issue's target: at most 1.1x) and over TE BF16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
+
+import torch  # noqa: E402
+
+from benchmarks.on_policy_bitwise import VARIANTS, _device_and_versions, prepare_model  # noqa: E402
+from fp8_align import FP8Config  # noqa: E402
+from fp8_align.megatron_ext.te_emulation import TE_FP32_SCALES_ENV_VAR  # noqa: E402
+
+MODEL = "qwen3-8b-4l"
+WARMUP = 2
+
+
+def timed(step: Callable[[], torch.Tensor], repeats: int, parameters: list[torch.nn.Parameter]) -> dict[str, float]:
+    """Median / min / max seconds of `step()` + its backward over `repeats` runs after `WARMUP`, and peak memory."""
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for run in range(WARMUP + repeats):
+        for p in parameters:
+            p.grad = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step().backward()
+        torch.cuda.synchronize()
+        if run >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+
+
+def te_logprob_loss(gpt: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Sum of log p(token t | prefix) for t = 1..S-1 of each row of `ids` [B, S] through a TE GPTModel."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    logits = gpt(ids, positions, None)[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).sum()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", default="8x512,8x2048", help="B x S per measurement")
+    parser.add_argument("--variant", choices=("fp8_pow2", "fp8"), default="fp8_pow2")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_megatron_cost"))
+    args = parser.parse_args(argv)
+    fp32_env = os.environ.get(TE_FP32_SCALES_ENV_VAR) == "1"
+    if fp32_env != (args.variant == "fp8"):
+        parser.error(f"--variant {args.variant}: TE's scales follow {TE_FP32_SCALES_ENV_VAR} (set it to 1 for fp8, unset for fp8_pow2)")
+    from transformers import AutoModelForCausalLM
+
+    from fp8_align.megatron_ext.bitwise import build_bitwise_gpt, token_logprobs
+    from fp8_align.megatron_ext.hf_bridge import build_megatron_gpt
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    path, _, _ = prepare_model(MODEL, args.work)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+    recipe = VARIANTS[args.variant]
+    models = {
+        "bitwise_fp8": build_bitwise_gpt(hf, FP8Config(on_policy="bitwise", **recipe)),
+        "te_fp8": build_megatron_gpt(hf, FP8Config(**recipe)).train(),
+        "te_bf16": build_megatron_gpt(hf, None).train(),
+    }
+    vocab = hf.config.vocab_size
+    del hf
+    rows = []
+    for shape in args.shapes.split(","):
+        batch, length = (int(x) for x in shape.split("x"))
+        ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(batch * length)).cuda()
+        sequences = ids.tolist()
+        row: dict[str, Any] = {"model": MODEL, "variant": args.variant, "batch": batch, "tokens_per_sequence": length}
+        for name, gpt in models.items():
+            if name.startswith("bitwise"):
+                step = lambda gpt=gpt: torch.cat(token_logprobs(gpt, sequences, [1] * batch)).sum()  # noqa: E731
+            else:
+                step = lambda gpt=gpt: te_logprob_loss(gpt, ids)  # noqa: E731
+            row[name] = timed(step, args.repeats, list(gpt.parameters()))
+        row["bitwise_over_te_fp8"] = row["bitwise_fp8"]["median_s"] / row["te_fp8"]["median_s"]
+        row["bitwise_over_te_bf16"] = row["bitwise_fp8"]["median_s"] / row["te_bf16"]["median_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    import megatron.core
+    import transformer_engine
+
+    report = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions(),
+              "megatron_core": megatron.core.__version__, "transformer_engine": transformer_engine.__version__, "rows": rows}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
