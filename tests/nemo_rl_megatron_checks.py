@@ -14,7 +14,9 @@ checks see the patch change them, and NeMo RL's packing, padding to a length mul
 and re-ordering around the bitwise model.
 
 Stood in for on CPU, and nothing else: `BatchedDataDict.to("cuda")` moves to the CPU (NeMo RL's
-`make_processed_microbatch_iterator` moves each micro-batch to CUDA).
+`make_processed_microbatch_iterator` moves each micro-batch to CUDA). With CUDA (the GPU box, NeMo
+RL's pins first on the path) the same checks run on the GPU through megatron-core's schedule, with
+the engine's kernels on both sides.
 """
 
 from __future__ import annotations
@@ -43,18 +45,22 @@ CFG = FP8Config(on_policy="bitwise", precision="fp8")
 BUDGET = max(len(s) for s in SEQUENCES) + 8
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(autouse=True)
 def cpu_batches(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The module docstring's one stand-in, and NeMo RL's own functions back after each check."""
-    to = BatchedDataDict.to
-    monkeypatch.setattr(BatchedDataDict, "to", lambda self, device: to(self, "cpu" if str(device).startswith("cuda") else device))
+    """The module docstring's one stand-in (without CUDA), and NeMo RL's own functions back after each check."""
+    if DEVICE == "cpu":
+        to = BatchedDataDict.to
+        monkeypatch.setattr(BatchedDataDict, "to", lambda self, device: to(self, "cpu" if str(device).startswith("cuda") else device))
     yield
     unpatch_stack_logprobs("nemo_rl_megatron")
 
 
 @pytest.fixture(scope="module")
 def gpt() -> torch.nn.Module:
-    return build_bitwise_gpt(tiny_hf_model("qwen3"), CFG).eval()
+    return build_bitwise_gpt(tiny_hf_model("qwen3").to(DEVICE), CFG).eval()
 
 
 @pytest.mark.parametrize("multiple", [1, 8])

@@ -16,7 +16,8 @@
 #          and FP32 scales -> $out/megatron_bitwise_cost_{pow2,fp32}.json) | megatron-tests (tests/test_gpu_megatron_bitwise.py) | mcore (megatron-core from the carried .whl/megatron_core-*.whl into /tmp/mcore_site, on PYTHONPATH)
 #        | megatron[=MODELS] (on_policy_bitwise.py --scorer megatron -> $out/megatron_bitwise.json; $MEGATRON_ARGS: more arguments)
 #        | nemo-rl (NeMo RL's pins from the carried .whl/nemo_rl_site.tar.zst and its vendored units first on PYTHONPATH)
-#        | nemo-rl-megatron (after mcore and nemo-rl: on_policy_bitwise.py --scorer nemo_rl_megatron -> $out/nemo_rl_megatron_bitwise.json)
+#        | nemo-rl-megatron (after mcore and nemo-rl: tests/nemo_rl_megatron_checks.py on CUDA, then on_policy_bitwise.py --scorer
+#          nemo_rl_megatron -> $out/nemo_rl_megatron_bitwise.json)
 #        | megatron-steps (stack_bitwise.py --stack megatron: policy steps through megatron-core's optimizer, each synced
 #          into the engine -> $out/megatron_steps.json; $MEGATRON_STEPS_ARGS: more arguments)
 #        | bg (the stages after it run detached in /root/bitwise_bg, so one run may outlast a call)
@@ -104,10 +105,13 @@ for stage in "$@"; do
         kit="${FP8_ALIGN_GPUKIT:-.gpukit}"
         LD_LIBRARY_PATH="$kit/bin" "$kit/bin/zstd" -d -q -c .whl/nemo_rl_site.tar.zst | tar -C /root -xf - || exit 1
       fi
-      export PYTHONPATH="/root/nemo_rl_site:$PWD/tests/third_party/nemo_rl_dtensor:$PYTHONPATH" ;;
+      export PYTHONPATH="/root/nemo_rl_site:$PWD/tests/third_party/nemo_rl_dtensor:$PYTHONPATH"
+      python3 -c "import ray" 2>/dev/null || { echo "nemo-rl: NeMo RL's modules import ray; stage the bundle built with it (build_gpukit.sh 0.25.1 .gpukit25 ray==2.60.0)"; exit 1; } ;;
     megatron* | nemo-rl-megatron)
       if [ "$stage" = megatron-steps ]; then name=megatron_steps; cmd=(benchmarks/stack_bitwise.py --stack megatron ${MEGATRON_STEPS_ARGS:-} --work /root/megatron_steps_work)
       elif [ "$stage" = nemo-rl-megatron ]; then name=nemo_rl_megatron_bitwise
+        python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts= -rfEs tests/nemo_rl_megatron_checks.py > "$out/pytest_nemo_rl_megatron.txt" 2>&1
+        tail -3 "$out/pytest_nemo_rl_megatron.txt"
         cmd=(benchmarks/on_policy_bitwise.py --scorer nemo_rl_megatron ${MEGATRON_ARGS:-} --work /root/megatron_work)
       else models="${stage#megatron}"; models="${models#=}"; name=megatron_bitwise
         cmd=(benchmarks/on_policy_bitwise.py --scorer megatron ${models:+--models "$models"} ${MEGATRON_ARGS:-} --work /root/megatron_work); fi

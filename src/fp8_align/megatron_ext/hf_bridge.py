@@ -152,6 +152,28 @@ def init_single_process_parallel_state(seed: int = 0) -> None:
             model_parallel_cuda_manual_seed(seed)
 
 
+def _renamed_tensors(hf_config: Any, fused_norms: bool) -> list[tuple[str, str]]:
+    """(HF name, megatron-core name) of every tensor the mapping moves unchanged: embedding, o/down
+    projections, the norms (fused into the TE linears or not), Qwen3's q/k norms, the final norm and
+    an untied lm_head."""
+    pairs = [("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+    for i in range(int(hf_config.num_hidden_layers)):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        pairs += [
+            (hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight"),
+            (hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight"),
+            (hf + "input_layernorm.weight", mg + ("self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight")),
+            (hf + "post_attention_layernorm.weight", mg + ("mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight")),
+        ]
+        if has_qk_norm(hf_config):
+            pairs += [(hf + "self_attn.q_norm.weight", mg + "self_attention.q_layernorm.weight"),
+                      (hf + "self_attn.k_norm.weight", mg + "self_attention.k_layernorm.weight")]  # fmt: skip
+    pairs.append(("model.norm.weight", "decoder.final_layernorm.weight"))
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        pairs.append(("lm_head.weight", "output_layer.weight"))
+    return pairs
+
+
 def megatron_state_dict_from_hf(hf_state: Mapping[str, torch.Tensor], hf_config: Any, fused_norms: bool) -> dict[str, torch.Tensor]:
     """HF Llama-family weights -> megatron-core GPTModel parameter names (see the module docstring).
 
@@ -166,26 +188,14 @@ def megatron_state_dict_from_hf(hf_state: Mapping[str, torch.Tensor], hf_config:
     heads = int(hf_config.num_attention_heads)
     groups = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     d, hidden = head_dim(hf_config), int(hf_config.hidden_size)
-    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"]}
+    out = {mg: hf_state[hf] for hf, mg in _renamed_tensors(hf_config, fused_norms)}
     for i in range(int(hf_config.num_hidden_layers)):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         q = hf_state[hf + "self_attn.q_proj.weight"].view(groups, heads // groups * d, hidden)
         k = hf_state[hf + "self_attn.k_proj.weight"].view(groups, d, hidden)
         v = hf_state[hf + "self_attn.v_proj.weight"].view(groups, d, hidden)
         out[mg + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
-        out[mg + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
         out[mg + "mlp.linear_fc1.weight"] = torch.cat([hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]])
-        out[mg + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
-        attn_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
-        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
-        out[mg + attn_norm] = hf_state[hf + "input_layernorm.weight"]
-        out[mg + mlp_norm] = hf_state[hf + "post_attention_layernorm.weight"]
-        if has_qk_norm(hf_config):
-            out[mg + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
-            out[mg + "self_attention.k_layernorm.weight"] = hf_state[hf + "self_attn.k_norm.weight"]
-    out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
-    if not getattr(hf_config, "tie_word_embeddings", False):
-        out["output_layer.weight"] = hf_state["lm_head.weight"]
     return out
 
 
@@ -241,26 +251,14 @@ def hf_state_dict_from_megatron(megatron_state: Mapping[str, torch.Tensor], hf_c
     groups = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     d, hidden = head_dim(hf_config), int(hf_config.hidden_size)
     per_group = heads // groups * d
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": megatron_state["embedding.word_embeddings.weight"]}
+    out = {hf: megatron_state[mg] for hf, mg in _renamed_tensors(hf_config, fused_norms)}
     for i in range(int(hf_config.num_hidden_layers)):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         qkv = megatron_state[mg + "self_attention.linear_qkv.weight"].view(groups, per_group + 2 * d, hidden)
         out[hf + "self_attn.q_proj.weight"] = qkv[:, :per_group].reshape(-1, hidden)
         out[hf + "self_attn.k_proj.weight"] = qkv[:, per_group : per_group + d].reshape(-1, hidden)
         out[hf + "self_attn.v_proj.weight"] = qkv[:, per_group + d :].reshape(-1, hidden)
-        out[hf + "self_attn.o_proj.weight"] = megatron_state[mg + "self_attention.linear_proj.weight"]
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = megatron_state[mg + "mlp.linear_fc1.weight"].chunk(2)
-        out[hf + "mlp.down_proj.weight"] = megatron_state[mg + "mlp.linear_fc2.weight"]
-        attn_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
-        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
-        out[hf + "input_layernorm.weight"] = megatron_state[mg + attn_norm]
-        out[hf + "post_attention_layernorm.weight"] = megatron_state[mg + mlp_norm]
-        if has_qk_norm(hf_config):
-            out[hf + "self_attn.q_norm.weight"] = megatron_state[mg + "self_attention.q_layernorm.weight"]
-            out[hf + "self_attn.k_norm.weight"] = megatron_state[mg + "self_attention.k_layernorm.weight"]
-    out["model.norm.weight"] = megatron_state["decoder.final_layernorm.weight"]
-    if not getattr(hf_config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = megatron_state["output_layer.weight"]
     return out
 
 
