@@ -55,7 +55,10 @@ class MegatronBitwiseActor:
     ) -> dict[str, float]:  # fmt: skip
         """One policy update: per micro-batch the clipped policy-gradient loss (token mean over the
         batch) backward through Megatron's DDP, then Megatron's optimizer step. Returns the loss and
-        the gradient norm; raises FloatingPointError when the optimizer skips the step."""
+        the gradient norm; raises FloatingPointError when the optimizer skips the step. `optimizer`
+        is the stacks' argument: this actor steps Megatron's own, so it must be None (ValueError)."""
+        if optimizer is not None:
+            raise ValueError("MegatronBitwiseActor steps megatron-core's own optimizer; pass optimizer=None")
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -1,6 +1,6 @@
-"""Bitwise inside a stack's own trainer code (GPU): verl 0.9.1's or OpenRLHF 0.11.2's actor or NeMo
-RL's DTensor policy against an fp8_align bitwise engine, with the stack's own weight sync between
-its policy steps.
+"""Bitwise inside a stack's own trainer code (GPU): verl 0.9.1's or OpenRLHF 0.11.2's actor, NeMo
+RL's DTensor policy or a megatron-core trainer against an fp8_align bitwise engine, with the
+stack's own weight sync between its policy steps.
 
     python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl|megatron]
         [--variants fp8,fp8_pow2] [--kv-cache-dtype fp8|auto] [--steps 3] [--temperatures 0.6,1.0]
