@@ -77,7 +77,7 @@ def test_nemo_rl_megatron_log_probs_of_the_bitwise_model_are_the_engines(
     with torch.no_grad():
         expected = token_logprobs(gpt, SEQUENCES, PROMPT_LENS, temperature=temperature)
     for mine, theirs in zip(scorer.token_logprobs(SEQUENCES, PROMPT_LENS, temperature), expected, strict=True):
-        assert mine.dtype == torch.float32 and torch.equal(mine, theirs)
+        assert mine.dtype == torch.float32 and torch.equal(mine, theirs.cpu())  # NeMo RL's worker returns host tensors
     assert len(calls) == 2, f"NeMo RL's Megatron unit called the engine's log-softmax {len(calls)} times for its 2 micro-batches"
 
 
@@ -86,7 +86,7 @@ def test_unpatched_nemo_rl_megatron_log_probs_are_not_the_engines(gpt: torch.nn.
     scorer = NemoRLMegatronScorer(gpt, pad_id=0, max_tokens_per_microbatch=BUDGET)
     unpatch_stack_logprobs("nemo_rl_megatron")
     with torch.no_grad():
-        expected = torch.cat(token_logprobs(gpt, SEQUENCES, PROMPT_LENS))
+        expected = torch.cat(token_logprobs(gpt, SEQUENCES, PROMPT_LENS)).cpu()
     theirs = torch.cat(scorer.token_logprobs(SEQUENCES, PROMPT_LENS, 1.0))
     assert not torch.equal(theirs, expected)
     assert (theirs - expected).abs().max().item() < 1e-4
