@@ -29,7 +29,10 @@ CHECKS = {"nemo_rl_dtensor_checks.py": 4, "nemo_rl_megatron_checks.py": 6}
 @pytest.mark.skipif(not (SITE / "transformers").is_dir(), reason="scripts/setup_cpu_env.sh installs NeMo RL's pins into .cache/nemo_rl_site")
 @pytest.mark.parametrize("checks", sorted(CHECKS))
 def test_nemo_rl_policy_checks_pass_on_its_own_pins(checks: str) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), str(VENDORED), str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # Without this process's torch.distributed rendezvous (a megatron-core test here may have set
+    # MASTER_PORT and holds its store there): the child picks a free port of its own.
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = {**inherited, "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), str(VENDORED), str(ROOT), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", str(ROOT / "tests" / checks)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
