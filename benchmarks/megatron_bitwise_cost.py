@@ -4,7 +4,7 @@ against megatron-core's TransformerEngine spec (`hf_bridge.build_megatron_gpt`, 
 training runs) with the same block-FP8 recipe, and TE's spec in BF16, on the same weights.
 
     python benchmarks/megatron_bitwise_cost.py --out REPORT.json [--shapes 8x512,8x2048] [--variant fp8_pow2|fp8]
-        [--repeats 5] [--work /root/megatron_cost_work]
+        [--repeats 5] [--work /root/megatron_cost_work] [--profile]
 
 The model: the Qwen3-8B shape cut to 4 decoder layers (`on_policy_bitwise.prepare_model`). Per shape
 B x S (B sequences of S random tokens): the loss is the sum of the log-probs of tokens 1..S-1 of
@@ -15,6 +15,8 @@ power-of-two scales; the bitwise engine's `use_*_pow2_scale`) or `fp8` (FP32 sca
 NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 set for TE, which this script checks). Per model and shape:
 2 warm-up steps, then the median and spread of `--repeats` timed steps (CUDA synchronized), and
 peak GPU memory. Ratios: bitwise over TE FP8 (the issue's target: at most 1.1x) and over TE BF16.
+`--profile`: per model and shape also one step under torch.profiler: its wall time, the summed
+GPU time of its kernels, and the kernels by self GPU time (`profile` in each model's entry).
 """
 
 from __future__ import annotations
@@ -42,20 +44,47 @@ WARMUP = 2
 
 
 def timed(step: Callable[[], torch.Tensor], repeats: int, parameters: list[torch.nn.Parameter]) -> dict[str, float]:
-    """Median / min / max seconds of `step()` + its backward over `repeats` runs after `WARMUP`, and peak memory."""
-    times = []
+    """Median / min / max seconds of `step()` + its backward over `repeats` runs after `WARMUP` (CUDA
+    synchronized between the two: also the forward's median), and peak memory."""
+    times, forward_times = [], []
     torch.cuda.reset_peak_memory_stats()
     for run in range(WARMUP + repeats):
         for p in parameters:
             p.grad = None
         torch.cuda.synchronize()
         start = time.perf_counter()
-        step().backward()
+        loss = step()
+        torch.cuda.synchronize()
+        forward_end = time.perf_counter()
+        loss.backward()
         torch.cuda.synchronize()
         if run >= WARMUP:
             times.append(time.perf_counter() - start)
+            forward_times.append(forward_end - start)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+            "forward_median_s": statistics.median(forward_times), "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+
+
+PROFILE_ROWS = 30
+
+
+def profiled(step: Callable[[], torch.Tensor], parameters: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """One step of `step()` + backward under torch.profiler: wall seconds, summed kernel seconds
+    (GPU busy time if kernels do not overlap) and the `PROFILE_ROWS` kernels of most self GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in parameters:
+        p.grad = None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step().backward()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"wall_s": wall, "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6,
+            "kernels": [{"name": e.key[:160], "count": e.count, "self_ms": e.self_device_time_total / 1e3} for e in kernels[:PROFILE_ROWS]]}  # fmt: skip
 
 
 def te_logprob_loss(gpt: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -72,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", choices=("fp8_pow2", "fp8"), default="fp8_pow2")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_megatron_cost"))
+    parser.add_argument("--profile", action="store_true", help="also one profiled step per model and shape")
     args = parser.parse_args(argv)
     fp32_env = os.environ.get(TE_FP32_SCALES_ENV_VAR) == "1"
     if fp32_env != (args.variant == "fp8"):
@@ -104,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 step = lambda gpt=gpt: te_logprob_loss(gpt, ids)  # noqa: E731
             row[name] = timed(step, args.repeats, list(gpt.parameters()))
+            if args.profile:
+                row[name]["profile"] = profiled(step, list(gpt.parameters()))
         row["bitwise_over_te_fp8"] = row["bitwise_fp8"]["median_s"] / row["te_fp8"]["median_s"]
         row["bitwise_over_te_bf16"] = row["bitwise_fp8"]["median_s"] / row["te_bf16"]["median_s"]
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: ({m: v for m, v in x.items() if m != "profile"} if isinstance(x, dict) else x) for k, x in row.items()}), flush=True)
     import megatron.core
     import transformer_engine
 

@@ -170,10 +170,13 @@ def test_bad_models_settings_and_megatron_states_are_refused(monkeypatch: pytest
     with pytest.raises(UnsupportedModelError, match="batch-invariant mode is on"):
         token_logprobs(model, SEQUENCES, PROMPT_LENS)
     monkeypatch.undo()
-    monkeypatch.setattr(megatron_bitwise.model.parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
-    with pytest.raises(UnsupportedModelError, match="tensor, pipeline and context parallel size 1"):
-        build_bitwise_gpt(hf, FP8)
-    monkeypatch.undo()
+    for getter, size in (("get_tensor_model_parallel_world_size", 4), ("get_pipeline_model_parallel_world_size", 2)):
+        monkeypatch.setattr(megatron_bitwise.model.parallel_state, getter, lambda size=size: size)
+        with pytest.raises(UnsupportedModelError, match="tensor parallel size 1 or 2 .a bitwise engine's., pipeline and context parallel size 1"):
+            build_bitwise_gpt(hf, FP8)
+        monkeypatch.undo()
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2; this process's Megatron tensor parallel size is 1"):
+        build_bitwise_gpt(hf, FP8, tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="cu_seqlens_q covers 50 tokens; the input has 49 rows"):
         ids = torch.tensor([[t for s in SEQUENCES for t in s][:49]])
         model(ids, None, None, packed_seq_params=packed_seq_params([len(s) for s in SEQUENCES], "cpu"))

@@ -13,7 +13,7 @@
 #          current tiling; =all: every GEMM tile configuration, TRITON_ATTN launch setting and fp8_cache_attention
 #          tiling; =attention: the attention parts only, every fp8_cache_attention tiling)
 #        | kit (the vLLM bundle alone) | megatron-cost (after te-build, te-wait: benchmarks/megatron_bitwise_cost.py, power-of-two
-#          and FP32 scales -> $out/megatron_bitwise_cost_{pow2,fp32}.json) | megatron-tests (tests/test_gpu_megatron_bitwise.py) | mcore (megatron-core from the carried .whl/megatron_core-*.whl into /tmp/mcore_site, on PYTHONPATH)
+#          and FP32 scales -> $out/megatron_bitwise_cost_{pow2,fp32}.json; $MEGATRON_COST_ARGS: more arguments, e.g. --profile) | megatron-tests (tests/test_gpu_megatron_bitwise.py; with two GPUs also tests/test_gpu_megatron_bitwise_tp.py) | mcore (megatron-core from the carried .whl/megatron_core-*.whl into /tmp/mcore_site, on PYTHONPATH)
 #        | megatron[=MODELS] (on_policy_bitwise.py --scorer megatron -> $out/megatron_bitwise.json; $MEGATRON_ARGS: more arguments)
 #        | nemo-rl (NeMo RL's pins from the carried .whl/nemo_rl_site.tar.zst and its vendored units first on PYTHONPATH)
 #        | nemo-rl-megatron (after mcore and nemo-rl: tests/nemo_rl_megatron_checks.py on CUDA, then on_policy_bitwise.py --scorer
@@ -92,13 +92,14 @@ for stage in "$@"; do
     megatron-cost)  # after te-build / te-wait: the bitwise megatron-core spec vs TE's spec, forward+backward
       source benchmarks/box/te_box_setup.sh > /dev/null || exit 1
       python3 benchmarks/megatron_bitwise_cost.py --variant fp8_pow2 --out "$out/megatron_bitwise_cost_pow2.json" \
-        --work /root/megatron_cost_work > "$out/megatron_bitwise_cost_pow2.log" 2>&1
+        --work /root/megatron_cost_work ${MEGATRON_COST_ARGS:-} > "$out/megatron_bitwise_cost_pow2.log" 2>&1
       echo "rc=$?"; tail -3 "$out/megatron_bitwise_cost_pow2.log" | cut -c1-600
       NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 python3 benchmarks/megatron_bitwise_cost.py --variant fp8 --out "$out/megatron_bitwise_cost_fp32.json" \
-        --work /root/megatron_cost_work > "$out/megatron_bitwise_cost_fp32.log" 2>&1
+        --work /root/megatron_cost_work ${MEGATRON_COST_ARGS:-} > "$out/megatron_bitwise_cost_fp32.log" 2>&1
       echo "rc=$?"; tail -3 "$out/megatron_bitwise_cost_fp32.log" | cut -c1-600 ;;
     megatron-tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/test_gpu_megatron_bitwise.py > "$out/pytest_megatron_bitwise.txt" 2>&1
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/test_gpu_megatron_bitwise.py tests/test_gpu_megatron_bitwise_tp.py \
+        > "$out/pytest_megatron_bitwise.txt" 2>&1
       tail -15 "$out/pytest_megatron_bitwise.txt" ;;
     nemo-rl)  # NeMo RL's pins (.whl/nemo_rl_site.tar.zst, build_stack_site.sh) and its vendored units first on the path
       if [ ! -f /root/nemo_rl_site/transformers/__init__.py ]; then

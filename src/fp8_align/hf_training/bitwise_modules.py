@@ -126,6 +126,18 @@ class ProjectionGroup:
         return stacked_outputs(self.context, self.layer, x)
 
 
+def stacked_output(context: BitwiseContext, layer: StackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """Every member's output of `layer` on x [..., K] side by side [..., sum(N)], as an engine of
+    tensor parallel size 1 computes its stacked layer: one product (of a row-parallel layer, the
+    whole sum). ValueError for a context of another tensor parallel size (`stacked_outputs`)."""
+    if context.tensor_parallel_size != 1:
+        raise ValueError(f"stacked_output is one engine rank's product; this context emulates {context.tensor_parallel_size} ranks (use stacked_outputs)")
+    x2 = x.reshape(-1, x.shape[-1])
+    fp8_weights = quantize_stacked([layer], 1, context.rounding, x.device)[0] if layer.fp8 else None
+    out = stacked_product(layer, x2, 0, 1, fp8_weights, context.rounding, context.fp8_gemm, context.kernels)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def stacked_outputs(context: BitwiseContext, layer: StackedLinear, x: torch.Tensor) -> list[torch.Tensor]:
     """Per member of `layer`, its output [..., N_member] on x [..., K], as the engine's ranks compute
     them (`context.tensor_parallel_size`). Column-parallel: per rank one product of the rank's rows

@@ -28,7 +28,7 @@ cover the same rows only when the head dim is a multiple of 128 (Qwen3, Llama 3)
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -262,10 +262,69 @@ def hf_state_dict_from_megatron(megatron_state: Mapping[str, torch.Tensor], hf_c
     return out
 
 
-def copy_hf_weights(model: nn.Module, hf_model: nn.Module, fused_norms: bool) -> None:
-    """Copy `hf_model`'s weights into the megatron-core GPTModel `model` (`megatron_state_dict_from_hf`);
+#: The vocabulary-parallel tensors of a GPTModel (rows split over tensor-parallel ranks).
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _split_dim(name: str) -> int | None:
+    """The dimension megatron-core's tensor parallelism splits parameter `name` along: 0 for the
+    column-parallel and vocabulary-parallel weights, 1 for the row-parallel ones, None (replicated)
+    for the norms."""
+    if name in VOCAB_TENSORS or name.endswith(("linear_qkv.weight", "linear_fc1.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def tensor_parallel_shard(megatron_state: Mapping[str, torch.Tensor], rank: int, size: int, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s parameters of a megatron-core GPTModel at tensor parallel size `size`, from the
+    whole model's (`megatron_state_dict_from_hf`, local layers): the rank's query groups of
+    `linear_qkv` (its rows are grouped, so one contiguous block), its rows of gate and of up in
+    `linear_fc1` ([gate_r; up_r]), its input columns of `linear_proj` / `linear_fc2`, its rows of the
+    vocabulary padded with zero rows to `padded_vocab`; norms whole. Views where no padding is needed."""
+    out = {}
+    for name, tensor in megatron_state.items():
+        dim = _split_dim(name)
+        if dim is None:
+            out[name] = tensor
+        elif name.endswith("linear_fc1.weight"):
+            out[name] = torch.cat([half.chunk(size)[rank] for half in tensor.chunk(2)])
+        elif name in VOCAB_TENSORS:
+            padded = torch.cat([tensor, tensor.new_zeros(padded_vocab - tensor.shape[0], tensor.shape[1])]) if padded_vocab > tensor.shape[0] else tensor
+            out[name] = padded.chunk(size)[rank]
+        else:
+            out[name] = tensor.chunk(size, dim=dim)[rank]
+    return out
+
+
+def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]], vocab_size: int) -> dict[str, torch.Tensor]:
+    """The inverse of `tensor_parallel_shard`: the whole model's parameters from every rank's (in
+    rank order), the vocabulary cut back to `vocab_size` rows; for a weight sync of a
+    tensor-parallel Megatron model (`hf_state_dict_from_megatron` then takes the whole state)."""
+    out = {}
+    for name in shards[0]:
+        parts = [shard[name] for shard in shards]
+        dim = _split_dim(name)
+        if dim is None:
+            out[name] = parts[0]
+        elif name.endswith("linear_fc1.weight"):
+            halves = [part.chunk(2) for part in parts]
+            out[name] = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+        else:
+            out[name] = torch.cat(parts, dim=dim)
+            if name in VOCAB_TENSORS:
+                out[name] = out[name][:vocab_size]
+    return out
+
+
+def copy_hf_weights(model: nn.Module, hf_model: nn.Module, fused_norms: bool, tensor_parallel: tuple[int, int, int] | None = None) -> None:
+    """Copy `hf_model`'s weights into the megatron-core GPTModel `model` (`megatron_state_dict_from_hf`;
+    with `tensor_parallel` = (rank, size, padded vocabulary), that rank's share, `tensor_parallel_shard`);
     MegatronBridgeError unless the mapped names and shapes cover `model`'s parameters exactly."""
     weights = megatron_state_dict_from_hf(hf_model.state_dict(), hf_model.config, fused_norms=fused_norms)
+    if tensor_parallel is not None:
+        weights = tensor_parallel_shard(weights, *tensor_parallel)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(weights))
     unused = sorted(set(weights) - set(params))

@@ -9,7 +9,9 @@ stacked layers (FP8 where the recipe runs them so), core attention with the engi
 (`position_embedding_type="none"`: megatron-core applies none) and attention kernel, the final
 norm, and the output layer swapped after the build for the engine's FP32 logits. Megatron runs its
 own embedding, residual adds, backward and optimizer around them; THD packing and sbhd batches.
-Megatron tensor/context/pipeline parallel size 1, engine tensor parallel size 1.
+Megatron tensor parallel size 1 or 2 (each Megatron rank computes the engine rank of its index,
+against an engine of that tensor parallel size; no sequence parallelism), context and pipeline
+parallel size 1.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
+from fp8_align.bitwise import TENSOR_PARALLEL_SIZES
 from fp8_align.config import FP8Config
 from fp8_align.hf_training.attention import host_to_device, kv_scales_on_device
 from fp8_align.hf_training.bitwise_modules import BitwiseContext
@@ -38,7 +41,7 @@ from fp8_align.hf_training.convert import bitwise_context, recipe_fp8
 from fp8_align.hf_training.engine_ops import completion_logprobs
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
-from fp8_align.hf_training.stacked import UnsupportedModelError
+from fp8_align.hf_training.stacked import VOCAB_PADDING, UnsupportedModelError, check_tensor_parallel_size
 from fp8_align.megatron_ext.bitwise.modules import (
     EngineCoreAttention, EngineFc1Linear, EngineNorm, EngineOutputLayer, EngineQKVLinear, EngineRowLinear, EngineSiluAndMul,
 )  # fmt: skip
@@ -53,7 +56,6 @@ BITWISE_CONFIG: dict[str, Any] = {
     "bias_dropout_fusion": False,
     "apply_rope_fusion": False,
     "gradient_accumulation_fusion": False,  # Megatron's DDP then adds param.grad into main_grad
-    "tensor_model_parallel_size": 1,
     "context_parallel_size": 1,
     "pipeline_model_parallel_size": 1,
     "sequence_parallel": False,
@@ -93,21 +95,24 @@ def bitwise_layer_specs(context: BitwiseContext, num_layers: int, qk_layernorm: 
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=EngineNorm)
 
 
-def _check_megatron_state(caller: str) -> None:
-    """Raise UnsupportedModelError unless megatron-core runs one rank of every parallelism and its
-    global batch-invariant mode is off (its aten overrides would change the backward's GEMMs)."""
-    sizes = {
-        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
-        "context": parallel_state.get_context_parallel_world_size(),
-    }
-    if any(size != 1 for size in sizes.values()):
-        raise UnsupportedModelError(f"{caller}: the bitwise spec runs Megatron tensor, pipeline and context parallel size 1; this process has {sizes}")
+def _check_megatron_state(caller: str) -> int:
+    """This process's Megatron tensor parallel size; UnsupportedModelError unless it is one the
+    engine runs bitwise (`TENSOR_PARALLEL_SIZES`), pipeline and context parallelism are off, and
+    megatron-core's global batch-invariant mode is off (its aten overrides would change the
+    backward's GEMMs)."""
+    tensor = parallel_state.get_tensor_model_parallel_world_size()
+    sizes = {"pipeline": parallel_state.get_pipeline_model_parallel_world_size(), "context": parallel_state.get_context_parallel_world_size()}
+    if tensor not in TENSOR_PARALLEL_SIZES or any(size != 1 for size in sizes.values()):
+        raise UnsupportedModelError(
+            f"{caller}: the bitwise spec runs Megatron tensor parallel size {' or '.join(map(str, TENSOR_PARALLEL_SIZES))} "
+            f"(a bitwise engine's), pipeline and context parallel size 1; this process has tensor {tensor}, {sizes}"
+        )
     if is_batch_invariant_mode_enabled():
         raise UnsupportedModelError(
             f"{caller}: megatron-core's batch-invariant mode is on; it overrides aten's matmul and log-softmax globally, "
             "which changes the bitwise spec's backward and is not the engine's kernels (disable it)"
         )
+    return tensor
 
 
 def build_bitwise_gpt(
@@ -120,9 +125,13 @@ def build_bitwise_gpt(
     [b, s, V]; `token_logprobs` the engine sampler's log-probs. `kv_scales`: the engine's FP8 KV-cache
     scales (`cfg.kv_cache_dtype == "fp8"`; or `set_kv_scales` later). `config_overrides`: more
     TransformerConfig fields (recompute settings, say). Initializes megatron-core's model-parallel
-    state for one process when it is not yet. Raises UnsupportedModelError for other models, a
-    Megatron parallel size above 1 or megatron-core's batch-invariant mode, ValueError for a
-    non-bitwise config or an override of a field the spec sets (`BITWISE_CONFIG`)."""
+    state for one process when it is not yet. Under Megatron tensor parallel size 2 (initialized by
+    the caller) each rank builds its share, the vocabulary padded to a multiple of 64 as the engine
+    pads it, and computes what the engine rank of its index computes (an engine at
+    `tensor_parallel_size=2`). Raises UnsupportedModelError for other models, another Megatron
+    parallel size or megatron-core's batch-invariant mode, ValueError for a non-bitwise config, heads
+    the tensor parallel size does not divide, or an override of a field the spec sets
+    (`BITWISE_CONFIG`, and `tensor_model_parallel_size` other than the process's)."""
     hf_config = hf_model.config
     if hf_config.model_type not in ("llama", "qwen3"):
         raise UnsupportedModelError(f"build_bitwise_gpt maps Llama and dense Qwen3 models; this model is {hf_config.model_type!r}")
@@ -131,21 +140,27 @@ def build_bitwise_gpt(
         raise ValueError(f"build_bitwise_gpt sets {sorted(clashes)} itself ({ {k: BITWISE_CONFIG[k] for k in clashes} }); got {clashes}")
     context = bitwise_context(hf_model, cfg)
     init_single_process_parallel_state()
-    _check_megatron_state("build_bitwise_gpt")
-    config = TransformerConfig(**{**megatron_config_kwargs(hf_config, None), **BITWISE_CONFIG, **config_overrides})
+    tp = _check_megatron_state("build_bitwise_gpt")
+    check_tensor_parallel_size(hf_config, tp)
+    if config_overrides.get("tensor_model_parallel_size", tp) != tp:
+        raise ValueError(f"build_bitwise_gpt: tensor_model_parallel_size={config_overrides['tensor_model_parallel_size']}; this process's Megatron tensor parallel size is {tp}")
+    config = TransformerConfig(**{**megatron_config_kwargs(hf_config, None), **BITWISE_CONFIG, **config_overrides, "tensor_model_parallel_size": tp})
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    vocab = int(hf_config.vocab_size)
+    padded_vocab = vocab if tp == 1 else -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
     model = GPTModel(
-        config, bitwise_layer_specs(context, config.num_layers, has_qk_norm(hf_config)), vocab_size=int(hf_config.vocab_size),
+        config, bitwise_layer_specs(context, config.num_layers, has_qk_norm(hf_config)), vocab_size=padded_vocab,
         max_sequence_length=int(hf_config.max_position_embeddings), position_embedding_type="none",
         share_embeddings_and_output_weights=tied, pre_process=True, post_process=True,
     )  # fmt: skip
     output = EngineOutputLayer(
-        config.hidden_size, int(hf_config.vocab_size), config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
-        gather_output=True, skip_weight_param_allocation=True, context=context,
+        config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
+        gather_output=True, skip_weight_param_allocation=True, context=context, vocab_size=vocab,
     )  # fmt: skip
     output.weight = model.output_layer.weight
     model.output_layer = output
-    copy_hf_weights(model, hf_model, fused_norms=False)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    copy_hf_weights(model, hf_model, fused_norms=False, tensor_parallel=None if tp == 1 else (rank, tp, padded_vocab))
     model.to(next(hf_model.parameters()).device)
     setattr(model, CONTEXT_ATTRIBUTE, context)
     if kv_scales is not None:
@@ -190,17 +205,17 @@ def token_logprobs(
     kernel runs."""
     context = bitwise_context_of(model)
     embedding = model.embedding.word_embeddings
-    check_sequences(sequences, embedding.num_embeddings, context.rope.max_positions)
+    check_sequences(sequences, model.output_layer.vocab_size, context.rope.max_positions)
     check_prompt_lens(sequences, prompt_lens)
     check_temperature(temperature)
     _check_megatron_state("token_logprobs")
     context.layer_kv_scales(0)  # an FP8-cache config without scales fails before any kernel runs
     device = embedding.weight.device
     ids = host_to_device(torch.tensor([[t for s in sequences for t in s]], dtype=torch.long), device)
-    positions = host_to_device(torch.cat([torch.arange(len(s)) for s in sequences])[None], device)
 
     def logprobs(hidden_states: torch.Tensor, output_layer: nn.Module, output_weight: torch.Tensor | None, **_: Any) -> list[torch.Tensor]:
         return completion_logprobs(hidden_states[:, 0], sequences, prompt_lens, lambda h: output_layer(h, weight=output_weight)[0],
                                    context.kernels, temperature, chunk_rows)  # fmt: skip
 
-    return model(ids, positions, None, packed_seq_params=packed_seq_params([len(s) for s in sequences], device), output_processor=logprobs)
+    # No position ids: the model has no position embedding (core attention applies the engine's RoPE).
+    return model(ids, None, None, packed_seq_params=packed_seq_params([len(s) for s in sequences], device), output_processor=logprobs)

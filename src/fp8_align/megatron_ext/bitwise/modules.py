@@ -1,13 +1,20 @@
 """The megatron-core modules of the bitwise layer spec: each slot of a GPT layer (norms, the fused
 linears, SwiGLU, core attention) and the output layer computing what a bitwise vLLM engine
 computes for that part, with the standard BF16 gradient. They run the same ops as `make_bitwise`'s
-HF modules (`fp8_align.hf_training.bitwise_modules`: `stacked_outputs`, `engine_attention`, the
+HF modules (`fp8_align.hf_training.bitwise_modules`: `stacked_output(s)`, `engine_attention`, the
 engine's RMSNorm and SiLU-and-mul) on Megatron's tensors and Parameters, whose names, shapes and
 layouts stay megatron-core's own (the fused QKV rows interleaved per query group, fc1 = [gate; up]).
 
 Megatron's own code runs around them unchanged: the embedding, the residual adds (a BF16 addition,
 the bits the engine's fused add + RMSNorm writes as its residual), TransformerLayer, SelfAttention's
 split of the fused QKV and its q/k norms, TransformerBlock, GPTModel, backward and optimizer.
+
+Under Megatron tensor parallelism (size 2, no sequence parallelism) each Megatron rank computes what
+the engine rank of the same index computes: its heads' q|k|v rows, gate|up rows and o/down input
+columns are the engine rank's, so the linears multiply the local Parameters (the context's
+`tensor_parallel_size` stays 1: nothing is emulated), the row-parallel partial sums go through
+Megatron's all-reduce (two ranks: one BF16 addition, the engine's all-reduce bits), and the output
+layer's vocabulary shards are all-gathered as the engine gathers its logits.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+)  # fmt: skip
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -26,7 +36,7 @@ from torch import nn
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align.hf_training.attention import PackedBatch, host_to_device
-from fp8_align.hf_training.bitwise_modules import BitwiseContext, engine_attention, stacked_outputs
+from fp8_align.hf_training.bitwise_modules import BitwiseContext, engine_attention, stacked_output, stacked_outputs
 from fp8_align.hf_training.engine_ops import engine_op, rms_norm_gradient_fn, silu_and_mul_gradient_fn, without_autocast
 from fp8_align.hf_training.stacked import StackedLinear, UnsupportedModelError, vocab_parallel_logits
 
@@ -70,22 +80,29 @@ class EngineSiluAndMul(nn.Module):
         return engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, x.contiguous())
 
 
+def _column_input(layer: ColumnParallelLinear, input_: torch.Tensor) -> torch.Tensor:
+    """A column-parallel layer's input: as it is, its gradient all-reduced over the tensor-parallel ranks (size > 1)."""
+    return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group) if layer.tp_group.size() > 1 else input_
+
+
 class EngineQKVLinear(ColumnParallelLinear):
-    """`linear_qkv` [s, b, H] -> ([s, b, ng * (np/ng + 2) * hn], None): megatron-core's fused QKV
-    Parameter (rows interleaved per query group: its q heads, its k head, its v head) multiplied as
-    the engine multiplies its q|k|v layer: one product of the rows in engine order, each of q, k, v
-    quantized on its own 128x128 grid where the recipe runs it in FP8; the result's columns are
-    then put back in Megatron's interleaved order (a permutation, no arithmetic)."""
+    """`linear_qkv` [s, b, H] -> ([s, b, ng_r * (np/ng + 2) * hn], None): megatron-core's fused QKV
+    Parameter (this rank's ng_r = ng / tp query groups, rows interleaved per group: its q heads, its
+    k head, its v head) multiplied as the engine rank multiplies its q|k|v layer: one product of the
+    rows in engine order, each of q, k, v quantized on its own 128x128 grid where the recipe runs it
+    in FP8; the result's columns are then put back in Megatron's interleaved order (a permutation,
+    no arithmetic)."""
 
     def __init__(self, input_size: int, output_size: int, *, context: BitwiseContext, fp8: bool, **kwargs: Any) -> None:
         super().__init__(input_size, output_size, **kwargs)
         config = kwargs["config"]
         self.context, self.fp8 = context, fp8
-        self.groups, self.head_size = int(config.num_query_groups), int(config.kv_channels)
+        self.groups, self.head_size = int(config.num_query_groups) // self.tp_group.size(), int(config.kv_channels)
 
     @without_autocast
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
+        input_ = _column_input(self, input_)
         groups, d = self.groups, self.head_size
         per_group = w.shape[0] // groups
         q_rows = per_group - 2 * d
@@ -100,8 +117,9 @@ class EngineQKVLinear(ColumnParallelLinear):
 
 
 class EngineFc1Linear(ColumnParallelLinear):
-    """`linear_fc1` [s, b, H] -> ([s, b, 2F] = [gate | up], None) as the engine's gate|up layer: one
-    product, gate and up each quantized on its own grid where the recipe runs it in FP8."""
+    """`linear_fc1` [s, b, H] -> ([s, b, 2F / tp] = [gate_r | up_r], None) as the engine rank's
+    gate|up layer: one product, gate and up each quantized on its own grid where the recipe runs it
+    in FP8."""
 
     def __init__(self, input_size: int, output_size: int, *, context: BitwiseContext, fp8: bool, **kwargs: Any) -> None:
         super().__init__(input_size, output_size, **kwargs)
@@ -110,14 +128,16 @@ class EngineFc1Linear(ColumnParallelLinear):
     @without_autocast
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
+        input_ = _column_input(self, input_)
         gate, up = w.chunk(2)
         layer = StackedLinear((_Shard(gate), _Shard(up)), (gate.shape[0], up.shape[0]), self.fp8, row_parallel=False)  # type: ignore[arg-type]
-        return torch.cat(stacked_outputs(self.context, layer, input_), dim=-1), None
+        return stacked_output(self.context, layer, input_), None
 
 
 class EngineRowLinear(RowParallelLinear):
-    """`linear_proj` / `linear_fc2` [s, b, K] -> ([s, b, N], None) as the engine's o / down layer
-    (FP8 where the recipe runs it so)."""
+    """`linear_proj` / `linear_fc2` [s, b, K / tp] (this rank's input columns) -> ([s, b, N], None)
+    as the engine's o / down layer (FP8 where the recipe runs it so): the rank's partial product,
+    all-reduced over the tensor-parallel ranks (size > 1)."""
 
     def __init__(self, input_size: int, output_size: int, *, context: BitwiseContext, fp8: bool, **kwargs: Any) -> None:
         super().__init__(input_size, output_size, **kwargs)
@@ -126,7 +146,8 @@ class EngineRowLinear(RowParallelLinear):
     @without_autocast
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
         layer = StackedLinear((_Shard(self.weight),), (self.weight.shape[0],), self.fp8, row_parallel=True)  # type: ignore[arg-type]
-        return stacked_outputs(self.context, layer, input_)[0], None
+        partial = stacked_output(self.context, layer, input_)
+        return (reduce_from_tensor_model_parallel_region(partial, group=self.tp_group) if self.tp_group.size() > 1 else partial), None
 
 
 @dataclass(frozen=True)
@@ -220,18 +241,38 @@ class EngineCoreAttention(MegatronModule):
         return out
 
 
-class EngineOutputLayer(ColumnParallelLinear):
-    """GPTModel's output layer [s, b, H] -> (FP32 logits [s, b, V], None) as the engine computes
-    them (`vocab_parallel_logits`: BF16 products through the engine's linear, then FP32), with the
-    layer's weight or, tied, the embedding's (`weight=`)."""
+class _GatherLastDim(torch.autograd.Function):
+    """All ranks' x [..., N] of `group` side by side [..., size * N] in rank order (any device:
+    megatron-core's own gather allocates on CUDA); backward: this rank's columns of the gradient
+    (the loss downstream is replicated on every rank)."""
 
-    def __init__(self, input_size: int, output_size: int, *, context: BitwiseContext, **kwargs: Any) -> None:
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.rank, ctx.size = group.rank(), group.size()
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
+
+
+class EngineOutputLayer(ColumnParallelLinear):
+    """GPTModel's output layer [s, b, H] -> (FP32 logits [s, b, vocab_size], None) as the engine
+    computes them (`vocab_parallel_logits`: BF16 products through the engine's linear, then FP32),
+    with the layer's weight or, tied, the embedding's (`weight=`): this rank's rows of the padded
+    vocabulary, the ranks' logits all-gathered (size > 1), the padding rows cut off."""
+
+    def __init__(self, input_size: int, output_size: int, *, context: BitwiseContext, vocab_size: int, **kwargs: Any) -> None:
         super().__init__(input_size, output_size, **kwargs)
-        self.context = context
+        self.context, self.vocab_size = context, vocab_size
 
     @without_autocast
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
         ctx = self.context
-        logits = vocab_parallel_logits(input_.reshape(-1, input_.shape[-1]), w, ctx.tensor_parallel_size, ctx.kernels)
-        return logits.reshape(*input_.shape[:-1], logits.shape[-1]), None
+        logits = vocab_parallel_logits(_column_input(self, input_).reshape(-1, input_.shape[-1]), w, ctx.tensor_parallel_size, ctx.kernels)
+        if self.tp_group.size() > 1:
+            logits = _GatherLastDim.apply(logits, self.tp_group)
+        return logits[:, : self.vocab_size].reshape(*input_.shape[:-1], self.vocab_size), None
