@@ -35,7 +35,9 @@ engine computes them, which shows what reproducing the ranks' partial sums is wo
 `logprobs_from_logits` patched by `patch_stack_logprobs("verl")`; verl must be importable; tensor
 parallel size 1. `--scorer megatron` scores with the bitwise megatron-core GPTModel
 (`fp8_align.megatron_ext.bitwise.build_bitwise_gpt` of the same checkpoint, `token_logprobs`);
-megatron-core must be importable; tensor parallel size 1. `--scorer nemo_rl_megatron` scores that
+megatron-core must be importable; with `--tensor-parallel-size 2` at Megatron tensor parallel size 2,
+one process per GPU beside the engine (`benchmarks.megatron_scorer.MegatronTensorParallelScorer`).
+`--scorer nemo_rl_megatron` scores that
 model through NeMo RL's own Megatron-policy log-prob unit (`benchmarks/nemo_rl_megatron_scorer.py`,
 `patch_stack_logprobs("nemo_rl_megatron")`; NeMo RL's pins first on the path). Each row names its scorer.
 """
@@ -151,7 +153,11 @@ def run_one(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     unsharded = BitwiseForward(model, cfg, kv_scales=scales) if tensor_parallel_size > 1 else None
-    if scorer in ("megatron", "nemo_rl_megatron"):
+    if scorer == "megatron" and tensor_parallel_size > 1:
+        from benchmarks.megatron_scorer import MegatronTensorParallelScorer
+
+        trainer = MegatronTensorParallelScorer(path, cfg, scales, device, size=tensor_parallel_size)
+    elif scorer in ("megatron", "nemo_rl_megatron"):
         from fp8_align.megatron_ext.bitwise import build_bitwise_gpt
 
         gpt = build_bitwise_gpt(model, cfg, kv_scales=scales)
@@ -219,6 +225,8 @@ def run_one(
             "probe_logprobs_equal": all(run[i][1] == probe_runs[0][i][1] for run in probe_runs for i in range(len(probes))),
         })  # fmt: skip
         print(json.dumps(invariance[-1]), flush=True)
+    if hasattr(trainer, "close"):
+        trainer.close()
     del llm
     gc.collect()
     name = f"{model_name}/{variant}/{kv_cache_dtype}"
@@ -289,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--temperatures: {error}")
     if args.tensor_parallel_size > 1 and not args.one and "smollm2" in args.models.split(","):
         parser.error("--tensor-parallel-size 2: SmolLM2's 9 attention heads do not split over 2 ranks; use --models qwen3-8b-4l")
-    if args.scorer != "bitwise_forward" and args.tensor_parallel_size > 1:
+    if args.scorer not in ("bitwise_forward", "megatron") and args.tensor_parallel_size > 1:
         parser.error(f"--scorer {args.scorer}: tensor parallel size 1 (it scores one model, not an engine's ranks)")
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")

@@ -124,3 +124,22 @@ def test_the_shards_merge_back_to_the_hf_weights(ranks: list[dict]) -> None:
     assert back.keys() == state.keys()
     for name, tensor in state.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_the_tensor_parallel_scorer_gives_the_tp2_bits(tmp_path: Path) -> None:
+    """`on_policy_bitwise.py --scorer megatron --tensor-parallel-size 2`'s scorer (one process per
+    Megatron rank, the checkpoint loaded from disk): BitwiseForward(tensor_parallel_size=2)'s
+    log-probs; a bad request raises with the rank's traceback."""
+    from benchmarks.megatron_scorer import MegatronTensorParallelScorer
+
+    hf = tiny_hf_model("qwen3")
+    hf.save_pretrained(tmp_path)
+    expected = BitwiseForward(hf, FP8, tensor_parallel_size=2).token_logprobs(SEQUENCES, PROMPT_LENS, temperature=TEMPERATURE)
+    scorer = MegatronTensorParallelScorer(tmp_path, FP8, None, "cpu")
+    try:
+        mine = scorer.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=TEMPERATURE)
+        assert len(mine) == len(expected) and all(torch.equal(a, b.detach()) for a, b in zip(mine, expected))
+        with pytest.raises(RuntimeError, match="Megatron rank [01] failed:(.|\n)*prompt_len 12 is outside"):
+            scorer.token_logprobs(SEQUENCES, [len(s) for s in SEQUENCES])
+    finally:
+        scorer.close()
