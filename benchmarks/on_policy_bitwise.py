@@ -45,6 +45,7 @@ model through NeMo RL's own Megatron-policy log-prob unit (`benchmarks/nemo_rl_m
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.metadata
 import json
@@ -55,6 +56,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
@@ -158,11 +160,11 @@ def run_one(
 
         trainer = MegatronTensorParallelScorer(path, cfg, scales, device, size=tensor_parallel_size)
     elif scorer in ("megatron", "nemo_rl_megatron"):
-        from fp8_align.megatron_ext.bitwise import build_bitwise_gpt
+        from fp8_align.megatron_ext.bitwise import build_bitwise_gpt, token_logprobs
 
         gpt = build_bitwise_gpt(model, cfg, kv_scales=scales)
         if scorer == "megatron":
-            trainer = MegatronScorer(gpt)
+            trainer = SimpleNamespace(token_logprobs=functools.partial(token_logprobs, gpt))  # BitwiseForward's call
         else:
             from benchmarks.nemo_rl_megatron_scorer import NemoRLMegatronScorer
 
@@ -231,18 +233,6 @@ def run_one(
     gc.collect()
     name = f"{model_name}/{variant}/{kv_cache_dtype}"
     return {"rows": rows, "invariance": invariance, "engine_start_s": {name: round(engine_start_s, 1)}, "kv_scales": {name: scales}}
-
-
-class MegatronScorer:
-    """`token_logprobs` of a bitwise megatron-core GPTModel (`fp8_align.megatron_ext.bitwise`), BitwiseForward's call."""
-
-    def __init__(self, gpt: Any) -> None:
-        self.gpt = gpt
-
-    def token_logprobs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[Any]:
-        from fp8_align.megatron_ext.bitwise import token_logprobs
-
-        return token_logprobs(self.gpt, sequences, prompt_lens, temperature=temperature)
 
 
 def _score(trainer: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[float]:

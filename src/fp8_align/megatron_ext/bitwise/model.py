@@ -143,7 +143,10 @@ def build_bitwise_gpt(
     tp = _check_megatron_state("build_bitwise_gpt")
     check_tensor_parallel_size(hf_config, tp)
     if config_overrides.get("tensor_model_parallel_size", tp) != tp:
-        raise ValueError(f"build_bitwise_gpt: tensor_model_parallel_size={config_overrides['tensor_model_parallel_size']}; this process's Megatron tensor parallel size is {tp}")
+        raise ValueError(
+            f"build_bitwise_gpt: tensor_model_parallel_size={config_overrides['tensor_model_parallel_size']}; "
+            f"this process's Megatron tensor parallel size is {tp}"
+        )
     config = TransformerConfig(**{**megatron_config_kwargs(hf_config, None), **BITWISE_CONFIG, **config_overrides, "tensor_model_parallel_size": tp})
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     vocab = int(hf_config.vocab_size)
