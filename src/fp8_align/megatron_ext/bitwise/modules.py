@@ -162,12 +162,14 @@ class _TokenLayout:
 
 def _thd_layout(params: PackedSeqParams, rows: int, device: torch.device) -> _TokenLayout:
     """The sequences of THD input of `rows` token rows (`cu_seqlens_q`; with `cu_seqlens_q_padded`,
-    each sequence starts at its padded offset and its pad rows hold no token). One host sync."""
+    each sequence starts at its padded offset and its pad rows hold no token). One host sync, one
+    more each for a separate `cu_seqlens_kv` and for `cu_seqlens_q_padded`."""
     if params.qkv_format != "thd":
         raise ValueError(f"bitwise core attention takes qkv_format 'thd' or no packed_seq_params (sbhd); got {params.qkv_format!r}")
-    if params.cu_seqlens_kv is not None and not torch.equal(params.cu_seqlens_kv.cpu(), params.cu_seqlens_q.cpu()):
-        raise ValueError("bitwise core attention is self-attention: cu_seqlens_kv must equal cu_seqlens_q")
     bounds = params.cu_seqlens_q.detach().cpu().long()
+    kv = params.cu_seqlens_kv
+    if kv is not None and kv is not params.cu_seqlens_q and not torch.equal(kv.detach().cpu().long(), bounds):
+        raise ValueError("bitwise core attention is self-attention: cu_seqlens_kv must equal cu_seqlens_q")
     lengths = (bounds[1:] - bounds[:-1]).tolist()
     if not lengths or min(lengths) < 1:
         raise ValueError(f"bitwise core attention: every packed sequence needs a token; cu_seqlens_q {bounds.tolist()}")
