@@ -173,6 +173,24 @@ def test_fp8_cache_attention_rows_are_invariant_and_close_to_the_reference(heads
     assert error < 2e-2
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (9, 3, 64), (16, 16, 64)])
+def test_trainer_tiling_gives_the_engine_tilings_rows(heads: int, kv_heads: int, head_size: int) -> None:
+    """The trainer's prefill tiling (`TRAINER_TILING`, more query rows per program) gives every
+    token's row the bits the engine's tiling gives it, in a whole-sequence prefill of fragmented
+    sequences (which decode and chunked prefill equal under the engine's tiling: the test above),
+    and its own rows are invariant too."""
+    from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, TRAINER_TILING
+    from tests.fp8_attention_cases import check_case, make_case
+
+    assert TRAINER_TILING != ATTENTION_TILING
+    case = make_case([1, 5, 77, 300, 129, 1100, 2048], heads, kv_heads, head_size, "cuda", seed=3)
+    prefill = [(s, 0, n) for s, n in enumerate(case.lengths)]
+    engine_rows, trainer_rows = case.attend(prefill, ATTENTION_TILING), case.attend(prefill, TRAINER_TILING)
+    differing = (engine_rows.view(torch.int16) != trainer_rows.view(torch.int16)).any(dim=-1).sum().item()
+    assert differing == 0, f"{differing} of {engine_rows.shape[0]} rows differ"
+    check_case(case, chunk=37, tiling=TRAINER_TILING)
+
+
 def _decode_step(
     kernels: Any, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: list[tuple[int, int]], head_size: int, scales: Any
 ) -> torch.Tensor:
@@ -221,6 +239,68 @@ def _decode_step(
     return out.view(seqs, heads * head_size)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize(("shard_sizes", "k"), [([4096, 1024, 1024], 4096), ([12288, 12288], 4096), ([4096], 12288), ([576, 192, 192], 576)])
+def test_fp8_backward_products_are_the_dequantized_references(shard_sizes: list[int], k: int, pow2: bool) -> None:
+    """`bitwise_linear_backward="fp8"`: dx and dw of the Qwen3-8B and SmolLM2 projections (q|k|v,
+    gate|up, down) over 1,000 tokens through the GPU's block-FP8 GEMM against the FP64 products of
+    the dequantized operands, within a BF16 rounding (tests/test_fp8_backward.py)."""
+    from fp8_align.rounding import Rounding
+    from tests.test_fp8_backward import check_gradient_products
+
+    check_gradient_products(shard_sizes, Rounding(weight_pow2=pow2, activation_pow2=pow2), tokens=1000, k=k, device="cuda")
+
+
+@pytest.mark.parametrize(("n", "k"), [(151936, 4096), (49152, 576), (1000, 4096), (24576, 4096), (4096, 12288)])
+def test_wide_linear_gives_the_engines_linear_bits(n: int, k: int) -> None:
+    """The trainer's wide-tile launch of vLLM's batch-invariant matmul (`wide_linear`) gives the bits
+    of the engine's `linear_batch_invariant` for every row count (1 to 4,100, and 3-D input), output
+    layers and projections of the supported models, with and without bias."""
+    from fp8_align.vllm_plugin.compat import batch_invariant_kernels
+
+    kernels = batch_invariant_kernels()
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    for m in (1, 7, 300, 4100):
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        assert torch.equal(kernels.wide_linear(x, weight), kernels.linear(x, weight)), m
+    assert torch.equal(kernels.wide_linear(x, weight, bias), kernels.linear(x, weight, bias))
+    x3 = x[:4096].view(2, 2048, k)
+    assert torch.equal(kernels.wide_linear(x3, weight), kernels.linear(x3, weight))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (9, 3, 64)])
+def test_flash_attention_vjp_is_the_attention_gradient(heads: int, kv_heads: int, head_size: int) -> None:
+    """`flash_attention_vjp` (flash's variable-length backward over the packed tokens, grouped heads
+    as they are) against the FP32 autograd gradient of `attention_reference`, beside autograd of the
+    BF16 reference (SDPA over the padded batch with repeated K/V, the backward it replaces): both are
+    BF16 computations of the same gradient, so each of dq, dk, dv must be as close to FP32 as the
+    padded one, within a factor 2 and 1% of the gradient's scale (a wrong mask, scale or head
+    grouping is off by O(1))."""
+    from fp8_align.hf_training.attention import PackedBatch, attention_reference, flash_attention_vjp
+
+    torch.manual_seed(0)
+    lengths = [1, 37, 300, 1100, 513]
+    batch = PackedBatch.from_lengths(lengths, "cuda")
+    tokens = sum(lengths)
+    q, k, v = (torch.randn(tokens, h * head_size, device="cuda").to(torch.bfloat16) for h in (heads, kv_heads, kv_heads))
+    grad = torch.randn(tokens, heads * head_size, device="cuda").to(torch.bfloat16)
+
+    def autograd(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        attention_reference(*inputs, batch, head_size, compute_dtype=dtype).backward(grad.to(dtype))
+        return tuple(x.grad.float() for x in inputs)
+
+    exact, padded = autograd(torch.float32), autograd(torch.bfloat16)
+    flash = flash_attention_vjp(batch, head_size)((q, k, v), None, (grad,))
+    for name, e, p_, f in zip("qkv", exact, padded, flash):
+        assert f.shape == e.shape and f.dtype == torch.bfloat16, name
+        flash_error, padded_error = (f.float() - e).abs().max().item(), (p_ - e).abs().max().item()
+        print(f"d{name}: flash varlen {flash_error:.4g}, padded SDPA {padded_error:.4g}, scale {e.abs().max().item():.4g}")
+        assert flash_error <= 2 * padded_error + 1e-2 * e.abs().max().item(), name
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_bitwise_forward_gradients_follow_the_references(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine-kernel forward with its backward against plain autograd through each op's
@@ -232,7 +312,7 @@ def test_bitwise_forward_gradients_follow_the_references(precision: str, monkeyp
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from fp8_align.hf_training import BitwiseForward
-    from fp8_align.hf_training import bitwise_modules, convert, engine_ops, stacked
+    from fp8_align.hf_training import bitwise_modules, engine_ops, stacked
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
@@ -247,7 +327,7 @@ def test_bitwise_forward_gradients_follow_the_references(precision: str, monkeyp
         return {name: p.grad.float().clone() for name, p in model.named_parameters()}
 
     engine = gradients()
-    for module in (bitwise_modules, convert, engine_ops, stacked):  # every module that calls engine_op
+    for module in (bitwise_modules, engine_ops, stacked):  # every module that calls engine_op
         monkeypatch.setattr(module, "engine_op", lambda engine_fn, gradient_fn, *inputs, **_: gradient_fn(*inputs))
     reference = gradients()
     for name, grad in engine.items():

@@ -12,6 +12,7 @@
 #          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache, fp8_cache_attention's
 #          current tiling; =all: every GEMM tile configuration, TRITON_ATTN launch setting and fp8_cache_attention
 #          tiling; =attention: the attention parts only, every fp8_cache_attention tiling)
+#        | trainer-kernels (benchmarks/trainer_kernels.py -> $out/trainer_kernels.json)
 #        | kit (the vLLM bundle alone) | megatron-cost (after te-build, te-wait: benchmarks/megatron_bitwise_cost.py, power-of-two
 #          and FP32 scales -> $out/megatron_bitwise_cost_{pow2,fp32}.json; $MEGATRON_COST_ARGS: more arguments, e.g. --profile) | megatron-tests (tests/test_gpu_megatron_bitwise.py; with two GPUs also tests/test_gpu_megatron_bitwise_tp.py) | mcore (megatron-core from the carried .whl/megatron_core-*.whl into /tmp/mcore_site, on PYTHONPATH)
 #        | megatron[=MODELS] (on_policy_bitwise.py --scorer megatron -> $out/megatron_bitwise.json; $MEGATRON_ARGS: more arguments)
@@ -85,6 +86,9 @@ for stage in "$@"; do
         > "$out/decode_profile.log" 2>&1
       echo "rc=$?"; tail -4 "$out/decode_profile.log"
       tar -C "$out" -czf "$out/decode_profile.tgz" decode_profile && rm -rf "$out/decode_profile" ;;
+    trainer-kernels)  # benchmarks/trainer_kernels.py: the bitwise trainer's kernels at the cost benchmark's shape
+      python3 benchmarks/trainer_kernels.py --out "$out/trainer_kernels.json" > "$out/trainer_kernels.log" 2>&1
+      echo "rc=$?"; cut -c1-300 "$out/trainer_kernels.log" | tail -40 ;;
     mcore)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore_site .whl/megatron_core-*.whl || exit 1
       export PYTHONPATH="$PYTHONPATH:/tmp/mcore_site"; python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" ;;

@@ -23,7 +23,7 @@ is no split of a sequence's keys across programs. Pure-torch reference:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -45,9 +45,15 @@ class AttentionTiling:
     split_head: bool = False
 
 
-#: The one tiling the bitwise engine and `BitwiseForward` run: the fastest rollout on the H200
+#: The tiling the bitwise engine runs, prefill and decode: the fastest rollout on the H200
 #: (benchmarks/results_log.md; benchmarks/bitwise_kernels.py sweeps the candidates).
 ATTENTION_TILING = AttentionTiling()
+#: The tiling the trainer's whole-sequence prefill over its paged copy runs (`paged_triton_attention`):
+#: the engine's with more query rows per program, so each K/V tile is loaded for more queries. Only
+#: the rows per program differ: with the engine's two warps Triton lays the MMA out with both warps
+#: along the keys for up to 64 rows, so each row's products, sums and rescales run in the engine's
+#: order (tests/test_gpu_bitwise.py checks every row's bits against ATTENTION_TILING's on the GPU).
+TRAINER_TILING = replace(ATTENTION_TILING, block_m=32)
 _LOG2E = math.log2(math.e)
 
 

