@@ -4,8 +4,7 @@ against megatron-core's TransformerEngine spec (`hf_bridge.build_megatron_gpt`, 
 training runs) with the same block-FP8 recipe, and TE's spec in BF16, on the same weights. The
 bitwise model is measured for an engine with a BF16 KV cache (`bitwise_fp8`: vLLM's TRITON_ATTN)
 and for one with an FP8 KV cache (`bitwise_fp8_kv`: fp8_align's FP8-cache kernel, every layer's
-K/V scale `KV_SCALE`), that one also with its FP8 linears' backward in block FP8
-(`bitwise_fp8_kv_fp8_backward`: `bitwise_linear_backward="fp8"`, as TE's spec runs its backward).
+K/V scale `KV_SCALE`).
 
     python benchmarks/megatron_bitwise_cost.py --out REPORT.json [--shapes 8x512,8x2048] [--variant fp8_pow2|fp8]
         [--repeats 5] [--work /root/megatron_cost_work] [--profile]
@@ -126,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     models = {
         "bitwise_fp8": build_bitwise_gpt(hf, FP8Config(on_policy="bitwise", **recipe)),
         "bitwise_fp8_kv": build_bitwise_gpt(hf, FP8Config(on_policy="bitwise", kv_cache_dtype="fp8", **recipe), kv_scales=kv_scales),
-        "bitwise_fp8_kv_fp8_backward": build_bitwise_gpt(
-            hf, FP8Config(on_policy="bitwise", kv_cache_dtype="fp8", bitwise_linear_backward="fp8", **recipe), kv_scales=kv_scales
-        ),
         "te_fp8": build_megatron_gpt(hf, FP8Config(**recipe)).train(),
         "te_bf16": build_megatron_gpt(hf, None).train(),
     }

@@ -104,7 +104,7 @@ def backward_part(batch: int, length: int) -> list[dict[str, Any]]:
     grad = torch.randn(tokens, HEADS * HEAD_SIZE, device="cuda").to(torch.bfloat16)
 
     def autograd(dtype: torch.dtype, backend: list[Any] | None = None) -> tuple[torch.Tensor, ...]:
-        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         if backend is None:
             attention_reference(*inputs, packed, HEAD_SIZE, compute_dtype=dtype).backward(grad.to(dtype))
         else:

@@ -163,7 +163,11 @@ def test_gradients_are_bitwise_forwards(precision: str, tensor_parallel_size: in
     gradient is the same bits (HF's separate residual add and norm have the fused op's gradient).
     At size 2 the reference norms each rank's q/k heads in a call of their own, so the q_norm /
     k_norm weight gradients sum the same terms in another order: those within 1% (relative
-    Frobenius norm; measured 0.3%), every other parameter the same bits."""
+    Frobenius norm; measured 0.3%). lm_head's weight gradient sums over the tokens, every position
+    in HF's forward and the completion positions alone in the reference (the others add exact
+    zeros), so the CPU's BLAS may block that sum differently: within one BF16 ulp of each element
+    (measured: 1 of 256,000 elements differs, by one ulp, at size 2 in BF16). Every other parameter
+    the same bits."""
     cfg = FP8Config(on_policy="bitwise", precision=precision)
     model = tiny_hf_model("qwen3")
     reference_model = copy.deepcopy(model)
@@ -175,6 +179,8 @@ def test_gradients_are_bitwise_forwards(precision: str, tensor_parallel_size: in
     for name, grad in mine.items():
         if tensor_parallel_size > 1 and name.endswith(("q_norm.weight", "k_norm.weight")):
             assert ((grad - theirs[name]).norm() / theirs[name].norm()).item() < 0.01, name
+        elif name == "lm_head.weight":
+            assert torch.all((grad.float() - theirs[name].float()).abs() <= theirs[name].float().abs() * 2**-7), name
         else:
             assert torch.equal(grad, theirs[name]), name
 
@@ -255,6 +261,8 @@ def test_bitwise_forward_is_a_converted_copy_and_leaves_its_model(tensor_paralle
     for name, grad in mine.items():
         if tensor_parallel_size > 1 and name.endswith(("q_norm.weight", "k_norm.weight")):
             assert ((grad - theirs[name]).norm() / theirs[name].norm()).item() < 0.01, name
+        elif name == "lm_head.weight":
+            assert torch.all((grad.float() - theirs[name].float()).abs() <= theirs[name].float().abs() * 2**-7), name
         else:
             assert torch.equal(grad, theirs[name]), name
     assert [type(m) for m in model.modules()] == modules_before

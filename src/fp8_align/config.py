@@ -102,15 +102,6 @@ class FP8Config(BaseModel):
         "trainer is given (BitwiseForward.set_kv_scales); anything else is refused at engine start. "
         "Build the engine with `engine_kwargs(cfg)`.",
     )
-    bitwise_linear_backward: Literal["bf16", "fp8"] = Field(
-        default="bf16",
-        description="How the bitwise trainer (BitwiseForward, make_bitwise, build_bitwise_gpt) computes the two "
-        "gradient products of each linear the recipe runs in FP8: 'bf16', the gradients of x @ w.T with the BF16 "
-        "weight (straight through both quantizers); 'fp8', the same products in block FP8 as TransformerEngine's "
-        "blockwise recipe runs them (E4M3, 1x128 groups along each product's reduction dimension, 128x128 blocks "
-        "on its other operand) through the engine's block-FP8 GEMM: faster, gradients with FP8 rounding. The "
-        "log-probs are the engine's either way. 'fp8' needs on_policy='bitwise' and precision='fp8'.",
-    )
     strict: bool = Field(
         default=False,
         description="Refuse to start when a layer the recipe would run in FP8 has to stay BF16 "
@@ -234,11 +225,6 @@ class FP8Config(BaseModel):
             raise ValueError(
                 "on_policy='bitwise' decodes with TRITON_ATTN's batch-invariant kernel, the one the trainer runs; "
                 "kv_decode_kernel='xqa' would decode with another. Leave kv_decode_kernel='auto'."
-            )
-        if self.bitwise_linear_backward == "fp8" and (self.on_policy != "bitwise" or self.precision != "fp8"):
-            raise ValueError(
-                "bitwise_linear_backward='fp8' sets the backward of the bitwise trainer's FP8 linears; it needs "
-                f"on_policy='bitwise' and precision='fp8' (got on_policy={self.on_policy!r}, precision={self.precision!r})"
             )
         if self.fp8_param and self.fp8 is None:
             raise ValueError("fp8_param=True keeps training parameters in FP8 and needs fp8='e4m3' (training in FP8)")

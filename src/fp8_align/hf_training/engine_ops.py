@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -17,11 +18,11 @@ import torch.nn.functional as F
 from fp8_align.bitwise.reference import apply_rope
 from fp8_align.hf_training.attention import attention_reference, host_to_device, paged_triton_attention
 from fp8_align.config import FP8Config
-from fp8_align.hf_training.fp8_backward import Fp8Gemm, fp8_layer, input_gradient, weight_gradient
 from fp8_align.hf_training.linear import bf16_straight_through
 from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
+from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
 
 #: A closed-form backward: (inputs, forward output or None, output gradients) -> one gradient per input.
@@ -123,39 +124,31 @@ def inverse_rope_table(table: torch.Tensor) -> torch.Tensor:
     return torch.cat((cos, -sin), dim=-1)
 
 
+#: A block-FP8 product of a quantized layer (codes, scale grids, shard sizes, rounding) with x [T, K], + bias.
+Fp8Gemm = Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class StackedFp8Linear(torch.autograd.Function):
     """x [T, K] times the stacked BF16 weight [sum(shards), K], whose shard-by-shard block-FP8
     `codes` and stacked `scales` are given, through `gemm` with the engine layer's shard sizes and
-    `rounding`. Backward: BF16 straight-through, or with `fp8_backward` its two products in block
-    FP8 through `gemm` (`fp8_backward.input_gradient`, `weight_gradient`)."""
+    `rounding`; BF16 straight-through backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...],
-        rounding: Rounding, gemm: Fp8Gemm, codes: torch.Tensor, scales: torch.Tensor, fp8_backward: bool,
+        rounding: Rounding, gemm: Fp8Gemm, codes: torch.Tensor, scales: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        ctx.save_for_backward(x, weight, *((codes, scales) if fp8_backward else ()))
-        ctx.has_bias, ctx.fp8_backward = bias is not None, fp8_backward
-        ctx.shard_sizes, ctx.rounding, ctx.gemm = shard_sizes, rounding, gemm
-        bias = None if bias is None else bias.detach()
-        return gemm(fp8_layer(codes, scales, x.dtype, rounding, shard_sizes, bias), x.detach(), bias)
+        layer = SimpleNamespace(
+            weight=codes, weight_scale_inv=scales, bias=bias, params_dtype=x.dtype,
+            fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", rounding, shard_sizes=list(shard_sizes)),
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return gemm(layer, x.detach(), None if bias is None else bias.detach())
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        if not ctx.fp8_backward:
-            return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None, None)
-        x, weight, codes, scales = ctx.saved_tensors
-        x2 = x.reshape(-1, x.shape[-1])
-        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = input_gradient(grad, codes, scales, ctx.shard_sizes, ctx.rounding, ctx.gemm).reshape(x.shape).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = weight_gradient(grad, x2.to(weight.dtype), ctx.rounding, ctx.gemm)
-        grad_b = grad.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None)
 
 
 @dataclass(frozen=True)
