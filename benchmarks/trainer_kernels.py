@@ -11,7 +11,8 @@ output layer (4096 -> 151936), as benchmarks/megatron_bitwise_cost.py measures i
   (torch SDPA, what TE's spec runs) for scale.
 - backward: the attention gradient per implementation (`flash_varlen`: `flash_attention_vjp`, what
   the trainer runs; `padded_sdpa`: autograd of the BF16 `attention_reference`, what it ran before;
-  `cudnn_sdpa`: torch's cuDNN backend on the padded batch with repeated K/V), each timed, checked
+  `cudnn_sdpa`: torch's cuDNN backend on the padded batch with repeated K/V; `cudnn_sdpa_grouped`:
+  cuDNN with the KV heads as they are, equal lengths unpadded), each timed, checked
   for equal bits over two runs (`repeatable`), and its largest error against the FP32 gradient.
 - output: vLLM's batch-invariant persistent matmul (the engine's output layer) per launch
   configuration, its bits against the engine's configuration (`equals_engine`) and its time, next
@@ -112,12 +113,22 @@ def backward_part(batch: int, length: int) -> list[dict[str, Any]]:
                 attention_reference(*inputs, packed, HEAD_SIZE, compute_dtype=dtype).backward(grad.to(dtype))
         return tuple(x.grad for x in inputs)
 
+    def cudnn_grouped() -> tuple[torch.Tensor, ...]:
+        """cuDNN's SDPA forward (for the log-sum-exp) and backward on [B, H, S, D] with the KV heads as
+        they are (`enable_gqa`): equal lengths, so no padding."""
+        inputs = [x.detach().view(batch, length, -1, HEAD_SIZE).transpose(1, 2).requires_grad_() for x in (q, k, v)]
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
+        out.backward(grad.view(batch, length, HEADS, HEAD_SIZE).transpose(1, 2))
+        return tuple(x.grad.transpose(1, 2).reshape(tokens, -1) for x in inputs)
+
     exact = autograd(torch.float32)
     vjp = flash_attention_vjp(packed, HEAD_SIZE)
     candidates: dict[str, Callable[[], tuple[torch.Tensor, ...]]] = {
         "flash_varlen": lambda: vjp((q, k, v), None, (grad,)),
         "padded_sdpa": lambda: autograd(torch.bfloat16),
         "cudnn_sdpa": lambda: autograd(torch.bfloat16, [torch.nn.attention.SDPBackend.CUDNN_ATTENTION]),
+        "cudnn_sdpa_grouped": cudnn_grouped,
     }
     rows: list[dict[str, Any]] = []
     for name, fn in candidates.items():
