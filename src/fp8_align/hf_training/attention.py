@@ -195,8 +195,7 @@ def paged_triton_attention(
     by vLLM's cache-write kernel into a paged cache of `ATTENTION_BLOCK_SIZE`-token blocks
     (`batch`'s layout), BF16 and attended by TRITON_ATTN's `unified_attention`, or with `kv_scales`
     E4M3 codes attended by `fp8_cache_attention` (BF16 query, `TRAINER_TILING`: the engine's rows'
-    bits); every query of a sequence attends to
-    its prefix, softmax scale D ** -0.5."""
+    bits); every query of a sequence attends to its prefix, softmax scale D ** -0.5."""
     tokens, device = q.shape[0], q.device
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
     blocks, seqs = batch.num_blocks, len(batch.seq_lens)
