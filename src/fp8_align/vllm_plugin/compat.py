@@ -34,6 +34,7 @@ __all__ = [
     "cutlass_block_fp8_mm",
     "cutlass_block_fp8_one_tile",
     "pad_block_fp8_rows",
+    "persistent_matmul",
     "dispatch_cpu_unquantized_gemm",
     "flashinfer_decodes_with_xqa",
     "initialize_online_processing",
@@ -213,25 +214,29 @@ class BatchInvariantKernels(NamedTuple):
 WIDE_BF16_TILES = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3, "num_warps": 8}
 
 
+def persistent_matmul(kernel: Any, a: torch.Tensor, b: torch.Tensor, tiles: dict[str, int]) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> [M, N] in a's dtype through vLLM's `matmul_kernel_persistent` (`kernel`),
+    launched as vLLM 0.22.0 and 0.25.1's `matmul_persistent` launches it, with the launch
+    configuration `tiles` (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_stages, num_warps); no bias."""
+    m, n, k = a.shape[0], b.shape[1], a.shape[1]
+    out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    programs = -(-m // tiles["BLOCK_SIZE_M"]) * -(-n // tiles["BLOCK_SIZE_N"])
+    kernel[(min(sms, programs),)](
+        a, b, out, None, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        NUM_SMS=sms, A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=out.numel() > 2**31, HAS_BIAS=False, **tiles,
+    )  # fmt: skip
+    return out
+
+
 def _wide_linear(kernel: Any, linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`linear(x, weight, bias)` (vLLM's `linear_batch_invariant`) computed by `kernel` (its
-    `matmul_kernel_persistent`, launched as vLLM 0.22.0 and 0.25.1's `matmul_persistent` launches
-    it) with `WIDE_BF16_TILES` for BF16 x and weight; other dtypes go to `linear` itself."""
+    """`linear(x, weight, bias)` (vLLM's `linear_batch_invariant`) computed by `persistent_matmul` with
+    `WIDE_BF16_TILES` for BF16 x and weight; other dtypes go to `linear` itself."""
 
     def wide(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
             return linear(x, weight, bias)
-        a, b = x.reshape(-1, x.shape[-1]), weight.t()
-        m, n, k = a.shape[0], b.shape[1], a.shape[1]
-        out = torch.empty(m, n, device=a.device, dtype=a.dtype)
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        tiles = -(-m // WIDE_BF16_TILES["BLOCK_SIZE_M"]) * -(-n // WIDE_BF16_TILES["BLOCK_SIZE_N"])
-        kernel[(min(sms, tiles),)](
-            a, b, out, None, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            NUM_SMS=sms, A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=out.numel() > 2**31, HAS_BIAS=False,
-            **WIDE_BF16_TILES,
-        )  # fmt: skip
-        out = out.reshape(*x.shape[:-1], n)
+        out = persistent_matmul(kernel, x.reshape(-1, x.shape[-1]), weight.t(), WIDE_BF16_TILES).reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
 
     return wide
