@@ -4,7 +4,8 @@ against megatron-core's TransformerEngine spec (`hf_bridge.build_megatron_gpt`, 
 training runs) with the same block-FP8 recipe, and TE's spec in BF16, on the same weights. The
 bitwise model is measured for an engine with a BF16 KV cache (`bitwise_fp8`: vLLM's TRITON_ATTN)
 and for one with an FP8 KV cache (`bitwise_fp8_kv`: fp8_align's FP8-cache kernel, every layer's
-K/V scale `KV_SCALE`).
+K/V scale `KV_SCALE`), each with its FP8 linears' backward in BF16 (the default) and in block FP8
+(`*_fp8_backward`: `FP8Config(bitwise_linear_backward="fp8")`, the products TE's recipe runs).
 
     python benchmarks/megatron_bitwise_cost.py --out REPORT.json [--shapes 8x512,8x2048] [--variant fp8_pow2|fp8]
         [--repeats 5] [--work /root/megatron_cost_work] [--profile]
@@ -125,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     models = {
         "bitwise_fp8": build_bitwise_gpt(hf, FP8Config(on_policy="bitwise", **recipe)),
         "bitwise_fp8_kv": build_bitwise_gpt(hf, FP8Config(on_policy="bitwise", kv_cache_dtype="fp8", **recipe), kv_scales=kv_scales),
+        "bitwise_fp8_fp8_backward": build_bitwise_gpt(hf, FP8Config(on_policy="bitwise", bitwise_linear_backward="fp8", **recipe)),
+        "bitwise_fp8_kv_fp8_backward": build_bitwise_gpt(
+            hf, FP8Config(on_policy="bitwise", kv_cache_dtype="fp8", bitwise_linear_backward="fp8", **recipe), kv_scales=kv_scales
+        ),
         "te_fp8": build_megatron_gpt(hf, FP8Config(**recipe)).train(),
         "te_bf16": build_megatron_gpt(hf, None).train(),
     }
@@ -141,12 +146,17 @@ def main(argv: list[str] | None = None) -> int:
                 step = lambda gpt=gpt: torch.cat(token_logprobs(gpt, sequences, [1] * batch)).sum()  # noqa: E731
             else:
                 step = lambda gpt=gpt: te_logprob_loss(gpt, ids)  # noqa: E731
-            row[name] = timed(step, args.repeats, list(gpt.parameters()))
-            if args.profile:
-                row[name]["profile"] = profiled(step, list(gpt.parameters()))
-        row["bitwise_over_te_fp8"] = row["bitwise_fp8"]["median_s"] / row["te_fp8"]["median_s"]
-        row["bitwise_fp8_kv_over_te_fp8"] = row["bitwise_fp8_kv"]["median_s"] / row["te_fp8"]["median_s"]
-        row["bitwise_over_te_bf16"] = row["bitwise_fp8"]["median_s"] / row["te_bf16"]["median_s"]
+            try:
+                row[name] = timed(step, args.repeats, list(gpt.parameters()))
+                if args.profile:
+                    row[name]["profile"] = profiled(step, list(gpt.parameters()))
+            except Exception as error:  # noqa: BLE001  (a model that fails is a result; the others still run)
+                row[name] = {"error": repr(error)[:500]}
+        for name in ("bitwise_fp8", "bitwise_fp8_kv", "bitwise_fp8_fp8_backward", "bitwise_fp8_kv_fp8_backward"):
+            if "median_s" in row[name] and "median_s" in row["te_fp8"]:
+                row[f"{name}_over_te_fp8"] = row[name]["median_s"] / row["te_fp8"]["median_s"]
+        if "median_s" in row["bitwise_fp8"] and "median_s" in row["te_bf16"]:
+            row["bitwise_over_te_bf16"] = row["bitwise_fp8"]["median_s"] / row["te_bf16"]["median_s"]
         rows.append(row)
         print(json.dumps({k: ({m: v for m, v in x.items() if m != "profile"} if isinstance(x, dict) else x) for k, x in row.items()}), flush=True)
     import megatron.core

@@ -4,7 +4,7 @@ stack's own weight sync between its policy steps.
 
     python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl|megatron]
         [--variants fp8,fp8_pow2] [--kv-cache-dtype fp8|auto] [--steps 3] [--temperatures 0.6,1.0]
-        [--batch-size 64] [--max-tokens 64] [--lr 1e-3] [--work /root/stack_bitwise_work]
+        [--batch-size 64] [--max-tokens 64] [--lr 1e-3] [--linear-backward bf16|fp8] [--work /root/stack_bitwise_work]
     python benchmarks/stack_bitwise.py --out benchmarks/results/stack_bitwise.json --collect REPORT.json...
 
 Per variant one process: a random-init Qwen3-8B shape cut to 4 layers
@@ -35,7 +35,8 @@ temperature): tokens, max |engine logp - stack logp|. Then, except after the las
 update with the stack's loss (micro-batches of 8 sequences; NeMo RL packs them by its token budget;
 AdamW at `--lr`) on the first temperature's batch, with the trainer's log-probs as old log-probs
 (the stacks' default) and batch-normalized advantages of a fixed reward (the share of even token
-ids in a completion), and the stack's sync of the new weights.
+ids in a completion), and the stack's sync of the new weights. `--linear-backward fp8`: the trainer's FP8
+linears' backward in block FP8 (`FP8Config(bitwise_linear_backward="fp8")`; the summary rows say which).
 At step 0 each row also has `unpatched_max_abs_dlogp`: the same batch through the stack's own
 log-prob code, the patch undone for that one scoring.
 The report has those rows and one summary row per (stack, vllm, variant) with `tokens` (all steps)
@@ -193,7 +194,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
     job_id = f"fp8align{os.getpid()}"
     os.environ["VERL_RAY_JOB_ID"] = job_id  # names verl's ZMQ socket; the engine's workers inherit it
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # calibrate_kv_scales: collective_rpc with functions
-    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, **VARIANTS[variant])
+    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, bitwise_linear_backward=args.linear_backward, **VARIANTS[variant])
     llm = LLM(
         model=str(path), skip_tokenizer_init=True, max_num_seqs=args.batch_size, max_model_len=MAX_MODEL_LEN,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=STACKS[stack].logprobs_mode,
@@ -319,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (large enough to move BF16 weights)")
+    parser.add_argument("--linear-backward", choices=("bf16", "fp8"), default="bf16",
+                        help="the trainer's FP8 linears' backward (FP8Config.bitwise_linear_backward)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp8_align_stack_bitwise"))
     parser.add_argument("--collect", nargs="+", type=Path, metavar="REPORT",
                         help="write to --out only the summary rows of these reports (one per stack run), nothing run")
@@ -353,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         part.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--out", str(part), "--stack", args.stack, "--one", variant, "--kv-cache-dtype", kv, "--steps", str(args.steps),
                "--temperatures", ",".join(map(str, args.temperatures)), "--batch-size", str(args.batch_size),
-               "--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--work", str(args.work)]  # fmt: skip
+               "--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--linear-backward", args.linear_backward,
+               "--work", str(args.work)]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():
@@ -365,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         report["kv_scales"][variant] = result["kv_scales"]
         report["summary"].append({
             "stack": args.stack, "vllm": versions["vllm"], "variant": variant, "kv_cache_dtype": kv, "model": MODEL,
-            "steps": args.steps, "temperatures": args.temperatures, "tokens": sum(r["tokens"] for r in result["rows"]),
+            "steps": args.steps, "linear_backward": args.linear_backward, "temperatures": args.temperatures,
+            "tokens": sum(r["tokens"] for r in result["rows"]),
             "max_abs_dlogp": max(r["max_abs_dlogp"] for r in result["rows"]), "device": versions["device"],
             "versions": {**{k: versions[k] for k in ("torch", "cuda", "triton", "vllm")}, "transformers": result["transformers"],
                          args.stack: result["stack_version"]},

@@ -1,7 +1,7 @@
 """The bitwise trainer's own kernels at a training shape (GPU, vLLM importable): where its step time
 goes against the kernels a TE trainer runs, and which faster launches keep the engine's bits.
 
-    python benchmarks/trainer_kernels.py --out trainer_kernels.json [--batch 8] [--length 2048] [--parts prefill,backward,output]
+    python benchmarks/trainer_kernels.py --out trainer_kernels.json [--batch 8] [--length 2048] [--parts prefill,backward,linear_backward,output]
 
 The shape: B sequences of S tokens, the Qwen3-8B heads (32 query heads, 8 KV heads of 128) and
 output layer (4096 -> 151936), as benchmarks/megatron_bitwise_cost.py measures it.
@@ -14,6 +14,11 @@ output layer (4096 -> 151936), as benchmarks/megatron_bitwise_cost.py measures i
   `cudnn_sdpa`: torch's cuDNN backend on the padded batch with repeated K/V; `cudnn_sdpa_grouped`:
   cuDNN with the KV heads as they are, equal lengths unpadded), each timed, checked
   for equal bits over two runs (`repeatable`), and its largest error against the FP32 gradient.
+- linear_backward: per Qwen3-8B projection (q|k|v, o, gate|up, down), the two gradient products
+  of a linear over `batch * length` tokens in BF16 (cuBLAS, the `bitwise_linear_backward="bf16"`
+  backward) and in block FP8 (`fp8_backward.input_gradient`, `weight_gradient`: the Triton
+  quantizers and cuBLAS's block-scaled GEMMs), each timed whole, the FP8 one also without its
+  quantization (`gemms_ms`), and its relative error against the FP64 product of the BF16 operands.
 - output: vLLM's batch-invariant persistent matmul (the engine's output layer) per launch
   configuration, its bits against the engine's configuration (`equals_engine`) and its time, next
   to cuBLAS.
@@ -37,9 +42,15 @@ from triton.testing import do_bench
 
 from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, TRAINER_TILING, AttentionTiling, fp8_cache_attention
 from fp8_align.hf_training.attention import PackedBatch, attention_reference, flash_attention_vjp
+from fp8_align.hf_training.fp8_backward import input_gradient, weight_gradient
+from fp8_align.quant.shards import quantize_shards
+from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_transposed_triton, quantize_activation_triton
+from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.compat import persistent_matmul
 
 HEADS, KV_HEADS, HEAD_SIZE, HIDDEN, VOCAB = 32, 8, 128, 4096, 151936
+#: The Qwen3-8B projections as the engine stacks them: name -> (shard sizes, input size).
+PROJECTIONS = {"qkv": ([4096, 1024, 1024], 4096), "o": ([4096], 4096), "gate_up": ([12288, 12288], 4096), "down": ([4096], 12288)}
 PREFILL_TILINGS = [ATTENTION_TILING, TRAINER_TILING] + [
     AttentionTiling(block_m, ATTENTION_TILING.tile, ATTENTION_TILING.num_warps, stages, split)
     for block_m in (32, 64) for stages in (1, 2, 3) for split in (False, True)
@@ -146,6 +157,48 @@ def backward_part(batch: int, length: int) -> list[dict[str, Any]]:
     return rows
 
 
+def linear_backward_part(batch: int, length: int) -> list[dict[str, Any]]:
+    """Per projection, its BF16 and block-FP8 backward over `batch * length` tokens (pow2 scales)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    rounding = Rounding(weight_pow2=True, activation_pow2=True)
+    tokens = batch * length
+    rows: list[dict[str, Any]] = []
+    for name, (shards, k) in PROJECTIONS.items():
+        gen = torch.Generator(device="cuda").manual_seed(len(rows))
+        n = sum(shards)
+        x = torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
+        weight = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        grad = (torch.randn(tokens, n, generator=gen, device="cuda") * 1e-3).to(torch.bfloat16)
+        codes, scales = quantize_shards(weight, shards, True)
+        row: dict[str, Any] = {"kernel": name, "n": n, "k": k, "tokens": tokens}
+        try:
+            row["bf16_ms"] = round(do_bench(lambda: (grad @ weight, grad.t() @ x), warmup=3, rep=20), 3)
+            fp8 = lambda: (input_gradient(grad, codes, scales, rounding), weight_gradient(grad, x, rounding))  # noqa: E731
+            row["fp8_ms"] = round(do_bench(fp8, warmup=3, rep=20), 3)
+            g_rows = quantize_activation_triton(grad, True, int(ScaleLayout.COLUMN_MAJOR))
+            g_t, x_t = quantize_activation_transposed_triton(grad, True), quantize_activation_transposed_triton(x, True)
+            block_scales = scales.new_zeros(scales.shape[1], -(-scales.shape[0] // 4) * 4)
+            block_scales[:, : scales.shape[0]] = scales.t()
+            codes_t = codes.t().contiguous().t()
+
+            def gemms() -> tuple[torch.Tensor, torch.Tensor]:
+                dx = scaled_mm(g_rows[0], codes_t, g_rows[1], ScalingType.BlockWise1x128, block_scales.t(), ScalingType.BlockWise128x128)
+                dw = scaled_mm(g_t[0], x_t[0].t(), g_t[1], ScalingType.BlockWise1x128, x_t[1], ScalingType.BlockWise1x128)
+                return dx, dw
+
+            row["gemms_ms"] = round(do_bench(gemms, warmup=3, rep=20), 3)
+            dx, dw = fp8()
+            exact_dx, exact_dw = grad.double() @ weight.double(), grad.double().t() @ x.double()
+            row["relative_error"] = {"dx": ((dx.double() - exact_dx).norm() / exact_dx.norm()).item(),
+                                     "dw": ((dw.double() - exact_dw).norm() / exact_dw.norm()).item()}  # fmt: skip
+        except Exception as error:  # noqa: BLE001  (a GEMM that refuses the shape is a result)
+            row["error"] = repr(error)[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def output_part(batch: int, length: int) -> list[dict[str, Any]]:
     """Per launch configuration, the output layer's BF16 product over `batch * length` rows."""
     from vllm.model_executor.layers.batch_invariant import matmul_kernel_persistent
@@ -178,14 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--parts", default="prefill,backward,output")
+    parser.add_argument("--parts", default="prefill,backward,linear_backward,output")
     args = parser.parse_args(argv)
     import vllm
 
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
                               "vllm": vllm.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "command": " ".join(["trainer_kernels.py", *(sys.argv[1:] if argv is None else argv)])}  # fmt: skip
-    parts = {"prefill": prefill_part, "backward": backward_part, "output": output_part}
+    parts = {"prefill": prefill_part, "backward": backward_part, "linear_backward": linear_backward_part, "output": output_part}
     for name in args.parts.split(","):
         report[name] = parts[name](args.batch, args.length)
         args.out.write_text(json.dumps(report, indent=1))

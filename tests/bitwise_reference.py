@@ -91,8 +91,9 @@ class ExplicitBitwiseForward:
     def _stacked(self, key: str, x: torch.Tensor, fp8_weights: dict[str, Fp8Weights], rank: int = 0) -> torch.Tensor:
         """Engine rank `rank`'s outputs of the stacked layer `key` on its input x [T, K_rank] (`stacked_product`)."""
         return stacked_product(
-            self.stacked[key], x, rank, self.tensor_parallel_size, fp8_weights.get(key), self.rounding, self.fp8_gemm, self.kernels
-        )
+            self.stacked[key], x, rank, self.tensor_parallel_size, fp8_weights.get(key), self.rounding, self.fp8_gemm, self.kernels,
+            self.cfg.bitwise_linear_backward == "fp8",
+        )  # fmt: skip
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> Any:
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", self.config.rms_norm_eps)))

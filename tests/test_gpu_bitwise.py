@@ -239,6 +239,40 @@ def _decode_step(
     return out.view(seqs, heads * head_size)
 
 
+@pytest.mark.parametrize("rounding", ["fp32_scales", "pow2_scales", "te_rule"])
+@pytest.mark.parametrize(("shard_sizes", "k", "tokens"), [([4096, 1024, 1024], 4096, 1000), ([12288, 12288], 4096, 1000),
+                                                         ([4096], 12288, 1000), ([384], 256, 37)])  # fmt: skip
+def test_fp8_backward_products_are_the_dequantized_references(shard_sizes: list[int], k: int, tokens: int, rounding: str) -> None:
+    """`bitwise_linear_backward="fp8"` on CUDA (Triton quantizers, cuBLAS's block-scaled GEMMs): dx
+    and dw of the Qwen3-8B projections (q|k|v, gate|up, down) over 1,000 tokens, and of 3 row blocks
+    (which cuBLAS's weight-scale layout pads to 4) over 37 tokens (padded to 40 for cuBLAS), against
+    the FP64 products of the dequantized operands (tests/test_fp8_backward.py: a BF16 rounding plus
+    Hopper's FP8 accumulation allowance; measured on the H200: at most 5.6e-5 of it, 2^-12 allowed)."""
+    from fp8_align.rounding import Rounding
+    from tests.test_fp8_backward import check_gradient_products
+
+    roundings = {"fp32_scales": Rounding(), "pow2_scales": Rounding(weight_pow2=True, activation_pow2=True),
+                 "te_rule": Rounding(scale_rule="transformer_engine")}  # fmt: skip
+    dx_error, dw_error = check_gradient_products(shard_sizes, k, tokens, roundings[rounding], "cuda")
+    print(f"past the BF16 rounding, per sum of absolute products: dx {dx_error:.3g}, dw {dw_error:.3g}")
+
+
+@pytest.mark.parametrize("rule", ["amax_over_max", "transformer_engine"])
+@pytest.mark.parametrize(("m", "k"), [(16384, 4096), (1000, 12288), (5, 256)])
+def test_transposed_quantizer_is_the_reference(m: int, k: int, rule: str) -> None:
+    """The weight gradient's operand quantizer (`quantize_activation_transposed_triton`) compiled,
+    against the torch reference on CUDA: the same codes and scales, FP32 and power-of-two scales."""
+    from fp8_align.quant.groupwise import quantize_activation_transposed
+    from fp8_align.quant.triton_groupwise import quantize_activation_transposed_triton
+
+    x = _randn(m, k, seed=m) * torch.logspace(-3, 3, m, device="cuda")[:, None].to(torch.bfloat16)
+    for pow2 in (False, True):
+        codes, scales = quantize_activation_transposed_triton(x, pow2, rule)
+        ref_codes, ref_scales = quantize_activation_transposed(x, pow2, rule)
+        assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), pow2
+        assert torch.equal(scales, ref_scales), pow2
+
+
 @pytest.mark.parametrize(("n", "k"), [(151936, 4096), (49152, 576), (1000, 4096), (24576, 4096), (4096, 12288)])
 def test_wide_linear_gives_the_engines_linear_bits(n: int, k: int) -> None:
     """The trainer's wide-tile launch of vLLM's batch-invariant matmul (`wide_linear`) gives the bits

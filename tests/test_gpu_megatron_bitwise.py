@@ -28,7 +28,10 @@ FP8_POW2 = FP8Config(on_policy="bitwise", precision="fp8", use_weight_pow2_scale
 
 
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
-@pytest.mark.parametrize("cfg", [FP8Config(on_policy="bitwise", precision="fp8"), FP8_POW2], ids=["fp8", "fp8_pow2"])
+@pytest.mark.parametrize(
+    "cfg", [FP8Config(on_policy="bitwise", precision="fp8"), FP8_POW2, FP8_POW2.model_copy(update={"bitwise_linear_backward": "fp8"})],
+    ids=["fp8", "fp8_pow2", "fp8_pow2_fp8_backward"],
+)  # fmt: skip
 def test_log_probs_and_gradients_are_bitwise_forwards_on_cuda(cfg: FP8Config, recompute: str | None) -> None:
     hf = tiny_hf_model("qwen3").cuda()
     reference = BitwiseForward(hf, cfg)

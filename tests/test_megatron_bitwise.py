@@ -89,14 +89,16 @@ def _hf_named(grads: dict[str, torch.Tensor], hf_config: object) -> dict[str, to
     return hf_state_dict_from_megatron(grads, hf_config, fused_norms=False)
 
 
-def test_gradients_are_bitwise_forwards() -> None:
+@pytest.mark.parametrize("backward", ["bf16", "fp8"])
+def test_gradients_are_bitwise_forwards(backward: str) -> None:
     """The same loss through both: every Megatron parameter gets a gradient, and mapped to HF names
     each is the same bits as BitwiseForward's (the engine-order products scatter their weight
-    gradient onto the interleaved QKV rows exactly). megatron-core's recompute needs CUDA's RNG
-    tracker: tests/test_gpu_megatron_bitwise.py."""
+    gradient onto the interleaved QKV rows exactly), with the FP8 linears' backward in BF16 and in
+    block FP8. megatron-core's recompute needs CUDA's RNG tracker: tests/test_gpu_megatron_bitwise.py."""
+    cfg = FP8Config(on_policy="bitwise", precision="fp8", bitwise_linear_backward=backward)
     hf = tiny_hf_model("qwen3")
-    reference = BitwiseForward(hf, FP8)
-    model = build_bitwise_gpt(hf, FP8)
+    reference = BitwiseForward(hf, cfg)
+    model = build_bitwise_gpt(hf, cfg)
     model.train()
     torch.cat(token_logprobs(model, SEQUENCES, PROMPT_LENS, temperature=0.6)).sum().backward()
     torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6)).sum().backward()

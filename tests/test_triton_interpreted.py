@@ -8,7 +8,8 @@ reference's. Codes are compared kernel to kernel only: the interpreter's float32
 rounds some values next to a power of two differently from the GPU (an interpreter artifact),
 which would make a comparison with the reference fail for reasons outside our code.
 The scale_rule="transformer_engine" test swaps that cast (and the interpreter's widening of
-bf16/fp16 subnormals) for torch's and compares both kernels with the reference, codes included.
+bf16/fp16 subnormals) for torch's and compares both kernels with the reference, codes included;
+so does the test of the transposed activation kernel (the weight gradient's operands), both rules.
 The interpreter must be enabled before Triton is imported, hence the subprocesses.
 """
 
@@ -82,7 +83,7 @@ def test_grouped_kernel_equals_single_kernel_and_reference_scales(single_rows_pe
 #: bf16/fp16 to float32 (the interpreter's garbles subnormals, which the overflow case below
 #: holds). So the kernels' own arithmetic (multiplier, product, reciprocal) is compared bit for
 #: bit with the reference's.
-_TE_RULE_SCRIPT = """
+_TORCH_CASTS = """
 import numpy as np
 import torch
 import triton.language as tl
@@ -103,7 +104,9 @@ def torch_cast(values, input_dtype, output_dtype, rounding_mode):
 
 
 interpreter._convert_float = torch_cast
+"""
 
+_TE_RULE_SCRIPT = _TORCH_CASTS + """
 from fp8_align.quant import quantize_activation_groupwise, quantize_weight_blockwise
 from fp8_align.quant.triton_blockwise import quantize_weight_blockwise_triton, quantize_weights_blockwise_triton
 from fp8_align.quant.triton_groupwise import ScaleLayout, quantize_activation_triton
@@ -160,3 +163,37 @@ def test_kernels_with_transformer_engine_rule_equal_the_reference_bit_for_bit() 
     proc = subprocess.run([sys.executable, "-c", _TE_RULE_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "6"
+
+
+_TRANSPOSED_SCRIPT = _TORCH_CASTS + """
+from fp8_align.quant.groupwise import quantize_activation_transposed
+from fp8_align.quant.triton_groupwise import quantize_activation_transposed_triton
+
+g = torch.Generator().manual_seed(2)
+checked = 0
+for rule in ("amax_over_max", "transformer_engine"):
+    for dtype in (torch.bfloat16, torch.float32):
+        for pow2 in (False, True):
+            for m, k in ((300, 200), (128, 64), (1, 130)):
+                x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]).to(dtype)
+                x[:, :3] = 0  # all-zero channels
+                ref_codes, ref_scales = quantize_activation_transposed(x, pow2, rule)
+                codes, scales = quantize_activation_transposed_triton(x, pow2, rule)
+                assert scales.stride() == (1, k), scales.stride()
+                assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), (rule, dtype, pow2, m, k)
+                assert torch.equal(scales.contiguous().view(torch.int32), ref_scales.view(torch.int32)), (rule, dtype, pow2, m, k)
+                checked += 1
+print("checked", checked)
+"""
+
+
+def test_transposed_kernel_equals_the_reference_bit_for_bit() -> None:
+    """`quantize_activation_transposed_triton` (128-token groups of each channel, written transposed:
+    the weight gradient's operands) against the torch reference, codes and scales, both scale rules,
+    bf16 and fp32, FP32 and power-of-two scales, token counts that pad (300, 1) and do not (128),
+    channel counts that fill a program partly, all-zero channels."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _TRANSPOSED_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "24"

@@ -3,7 +3,7 @@
 #   bash benchmarks/box/bitwise_box_run.sh STAGE...
 #   STAGE: stage (copy the carried .gpukit/part_* or .gpukit25/part_*, .gpumodel/smol.zst.part_* and .gpute/te.part_* to /root/stage)
 #        | setup (kit + SmolLM2) | te-build (TransformerEngine, in the background) | te-wait
-#        | tests | proof[=MODELS] ($PROOF_ARGS: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
+#        | tests[=EXPR] (tests/test_gpu_bitwise.py and test_gpu_bitwise_rollout.py; with EXPR, test_gpu_bitwise.py -k EXPR) | proof[=MODELS] ($PROOF_ARGS: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
 #        | grpo (3 seeds of the arms $GRPO_ARMS, default bf16,fp8_bitwise, at once; $GRPO_ARGS: more arguments)
 #        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
 #        | profile (one decode step of the fast mode and of the bitwise mode, kernel families; Qwen3-8B shape)
@@ -12,7 +12,7 @@
 #          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache, fp8_cache_attention's
 #          current tiling; =all: every GEMM tile configuration, TRITON_ATTN launch setting and fp8_cache_attention
 #          tiling; =attention: the attention parts only, every fp8_cache_attention tiling)
-#        | trainer-kernels (benchmarks/trainer_kernels.py -> $out/trainer_kernels.json)
+#        | trainer-kernels (benchmarks/trainer_kernels.py -> $out/trainer_kernels.json; $TRAINER_KERNELS_ARGS, e.g. --parts linear_backward)
 #        | kit (the vLLM bundle alone) | megatron-cost (after te-build, te-wait: benchmarks/megatron_bitwise_cost.py, power-of-two
 #          and FP32 scales -> $out/megatron_bitwise_cost_{pow2,fp32}.json; $MEGATRON_COST_ARGS: more arguments, e.g. --profile) | megatron-tests (tests/test_gpu_megatron_bitwise.py; with two GPUs also tests/test_gpu_megatron_bitwise_tp.py) | mcore (megatron-core from the carried .whl/megatron_core-*.whl into /tmp/mcore_site, on PYTHONPATH)
 #        | megatron[=MODELS] (on_policy_bitwise.py --scorer megatron -> $out/megatron_bitwise.json; $MEGATRON_ARGS: more arguments)
@@ -37,9 +37,10 @@ for stage in "$@"; do
       ( source benchmarks/box/te_box_setup.sh ) > "$out/te_setup.log" 2>&1 &
       te_build_pid=$! ;;
     te-wait) wait "${te_build_pid:?te-build did not run in this call}"; echo "te setup rc=$?"; tail -3 "$out/te_setup.log" ;;
-    tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s tests/test_gpu_bitwise.py tests/test_gpu_bitwise_rollout.py \
-        > "$out/pytest_bitwise.txt" 2>&1
+    tests*)  # tests=EXPR: only tests/test_gpu_bitwise.py's tests that match the pytest -k EXPR
+      expr="${stage#tests}"; expr="${expr#=}"
+      if [ -n "$expr" ]; then files=(tests/test_gpu_bitwise.py -k "$expr"); else files=(tests/test_gpu_bitwise.py tests/test_gpu_bitwise_rollout.py); fi
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s "${files[@]}" > "$out/pytest_bitwise.txt" 2>&1
       tail -25 "$out/pytest_bitwise.txt" ;;
     proof*)
       models="${stage#proof}"; models="${models#=}"
@@ -87,7 +88,7 @@ for stage in "$@"; do
       echo "rc=$?"; tail -4 "$out/decode_profile.log"
       tar -C "$out" -czf "$out/decode_profile.tgz" decode_profile && rm -rf "$out/decode_profile" ;;
     trainer-kernels)  # benchmarks/trainer_kernels.py: the bitwise trainer's kernels at the cost benchmark's shape
-      python3 benchmarks/trainer_kernels.py --out "$out/trainer_kernels.json" > "$out/trainer_kernels.log" 2>&1
+      python3 benchmarks/trainer_kernels.py --out "$out/trainer_kernels.json" ${TRAINER_KERNELS_ARGS:-} > "$out/trainer_kernels.log" 2>&1
       echo "rc=$?"; cut -c1-300 "$out/trainer_kernels.log" | tail -40 ;;
     mcore)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore_site .whl/megatron_core-*.whl || exit 1

@@ -102,6 +102,15 @@ class FP8Config(BaseModel):
         "trainer is given (BitwiseForward.set_kv_scales); anything else is refused at engine start. "
         "Build the engine with `engine_kwargs(cfg)`.",
     )
+    bitwise_linear_backward: Literal["bf16", "fp8"] = Field(
+        default="bf16",
+        description="The backward of each linear the bitwise trainer (BitwiseForward, make_bitwise, build_bitwise_gpt) "
+        "runs in block FP8: 'bf16', the gradients of x @ w.T with the BF16 weight (straight through both quantizers); "
+        "'fp8', the two gradient products in block FP8 as TransformerEngine's blockwise recipe runs them (E4M3, 1x128 "
+        "groups along each product's reduction dimension, the forward's 128x128 weight blocks; cuBLAS on CUDA): "
+        "faster, gradients with FP8 rounding, every FP8 layer's sizes whole 128-blocks. The log-probs are the "
+        "engine's either way. 'fp8' needs on_policy='bitwise', precision='fp8', fp8='e4m3' and fp8_recipe='blockwise'.",
+    )
     strict: bool = Field(
         default=False,
         description="Refuse to start when a layer the recipe would run in FP8 has to stay BF16 "
@@ -225,6 +234,14 @@ class FP8Config(BaseModel):
             raise ValueError(
                 "on_policy='bitwise' decodes with TRITON_ATTN's batch-invariant kernel, the one the trainer runs; "
                 "kv_decode_kernel='xqa' would decode with another. Leave kv_decode_kernel='auto'."
+            )
+        if self.bitwise_linear_backward == "fp8" and (
+            self.on_policy != "bitwise" or self.precision != "fp8" or self.fp8 != "e4m3" or self.fp8_recipe != "blockwise"
+        ):
+            raise ValueError(
+                "bitwise_linear_backward='fp8' runs the bitwise trainer's FP8 linears' backward in E4M3 block FP8; it needs "
+                "on_policy='bitwise', precision='fp8' and the E4M3 blockwise training recipe (fp8='e4m3', fp8_recipe='blockwise'); "
+                f"got on_policy={self.on_policy!r}, precision={self.precision!r}, fp8={self.fp8!r}, fp8_recipe={self.fp8_recipe!r}"
             )
         if self.fp8_param and self.fp8 is None:
             raise ValueError("fp8_param=True keeps training parameters in FP8 and needs fp8='e4m3' (training in FP8)")

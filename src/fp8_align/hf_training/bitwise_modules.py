@@ -48,6 +48,11 @@ class BitwiseContext:
     #: The packed layout of the forward in progress (`bitwise_attention` builds it once per forward).
     layout_cache: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def fp8_backward(self) -> bool:
+        """Whether the FP8 linears' backward runs in block FP8 (`FP8Config.bitwise_linear_backward`)."""
+        return self.cfg.bitwise_linear_backward == "fp8"
+
     def layer_kv_scales(self, index: int) -> KVCacheScales | None:
         """Decoder layer `index`'s FP8 KV-cache scales, or None for a BF16 cache; ValueError when the
         config has an FP8 cache and no scales were set."""
@@ -136,7 +141,7 @@ def stacked_output(context: BitwiseContext, layer: StackedLinear, x: torch.Tenso
         raise ValueError(f"stacked_output is one engine rank's product; this context emulates {context.tensor_parallel_size} ranks (use stacked_outputs)")
     x2 = x.reshape(-1, x.shape[-1])
     fp8_weights = quantize_stacked([layer], 1, context.rounding, x.device)[0] if layer.fp8 else None
-    out = stacked_product(layer, x2, 0, 1, fp8_weights, context.rounding, context.fp8_gemm, context.kernels)
+    out = stacked_product(layer, x2, 0, 1, fp8_weights, context.rounding, context.fp8_gemm, context.kernels, context.fp8_backward)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -150,7 +155,7 @@ def stacked_outputs(context: BitwiseContext, layer: StackedLinear, x: torch.Tens
     fp8_weights = quantize_stacked([layer], tp, context.rounding, x.device)[0] if layer.fp8 else None
 
     def product(rank: int, rank_input: torch.Tensor) -> torch.Tensor:
-        return stacked_product(layer, rank_input, rank, tp, fp8_weights, context.rounding, context.fp8_gemm, context.kernels)
+        return stacked_product(layer, rank_input, rank, tp, fp8_weights, context.rounding, context.fp8_gemm, context.kernels, context.fp8_backward)
 
     if layer.row_parallel:
         k = x2.shape[-1] // tp
@@ -200,9 +205,9 @@ class BitwiseMLP(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         partials = []
         for rank in range(tp):
-            both = stacked_product(gate_up, x2, rank, tp, gate_up_fp8, ctx.rounding, ctx.fp8_gemm, ctx.kernels)
+            both = stacked_product(gate_up, x2, rank, tp, gate_up_fp8, ctx.rounding, ctx.fp8_gemm, ctx.kernels, ctx.fp8_backward)
             act = engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, both)
-            partials.append(stacked_product(down, act, rank, tp, down_fp8, ctx.rounding, ctx.fp8_gemm, ctx.kernels))
+            partials.append(stacked_product(down, act, rank, tp, down_fp8, ctx.rounding, ctx.fp8_gemm, ctx.kernels, ctx.fp8_backward))
         out = all_reduce_sum(partials)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 

@@ -1,7 +1,8 @@
 """The autograd ops of the bitwise trainer: each forward is a kernel a bitwise vLLM engine runs,
 each backward the standard BF16 gradient of the op (closed form where one exists, else autograd
-through torch's op at the same inputs). Shared by `BitwiseForward` and the modules `make_bitwise`
-swaps into an HF model.
+through torch's op at the same inputs; the FP8 linears' in block FP8 with
+`FP8Config(bitwise_linear_backward="fp8")`, `fp8_backward`). Shared by `BitwiseForward` and the
+modules `make_bitwise` swaps into an HF model.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from fp8_align.bitwise.reference import apply_rope
 from fp8_align.hf_training.attention import attention_reference, host_to_device, paged_triton_attention
 from fp8_align.config import FP8Config
+from fp8_align.hf_training.fp8_backward import check_fp8_backward_shape, input_gradient, weight_gradient
 from fp8_align.hf_training.linear import bf16_straight_through
 from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.kernels.emulated import emulated_block_fp8_linear
@@ -131,24 +133,34 @@ Fp8Gemm = Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
 class StackedFp8Linear(torch.autograd.Function):
     """x [T, K] times the stacked BF16 weight [sum(shards), K], whose shard-by-shard block-FP8
     `codes` and stacked `scales` are given, through `gemm` with the engine layer's shard sizes and
-    `rounding`; BF16 straight-through backward."""
+    `rounding`. Backward: BF16 straight-through, or with `fp8_backward` its two products in block
+    FP8 (`fp8_backward.input_gradient`, `weight_gradient`; shapes checked in the forward)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard_sizes: tuple[int, ...],
-        rounding: Rounding, gemm: Fp8Gemm, codes: torch.Tensor, scales: torch.Tensor,
+        rounding: Rounding, gemm: Fp8Gemm, codes: torch.Tensor, scales: torch.Tensor, fp8_backward: bool,
     ) -> torch.Tensor:  # fmt: skip
+        if fp8_backward:
+            check_fp8_backward_shape(shard_sizes, codes.shape[1])
         layer = SimpleNamespace(
             weight=codes, weight_scale_inv=scales, bias=bias, params_dtype=x.dtype,
             fp8_align=Fp8AlignLayerState("linear", "bitwise_trainer", rounding, shard_sizes=list(shard_sizes)),
         )  # fmt: skip
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, *((codes, scales) if fp8_backward else ()))
+        ctx.has_bias, ctx.fp8_backward, ctx.rounding = bias is not None, fp8_backward, rounding
         return gemm(layer, x.detach(), None if bias is None else bias.detach())
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None)
+        if not ctx.fp8_backward:
+            return (*bf16_straight_through(ctx, grad_out), None, None, None, None, None, None)
+        x, weight, codes, scales = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)
+        grad_x = input_gradient(grad, codes, scales, ctx.rounding).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = weight_gradient(grad, x.reshape(-1, x.shape[-1]).to(weight.dtype), ctx.rounding) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)

@@ -150,16 +150,17 @@ def quantize_stacked(layers: Sequence[StackedLinear], tensor_parallel_size: int,
 
 def stacked_product(
     layer: StackedLinear, x: torch.Tensor, rank: int, tensor_parallel_size: int, fp8_weights: Fp8Weights | None,
-    rounding: Rounding, fp8_gemm: Fp8Gemm, kernels: EngineKernels,
+    rounding: Rounding, fp8_gemm: Fp8Gemm, kernels: EngineKernels, fp8_backward: bool,
 ) -> torch.Tensor:  # fmt: skip
     """Engine rank `rank`'s outputs of `layer` on its input x [T, K_rank], side by side
     [T, sum(N_rank)]: one product of the rank's stacked weight, as the engine's stacked layer
-    computes it (FP8 through `fp8_gemm` with the rank's codes of `fp8_weights`, BF16 through the
-    engine's linear); of a row-parallel layer, the rank's partial sum."""
+    computes it (FP8 through `fp8_gemm` with the rank's codes of `fp8_weights`, its backward in
+    block FP8 with `fp8_backward`, else BF16; BF16 through the engine's linear); of a row-parallel
+    layer, the rank's partial sum."""
     weight, bias = layer.weight(rank, tensor_parallel_size), layer.bias(rank, tensor_parallel_size)
     if layer.fp8:
         assert fp8_weights is not None
-        return StackedFp8Linear.apply(x, weight, bias, layer.rank_sizes(tensor_parallel_size), rounding, fp8_gemm, *fp8_weights[rank])
+        return StackedFp8Linear.apply(x, weight, bias, layer.rank_sizes(tensor_parallel_size), rounding, fp8_gemm, *fp8_weights[rank], fp8_backward)
     return engine_op(kernels.linear, F.linear, *((x, weight) if bias is None else (x, weight, bias)), vjp=linear_vjp)
 
 

@@ -1,4 +1,5 @@
-"""Dynamic activation quantization: one scale per token per 128 input channels (1x128 groups)."""
+"""Dynamic activation quantization: one scale per token per 128 input channels (1x128 groups),
+or, transposed, one scale per channel per 128 tokens (the operands of a weight-gradient product)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,16 @@ def dequantize_groupwise(
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match codes {tuple(x_fp8.shape)}: expected {expected}")
     full = scale.to(torch.float32).repeat_interleave(group_size, dim=-1)[..., :k]
     return (x_fp8.to(torch.float32) * full).to(dtype)
+
+
+def quantize_activation_transposed(
+    x: torch.Tensor, pow2_scale: bool = False, scale_rule: str = DEFAULT_SCALE_RULE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized along its tokens: `quantize_activation_groupwise` of x.T [K, M_pad], the
+    tokens padded with zero rows to M_pad = 128 * ceil(M / 128), so every group is 128 whole tokens.
+
+    Returns (codes [K, M_pad] float8_e4m3fn, scales [K, M_pad / 128] float32). No input checks
+    (the caller's tensors are finite gradients and activations).
+    """
+    padded = F.pad(x, (0, 0, 0, -x.shape[0] % DEFAULT_GROUP_SIZE))
+    return quantize_activation_groupwise(padded.t().contiguous(), pow2_scale=pow2_scale, check_inputs=False, scale_rule=scale_rule)
