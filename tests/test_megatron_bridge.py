@@ -98,7 +98,7 @@ def test_local_megatron_model_reproduces_the_hf_logits(megatron_on_cpu, tied: bo
     # Random-init logits are tiny (|logit| < 1); BF16 rounding of activations in two different
     # operation orders moves log-probs by ~1e-2 at most, a mapping error by ~1.
     assert (got - ref).abs().max() < 0.03
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    _assert_top1_agrees_where_decided(got, ref)
 
 
 def test_local_megatron_qwen3_reproduces_the_hf_logits(megatron_on_cpu) -> None:
@@ -111,7 +111,7 @@ def test_local_megatron_qwen3_reproduces_the_hf_logits(megatron_on_cpu) -> None:
     ids = torch.randint(0, 1000, (2, 37), generator=torch.Generator().manual_seed(1))
     ref, got = _logprobs(hf.eval(), ids), _logprobs(gpt, ids)
     assert (got - ref).abs().max() < 0.03
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    _assert_top1_agrees_where_decided(got, ref)
 
 
 @pytest.mark.slow
@@ -133,9 +133,22 @@ def test_smollm2_in_megatron_scores_like_hf(megatron_on_cpu) -> None:
     # BF16 on both sides (30 layers): per-token log-prob differences of a few 1e-2 nats are BF16
     # rounding; the BF16/BF16 token error of two engines on this model is ~1.02-1.04.
     assert (got_tok - ref_tok).abs().max() < 0.15
-    # The top-1 token may flip where the top two are within that noise: on an AMX CPU (oneDNN's AMX
-    # BF16 matmuls) one of the 19 positions flipped (18/19 = 0.947, 2026-11-26); elsewhere 19/19.
-    assert (got[0].argmax(-1) == ref[0].argmax(-1)).float().mean() >= 0.9
+    # The top-1 token may flip where the top two are within that noise (on an AMX CPU, oneDNN's AMX
+    # BF16 matmuls flipped one of the 19 positions, 2026-11-26): compared where it cannot.
+    _assert_top1_agrees_where_decided(got, ref)
+
+
+def _assert_top1_agrees_where_decided(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The top-1 tokens of log-probs `got` and `ref` ([..., V]) agree at every position where the
+    reference's top two are more than twice that position's largest |got - ref| apart: there no
+    difference that small can swap them (got's top-1 stays above ref's top-1 minus d, every other
+    token below ref's runner-up plus d). Elsewhere a flip is rounding, on any CPU. At least half
+    of the positions must be decided, or the check would say nothing."""
+    moved = (got - ref).abs().amax(-1)
+    top2 = ref.topk(2, dim=-1).values
+    decided = top2[..., 0] - top2[..., 1] > 2 * moved
+    assert decided.float().mean() >= 0.5, f"only {int(decided.sum())} of {decided.numel()} positions are decided"
+    assert torch.equal(got.argmax(-1)[decided], ref.argmax(-1)[decided])
 
 
 def test_unmappable_models_are_refused_with_the_reason() -> None:
