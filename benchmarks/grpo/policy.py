@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
+from tqdm import tqdm
 
 from fp8_align.error_bench.scoring import micro_batches
 from fp8_align.config import FP8Config
@@ -168,11 +169,15 @@ class GRPOPolicy:
         return [[rows[i] for i in group] for group in micro_batches([lengths[r] for r in rows], self.max_tokens_per_forward)]
 
     @torch.no_grad()
-    def all_logprobs(self, packed: PackedSequences) -> Tensor:
-        """Log-probs [B, T] float32 (trainer's device) of every sequence at the current weights."""
+    def all_logprobs(self, packed: PackedSequences, progress: tqdm | None = None) -> Tensor:
+        """Log-probs [B, T] float32 (trainer's device) of every sequence at the current weights;
+        `progress` (a tqdm bar) is advanced once per micro-batch."""
         out = torch.zeros(packed.targets.shape, dtype=torch.float32, device=self.device)
-        for group in self._groups(list(range(packed.num_sequences)), packed):
+        groups = self._groups(list(range(packed.num_sequences)), packed)
+        _reset(progress, len(groups))
+        for group in groups:
             out[torch.tensor(group, device=self.device)] = self.logprobs(packed, group)
+            _advance(progress)
         return out
 
     @torch.no_grad()
@@ -192,13 +197,16 @@ class GRPOPolicy:
         is_weights: Tensor,
         clip_eps: float,
         num_minibatches: int,
+        progress: tqdm | None = None,
     ) -> dict[str, float]:
         """One GRPO step: the batch in `num_minibatches` consecutive slices, one optimizer step
         each, loss = token-mean over the slice of IS weight x clipped surrogate.
-        advantages [B]; old_logprobs, is_weights [B, T] (trainer's device). Returns mean loss,
-        mean pre-clip gradient norm and the fraction of tokens where PPO clipping was active."""
+        advantages [B]; old_logprobs, is_weights [B, T] (trainer's device); `progress` (a tqdm
+        bar) is advanced once per micro-batch. Returns mean loss, mean pre-clip gradient norm and
+        the fraction of tokens where PPO clipping was active."""
         rows = list(range(packed.num_sequences))
         slices = [rows[i::num_minibatches] for i in range(num_minibatches)]
+        _reset(progress, sum(len(self._groups(minibatch, packed)) for minibatch in slices))
         mask = packed.mask.to(self.device)
         advantages = advantages.to(self.device)
         losses, norms, clipped_tokens = [], [], 0
@@ -215,6 +223,7 @@ class GRPOPolicy:
                 loss.backward()
                 total += float(loss.detach())
                 clipped_tokens += int((clipped & mask[index]).sum())
+                _advance(progress)
             norms.append(self._optimizer_step())
             losses.append(total)
         valid = int(packed.mask.sum())
@@ -235,3 +244,13 @@ class GRPOPolicy:
             for param, master in zip(self.params, self.masters):
                 param.copy_(master)
         return norm
+
+
+def _reset(progress: tqdm | None, total: int) -> None:
+    if progress is not None:
+        progress.reset(total=total)
+
+
+def _advance(progress: tqdm | None) -> None:
+    if progress is not None:
+        progress.update(1)

@@ -14,6 +14,11 @@ QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
     head_dim=128, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
 )  # fmt: skip
+#: Qwen/Qwen3-4B's and Qwen/Qwen3-1.7B's shapes (tied embeddings): the full-depth RL step's models.
+QWEN3_4B = dict(QWEN3_8B, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+QWEN3_1_7B = dict(
+    QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True
+)  # fmt: skip
 #: Qwen/Qwen3-30B-A3B's config.json (all but transformers_version): written as is for vLLM.
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False, attention_dropout=0.0,
@@ -57,6 +62,8 @@ class ModelShape(NamedTuple):
 DEFAULT_MODEL = "qwen3-8b"
 MODELS = {
     DEFAULT_MODEL: ModelShape(QWEN3_8B, "auto", "random, bf16, torch.manual_seed(0)"),
+    "qwen3-4b": ModelShape(QWEN3_4B, "auto", "random, bf16, torch.manual_seed(0)"),
+    "qwen3-1.7b": ModelShape(QWEN3_1_7B, "auto", "random, bf16, torch.manual_seed(0)"),
     "qwen3-30b-a3b": ModelShape(
         QWEN3_30B_A3B, "dummy", "vLLM dummy weights: every parameter uniform(-1e-3, 1e-3) (FP8 ones drawn in fp16, cast)",
         # Every variant runs vLLM's Triton fused MoE: vLLM 0.22's own choice for BF16 experts on
