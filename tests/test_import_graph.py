@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "fp8_align.vllm_plugin": 1,
     "fp8_align.hf_training": 2,
     "fp8_align.adapters": 2,
+    "fp8_align.trl_engine": 2,  # TRL's engine made an fp8_align one; K/V scales by the trainer-side calibrator
     "fp8_align.doctor": 3,
     "fp8_align.error_bench": 3,
     "fp8_align.cli": 4,
