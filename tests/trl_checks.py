@@ -93,6 +93,8 @@ def test_patch_refuses_what_it_cannot_run_and_is_undone(monkeypatch: pytest.Monk
         trl_engine.patch_trl_engine(fp8_kv)
     with pytest.raises(ValueError, match="calibrate an FP8 KV cache"):
         trl_engine.patch_trl_engine(FP8Config(), KV_CALIBRATION_PROMPTS)
+    with pytest.raises(ValueError, match="on_policy='bitwise' with TRL"):
+        trl_engine.patch_trl_engine(FP8Config(on_policy="bitwise"))
     trl_engine.patch_trl_engine(fp8_kv, KV_CALIBRATION_PROMPTS)
     try:
         patched = (vllm_generation.LLM, vllm_generation.VLLMGeneration.sync_weights)

@@ -4,18 +4,19 @@ TRL 1.16's colocate mode builds its `vllm.LLM` itself (`trl.generation.vllm_gene
 `VLLMGeneration._init_vllm`) with `quantization=None` and no way to pass other engine arguments.
 `patch_trl_engine(cfg)`, called before the trainer is built, makes that constructor an fp8_align
 engine's: TRL's own arguments, then `engine_kwargs(cfg)` (quantization, the config, the KV-cache
-dtype, and for `on_policy="bitwise"` the engine settings that mode needs).
+dtype).
 
 TRL's weight sync needs no change: it calls the engine model's `load_weights([(name, param)])`
 one parameter at a time, which on an fp8_align engine checks each tensor and re-quantizes its FP8
 layer in place (a q, k or v shard, or a gate or up shard, alone). With an FP8 KV cache
 (`cfg.kv_cache_dtype == "fp8"`) new K/V scales follow every sync (wrapped around
-`VLLMGeneration.sync_weights`), measured on `kv_calibration_prompts`, so each rollout runs with
-scales of the weights it samples with: as the recipe does, by the trainer's forward
-(`KVScaleCalibrator` on TRL's model, K, V and Q) pushed to the engine; in bitwise mode by the
-engine itself (`calibrate_kv_scales`, K and V), whose scales the bitwise trainer reads back. TRL's
-sleep mode is refused with an FP8 KV cache: its level 2 discards the scales with the weights, and
-its sync wakes the weights alone.
+`VLLMGeneration.sync_weights`), measured on `kv_calibration_prompts` by the trainer's forward
+(`KVScaleCalibrator` on TRL's model: K, V and Q, as the recipe computes them) and pushed to the
+engine, so each rollout runs with scales of the weights it samples with. TRL's sleep mode is refused
+with an FP8 KV cache: its level 2 discards the scales with the weights, and its sync wakes the
+weights alone. `on_policy="bitwise"` is refused: TRL's own log-prob code (a chunked LM-head kernel
+that multiplies by 1/T) is not the engine's yet, so a bitwise engine would promise what TRL's
+trainer does not deliver.
 
 Server mode (`trl vllm-serve`) takes engine arguments on its command line; `vllm_serve_args(cfg)`
 gives them (docs/refit.md, "TRL").
@@ -39,7 +40,6 @@ import torch
 from fp8_align.config import FP8Config
 from fp8_align.megatron_ext.calibration import KVScaleCalibrator
 from fp8_align.vllm_plugin import engine_kwargs
-from fp8_align.vllm_plugin.kv.calibration import calibrate_kv_scales
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales
 
 #: TRL releases whose `trl.generation.vllm_generation` this patch was read from.
@@ -52,14 +52,15 @@ _state: dict[str, Any] = {}
 def patch_trl_engine(cfg: FP8Config, kv_calibration_prompts: Sequence[Sequence[int]] | None = None) -> None:
     """Make the engine TRL's colocate mode builds an fp8_align engine running `cfg` (module docstring).
 
-    kv_calibration_prompts: token-id prompts the engine calibrates its K/V scales on after every
-    weight sync; required when `cfg.kv_cache_dtype == "fp8"`, refused otherwise. Raises ValueError
-    for another installed TRL release, a missing or needless calibration set, or a second call with
-    another config (unpatch first).
+    kv_calibration_prompts: token-id prompts the K/V scales are measured on after every weight sync;
+    required when `cfg.kv_cache_dtype == "fp8"`, refused otherwise. Raises ValueError for another
+    installed TRL release, `on_policy="bitwise"`, a missing or needless calibration set, or a second
+    call with another config (unpatch first).
     """
     version = importlib.metadata.version("trl")
     if version not in TRL_VERSIONS:
         raise ValueError(f"trl {version}: patch_trl_engine is read from trl {', '.join(TRL_VERSIONS)} only")
+    _refuse_bitwise(cfg)
     fp8_kv = cfg.kv_cache_dtype == "fp8"
     if fp8_kv and not kv_calibration_prompts:
         raise ValueError("an FP8 KV cache needs kv_calibration_prompts: the engine recalibrates its K/V scales on them after every TRL weight sync")
@@ -87,11 +88,7 @@ def patch_trl_engine(cfg: FP8Config, kv_calibration_prompts: Sequence[Sequence[i
     def sync_weights_and_kv_scales(self: Any) -> None:
         """TRL's `sync_weights`, then (colocate, FP8 KV cache) the K/V scales of the new weights."""
         original_sync(self)
-        if self.mode != "colocate":
-            return
-        if cfg.on_policy == "bitwise":
-            calibrate_kv_scales(self.llm, prompts, include_q=False)
-        else:
+        if self.mode == "colocate":
             push_kv_scales(self.llm, trainer_kv_scales(self.accelerator.unwrap_model(self.model), prompts))
 
     module.LLM = fp8_align_llm
@@ -121,10 +118,9 @@ def unpatch_trl_engine() -> None:
 
 def vllm_serve_args(cfg: FP8Config) -> list[str]:
     """`trl vllm-serve` command-line arguments that make its server an fp8_align engine running `cfg`
-    (TRL passes arguments it does not know to `vllm serve`). `--kv-cache-dtype` is TRL's own flag
-    and is included; for `on_policy="bitwise"` the server's environment also needs the variables
-    `engine_kwargs` sets (VLLM_BATCH_INVARIANT=1, VLLM_USE_V2_MODEL_RUNNER=0), which this sets in
-    `os.environ` of the calling process."""
+    (TRL passes arguments it does not know to `vllm serve`; the last `--kv-cache-dtype` given wins
+    over TRL's own). Raises ValueError for `on_policy="bitwise"`, as `patch_trl_engine` does."""
+    _refuse_bitwise(cfg)
     args = []
     for key, value in engine_kwargs(cfg).items():
         flag = "--" + key.replace("_", "-")
@@ -133,3 +129,12 @@ def vllm_serve_args(cfg: FP8Config) -> list[str]:
         else:
             args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return args
+
+
+def _refuse_bitwise(cfg: FP8Config) -> None:
+    if cfg.on_policy == "bitwise":
+        raise ValueError(
+            "on_policy='bitwise' with TRL: its trainer's log-prob code (a chunked LM-head kernel multiplying by 1/T, no position "
+            "ids for left-padded prompts) is not the engine's, so the log-probs would not be equal; use on_policy='off' (TRL's "
+            "importance sampling corrects the rest)"
+        )
