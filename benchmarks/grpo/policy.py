@@ -206,16 +206,17 @@ class GRPOPolicy:
         the fraction of tokens where PPO clipping was active."""
         rows = list(range(packed.num_sequences))
         slices = [rows[i::num_minibatches] for i in range(num_minibatches)]
-        _reset(progress, sum(len(self._groups(minibatch, packed)) for minibatch in slices))
+        groups = [self._groups(minibatch, packed) for minibatch in slices]
+        _reset(progress, sum(map(len, groups)))
         mask = packed.mask.to(self.device)
         advantages = advantages.to(self.device)
         losses, norms, clipped_tokens = [], [], 0
-        for minibatch in slices:
+        for minibatch, minibatch_groups in zip(slices, groups):
             tokens = int(packed.mask[minibatch].sum())
             if tokens == 0:
                 continue
             total = 0.0
-            for group in self._groups(minibatch, packed):
+            for group in minibatch_groups:
                 index = torch.tensor(group, device=self.device)
                 logprobs = self.logprobs(packed, group)
                 per_token, clipped = clipped_policy_loss(logprobs, old_logprobs[index], advantages[index], clip_eps)
