@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 # The repository root is on the path, here and (set in main) in vLLM's worker processes, which
@@ -192,14 +193,54 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         steps.append({"step": step, "warm_up": step == 0, "tokens": int(mask.sum()), "engine_trainer_max_abs_dlogp": max_dlogp, "seconds": seconds})
         print(json.dumps({"variant": variant, **steps[-1]}), flush=True)
     timed = [s["seconds"] for s in steps if not s["warm_up"]]
+    kernels = profile_trainer(policy, packed, args.profile_kernels) if args.profile_kernels else None
     return {
         "runner": runner, "forced_runner": model_runner, "layers": layers, "engine_start_s": engine_start_s,
         "fp8_config": None if fp8 is None else fp8.model_dump(mode="json"),
         "step_s": [t["step"] for t in timed],
         "phases": {phase: statistics.median(t[phase] for t in timed) for phase in (*PHASES, "step") if phase in timed[0]},
         "memory_gib": {"trainer_peak": torch.cuda.max_memory_allocated() / 2**30} if device == "cuda" else {},
-        "steps": steps,
+        "steps": steps, **({"trainer_profile": kernels} if kernels is not None else {}),
     }  # fmt: skip
+
+
+def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]:
+    """The trainer's kernels on the first micro-batch of `packed` (GPU kernels; on a CPU, the CPU
+    ops): its log-probs without grad (the trainer_logprobs phase's work) and forward + backward of
+    their sum (the train phase's; no optimizer step, the gradients dropped). Per part: the
+    micro-batch's tokens, the summed self time (ms) and the `top` entries by it (name, calls, ms)."""
+    cuda = policy.device.type == "cuda"
+    group = policy.micro_batch_rows(list(range(packed.num_sequences)), packed)[0]
+    tokens = int((packed.prompt_lengths[group] + packed.completion_lengths[group]).sum())
+
+    def logprobs() -> None:
+        with torch.no_grad():
+            policy.logprobs(packed, group)
+
+    def forward_backward() -> None:
+        policy.logprobs(packed, group).sum().backward()
+        for param in policy.params:
+            param.grad = None
+
+    parts: dict[str, Any] = {}
+    for part, work in (("logprobs", logprobs), ("forward_backward", forward_backward)):
+        work()  # this micro-batch's kernels compiled and tuned before the recording
+        _drain(policy.device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as recording:
+            work()
+            _drain(policy.device)
+        self_us = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total, e.count) for e in recording.key_averages()}
+        ranked = sorted(self_us.items(), key=lambda item: item[1][0], reverse=True)
+        parts[part] = {
+            "tokens": tokens, "self_ms": sum(us for us, _ in self_us.values()) / 1e3,
+            "top": [{"name": name[:160], "calls": calls, "ms": us / 1e3} for name, (us, calls) in ranked[:top]],
+        }  # fmt: skip
+    return parts
+
+
+def _drain(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _wake(llm: Any, device: str) -> None:
@@ -239,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                         "same bytes for every variant; session 37's fp8_fast engine on the V2 runner sized its cache past --engine-memory)")
     parser.add_argument("--max-tokens-per-forward", type=int, default=4096, help="trainer micro-batch size in tokens")
     parser.add_argument("--deepgemm-cache", type=Path, help="DeepGEMM JIT cache for fp8_fast (fp8-align prepare-deepgemm)")
+    parser.add_argument("--profile-kernels", type=int, default=0, metavar="N", help="after the timed steps, the trainer's N costliest "
+                        "kernels (GPU; CPU ops on a CPU) on one micro-batch (log-probs; forward + backward) in the report's trainer_profile")
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_step_work"))
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -50,7 +50,7 @@ def test_colocated_step_sleeps_through_training_and_syncs_after_waking(tmp_path:
     out = tmp_path / "rl_step.json"
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--model", "tiny", "--colocate", "--variants", fp8,
                "--prompts", "2", "--warmup-prompts", "1", "--group", "2", "--prompt-tokens", "8", "--max-tokens", "4", "--steps", "1",
-               "--max-tokens-per-forward", "16", "--work", str(tmp_path / "work")]  # fmt: skip
+               "--max-tokens-per-forward", "16", "--profile-kernels", "3", "--work", str(tmp_path / "work")]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     report = json.loads(out.read_text())
@@ -63,5 +63,12 @@ def test_colocated_step_sleeps_through_training_and_syncs_after_waking(tmp_path:
             assert list(step["seconds"]) == [*phases, "step"], variant  # in the order they ran
             assert step["tokens"] == (1 if step["warm_up"] else 2) * 2 * 4  # prompts x group x max tokens
         assert len(entry["step_s"]) == 1 and entry["phases"]["step"] == entry["step_s"][0]
+        # one micro-batch profiled: 16 tokens at most hold one 8 + 4 token sequence
+        profiled = entry["trainer_profile"]
+        assert list(profiled) == ["logprobs", "forward_backward"]
+        for part in profiled.values():
+            assert part["tokens"] == 12 and len(part["top"]) == 3
+            assert part["self_ms"] >= sum(op["ms"] for op in part["top"]) > 0
+        assert not any("backward" in op["name"] for op in profiled["logprobs"]["top"])  # no grad there
     assert list(report["variants"]) == [fp8] and "speedup_vs_bf16" not in report["variants"][fp8]
     assert "trainer_logprobs" in run.stdout  # the table

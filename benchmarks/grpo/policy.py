@@ -164,7 +164,8 @@ class GRPOPolicy:
         padded = pad_sequence(bitwise.token_logprobs(sequences, prompts), batch_first=True)  # 0.0 past each completion
         return F.pad(padded, (0, packed.targets.shape[1] - padded.shape[1]))
 
-    def _groups(self, rows: Sequence[int], packed: PackedSequences) -> list[list[int]]:
+    def micro_batch_rows(self, rows: Sequence[int], packed: PackedSequences) -> list[list[int]]:
+        """`rows` split into the trainer's micro-batches (at most `max_tokens_per_forward` tokens each, in order)."""
         lengths = (packed.prompt_lengths + packed.completion_lengths).tolist()
         return [[rows[i] for i in group] for group in micro_batches([lengths[r] for r in rows], self.max_tokens_per_forward)]
 
@@ -173,7 +174,7 @@ class GRPOPolicy:
         """Log-probs [B, T] float32 (trainer's device) of every sequence at the current weights;
         `progress` (a tqdm bar) is advanced once per micro-batch."""
         out = torch.zeros(packed.targets.shape, dtype=torch.float32, device=self.device)
-        groups = self._groups(list(range(packed.num_sequences)), packed)
+        groups = self.micro_batch_rows(list(range(packed.num_sequences)), packed)
         _reset(progress, len(groups))
         for group in groups:
             out[torch.tensor(group, device=self.device)] = self.logprobs(packed, group)
@@ -185,7 +186,7 @@ class GRPOPolicy:
         """FP8 KV-cache scales {layer: {k_scale, v_scale, q_scale}} (amax / 448 of post-RoPE K, V,
         Q) observed by the trainer's forward over `rows`, as NeMo RL computes them each step."""
         with KVScaleCalibrator(self.model) as calibrator:
-            for group in self._groups(list(rows), packed):
+            for group in self.micro_batch_rows(list(rows), packed):
                 self.logprobs(packed, group)
         return calibrator.scales()
 
@@ -206,7 +207,7 @@ class GRPOPolicy:
         the fraction of tokens where PPO clipping was active."""
         rows = list(range(packed.num_sequences))
         slices = [rows[i::num_minibatches] for i in range(num_minibatches)]
-        groups = [self._groups(minibatch, packed) for minibatch in slices]
+        groups = [self.micro_batch_rows(minibatch, packed) for minibatch in slices]
         _reset(progress, sum(map(len, groups)))
         mask = packed.mask.to(self.device)
         advantages = advantages.to(self.device)
