@@ -85,8 +85,8 @@ def test_the_patch_applies_once_is_undone_and_refuses_what_it_cannot_do(unpatche
     assert verl_impl.logprobs_from_logits is verl_logprobs_from_logits
     unpatch_stack_logprobs("verl")
     assert verl_impl.logprobs_from_logits is original
-    with pytest.raises(ValueError, match="no log-prob patch for 'trl'"):
-        patch_stack_logprobs("trl")
+    with pytest.raises(ValueError, match="no log-prob patch for 'sglang'"):
+        patch_stack_logprobs("sglang")
     monkeypatch.setattr(importlib.metadata, "version", lambda distribution: "0.10.0")
     with pytest.raises(ValueError, match=r"verl 0\.10\.0: patch_stack_logprobs\('verl'\) is read from verl 0\.9\.1 only"):
         patch_stack_logprobs("verl")

@@ -9,10 +9,16 @@ trainer's weights, and with an FP8 KV cache the K/V scales of those weights. It 
 process (tests/trl_grpo_run.py): TRL's colocate engine joins a torch distributed world of its own
 making. Server mode needs CUDA (its weight sync is NCCL): here, TRL's own `vllm serve` command line
 with `vllm_serve_args` is parsed by vLLM's own argument parser.
+
+The bitwise trainer side: TRL's own `_get_per_token_logps_and_entropies` and GRPO loss
+(`benchmarks/trl_scorer.TrlGRPOScorer`, a real `GRPOTrainer` around a converted tiny Qwen3) with
+`patch_stack_logprobs("trl")`, against the engine's log-probs (`BitwiseForward.token_logprobs`, the
+pure-torch kernels on CPU; a CPU engine refuses the bitwise mode).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -23,9 +29,13 @@ import pytest
 import torch
 
 from fp8_align.config import FP8Config
+from fp8_align.hf_training import BitwiseForward, unpatch_stack_logprobs
 from fp8_align.error_bench.default_model import smollm2_checkpoint
 from fp8_align.quant import quantize_weight_blockwise
 from tests.engines import FIRST_LAYER_BF16, MERGED_SHARDS, SMOLLM2_HEAD_DIM, fp8_kv_unsupported_reason
+from tests.model_factory import make_tiny_tokenizer, tiny_hf_model
+from tests.packed_sequences import PROMPT_LENS, SEQUENCES
+from tests.policy_steps import assert_policy_steps_keep_the_engines_bits
 
 REPO = Path(__file__).resolve().parents[1]
 #: Token-id prompts the K/V scales are calibrated on after every sync (SmolLM2's vocabulary is 49,152).
@@ -33,6 +43,8 @@ KV_CALIBRATION_PROMPTS = [[1, 504, 3458, 282, 4007, 314, 7042, 30], [1, 2683, 25
 #: The CPU engine's settings over TRL's: a 64 MiB KV cache (not a quarter of the host) and no
 #: torch.compile (a minute per engine start on 2 cores).
 CPU_ENGINE = {"kv_cache_memory_bytes": 64 * 2**20, "compilation_config": {"mode": 0}}
+#: The bitwise recipe of the trainer-side checks (BF16 KV cache).
+BITWISE = FP8Config(on_policy="bitwise", precision="fp8")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +103,7 @@ def test_patch_refuses_what_it_cannot_run_and_is_undone(monkeypatch: pytest.Monk
         trl_engine.patch_trl_engine(fp8_kv)
     with pytest.raises(ValueError, match="calibrate an FP8 KV cache"):
         trl_engine.patch_trl_engine(FP8Config(), KV_CALIBRATION_PROMPTS)
-    with pytest.raises(ValueError, match="on_policy='bitwise' with TRL"):
+    with pytest.raises(ValueError, match="on_policy='bitwise' with TRL's engine"):
         trl_engine.patch_trl_engine(FP8Config(on_policy="bitwise"))
     trl_engine.patch_trl_engine(fp8_kv, KV_CALIBRATION_PROMPTS)
     try:
@@ -134,3 +146,79 @@ def test_trls_server_command_runs_an_fp8_align_engine() -> None:
     assert (engine.quantization, engine.kv_cache_dtype) == ("fp8_align", "fp8")
     assert config_from_engine(engine.hf_overrides["quantization_config"], environ={}) == cfg
     assert engine.weight_transfer_config.backend == "nccl"  # TRL's NCCL sync path is kept
+
+
+@pytest.fixture
+def tokenizer(tmp_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path, vocab_size=1000))  # tiny_hf_model's vocabulary
+
+
+@pytest.fixture
+def unpatched() -> Any:
+    unpatch_stack_logprobs("trl")
+    yield
+    unpatch_stack_logprobs("trl")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_trls_log_probs_of_a_converted_policy_are_the_engines(temperature: float, tokenizer: Any, unpatched: None) -> None:
+    """With the patch, TRL's log-probs of left-padded prompts are the engine's bits. Without it,
+    TRL's own fused head on the same converted model refuses the left-padded batch (no positions:
+    the engine numbers each sequence from 0), and where no row is padded on the left (every prompt
+    2 tokens) it is off the engine's bits."""
+    from benchmarks.trl_scorer import TrlGRPOScorer
+
+    base = tiny_hf_model("qwen3")
+    even = [2] * len(SEQUENCES)
+    with torch.no_grad():
+        engine = {lens: BitwiseForward(base, BITWISE).token_logprobs(SEQUENCES, list(lens), temperature=temperature) for lens in (tuple(PROMPT_LENS), tuple(even))}
+    own = TrlGRPOScorer(copy.deepcopy(base), BITWISE, tokenizer, temperature, patch_logprobs=False)
+    with pytest.raises(ValueError, match="not 0; the engine numbers each sequence's tokens from 0"):
+        own.token_logprobs(SEQUENCES, PROMPT_LENS, temperature)
+    gap = max((a - b).abs().max().item() for a, b in zip(own.token_logprobs(SEQUENCES, even, temperature), engine[tuple(even)], strict=True))
+    assert gap > 0, "TRL's own fused head gave the engine's bits: this comparison cannot fail"
+    patched = TrlGRPOScorer(copy.deepcopy(base), BITWISE, tokenizer, temperature)
+    for lens in engine:
+        for mine, theirs in zip(patched.token_logprobs(SEQUENCES, list(lens), temperature), engine[lens], strict=True):
+            assert mine.dtype == torch.float32 and torch.equal(mine, theirs), lens
+    print(f"\nT={temperature}: TRL's own fused head off the engine's bits by up to {gap:.3g} nats; patched: 0")
+
+
+def test_trl_policy_steps_keep_the_converted_policy_on_the_engines_bits(tokenizer: Any, unpatched: None) -> None:
+    """Three of TRL's GRPO updates (its `compute_loss`, micro-batches of 2) keep its patched
+    log-probs on the engine's bits (tests/policy_steps.py)."""
+    from benchmarks.trl_scorer import TrlGRPOScorer
+
+    base = tiny_hf_model("qwen3")
+    trained = copy.deepcopy(base)
+    scorer = TrlGRPOScorer(trained, BITWISE, tokenizer, 0.6)
+    assert_policy_steps_keep_the_engines_bits(scorer, base, trained, BITWISE, temperature=0.6, micro_batch_size=2)
+
+
+def test_the_trl_log_prob_patch_refuses_what_it_cannot_do(tokenizer: Any, unpatched: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    from benchmarks.trl_scorer import TrlGRPOScorer
+    from fp8_align.hf_training import patch_stack_logprobs
+    from fp8_align.hf_training.stack_patches import trl_add_fused_lm_head
+
+    original = grpo_trainer.add_fused_lm_head
+    with pytest.raises(ValueError, match="convert Qwen3ForCausalLM with make_bitwise"):
+        trl_add_fused_lm_head(tiny_hf_model("qwen3"))
+    scorer = TrlGRPOScorer(tiny_hf_model("qwen3"), BITWISE, tokenizer, 1.0)
+    assert grpo_trainer.add_fused_lm_head is trl_add_fused_lm_head
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True"):
+        trl_add_fused_lm_head(scorer.model, cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match="asked for is_top1 too"):
+        trl_add_fused_lm_head(scorer.model, outputs=("log_probs", "is_top1"))
+    with pytest.raises(ValueError, match="built for temperature 1.0"):
+        scorer.token_logprobs(SEQUENCES, PROMPT_LENS, 0.6)
+    unpatch_stack_logprobs("trl")
+    assert grpo_trainer.add_fused_lm_head is original
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.17.0")
+    with pytest.raises(ValueError, match=r"trl 1\.17\.0: patch_stack_logprobs\('trl'\) is read from trl 1\.16\.0 only"):
+        patch_stack_logprobs("trl")

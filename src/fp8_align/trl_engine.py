@@ -14,9 +14,10 @@ layer in place (a q, k or v shard, or a gate or up shard, alone). With an FP8 KV
 (`KVScaleCalibrator` on TRL's model: K, V and Q, as the recipe computes them) and pushed to the
 engine, so each rollout runs with scales of the weights it samples with. TRL's sleep mode is refused
 with an FP8 KV cache: its level 2 discards the scales with the weights, and its sync wakes the
-weights alone. `on_policy="bitwise"` is refused: TRL's own log-prob code (a chunked LM-head kernel
-that multiplies by 1/T) is not the engine's yet, so a bitwise engine would promise what TRL's
-trainer does not deliver.
+weights alone. `on_policy="bitwise"` is refused for the engine: the trainer's side exists
+(`make_bitwise` and `patch_stack_logprobs("trl")` make TRL's own log-prob code the engine's, checked
+on CPU against the engine's reference), but a bitwise engine inside TRL's loop has not run on a
+GPU, so equal log-probs are not yet shown there.
 
 Server mode (`trl vllm-serve`) takes engine arguments on its command line; `vllm_serve_args(cfg)`
 gives them (docs/refit.md, "TRL").
@@ -134,7 +135,7 @@ def vllm_serve_args(cfg: FP8Config) -> list[str]:
 def _refuse_bitwise(cfg: FP8Config) -> None:
     if cfg.on_policy == "bitwise":
         raise ValueError(
-            "on_policy='bitwise' with TRL: its trainer's log-prob code (a chunked LM-head kernel multiplying by 1/T, no position "
-            "ids for left-padded prompts) is not the engine's, so the log-probs would not be equal; use on_policy='off' (TRL's "
-            "importance sampling corrects the rest)"
+            "on_policy='bitwise' with TRL's engine: the trainer's side is make_bitwise + patch_stack_logprobs('trl'), but a "
+            "bitwise engine inside TRL's loop has not been proven equal on a GPU yet; use on_policy='off' (TRL's importance "
+            "sampling corrects the rest)"
         )

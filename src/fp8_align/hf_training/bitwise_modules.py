@@ -229,11 +229,13 @@ class VocabParallelEmbedding(nn.Module):
 class EngineLMHead(nn.Module):
     """lm_head [..., H] -> FP32 logits [..., V] as the engine computes them (`vocab_parallel_logits`:
     BF16 products through the engine's linear, per rank's vocabulary rows, then FP32), same weight
-    (tied or not)."""
+    (tied or not); `bias` None, as the engine's head has none (code that reads an `nn.Linear`'s
+    weight and bias, like TRL's own fused head, finds them)."""
 
     def __init__(self, head: nn.Linear, context: BitwiseContext) -> None:
         super().__init__()
         self.weight = head.weight
+        self.register_parameter("bias", None)
         self.in_features, self.out_features = head.in_features, head.out_features
         self.context = context
 

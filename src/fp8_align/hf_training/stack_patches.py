@@ -34,6 +34,15 @@ asked. `unpatch_stack_logprobs(stack)` puts the originals back.
   in place; `nemo_rl.distributed.model_utils.DistributedLogprob` (its own composed log-softmax, with
   a hand-written backward) by the engine's log-softmax; its chunked and top-k/top-p variants by
   refusals. Each holds at tensor and context parallel size 1.
+- TRL 1.16.0's GRPOTrainer: `trl.trainer.grpo_trainer.add_fused_lm_head`, which the trainer calls on
+  its policy (and reference model) at construction. TRL's own fused head multiplies the LM head's
+  BF16 product by 1/T in its chunked kernel, and its batch is left-padded with no `position_ids`.
+  The replacement installs, on a converted model, a `fused_lm_head=True` forward of the same
+  contract: positions from the attention mask (each sequence from 0, as the engine numbers it),
+  the converted model's FP32 logits, the engine's division by T and its log-softmax (the engine's
+  `processed_logprobs`, which TRL asks vLLM for). It refuses a model `make_bitwise` did not convert,
+  `cast_lm_head_to_fp32`, pre-shifted labels (context parallel) and outputs other than log-probs
+  and entropy.
 
 Each replacement is a dotted path inside the patch's module, or `other.module:path` in another one.
 """
@@ -49,7 +58,13 @@ from typing import Any
 
 import torch
 
+from fp8_align.hf_training.convert import CONTEXT_ATTRIBUTE
 from fp8_align.hf_training.engine_ops import divided_by_temperature, kernels_for, label_logprobs
+
+#: TRL's `add_fused_lm_head` outputs the TRL patch computes (log-probs always; entropy on request).
+TRL_OUTPUTS = ("log_probs", "entropy")
+#: Rows of logits the TRL patch materializes at once (FP32 [rows, V]).
+TRL_CHUNK_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -158,6 +173,68 @@ class RefusedLogprob:
         raise NotImplementedError(f"fp8_align's NeMo RL Megatron patch refuses {self.name}: {self.why}")
 
 
+def trl_add_fused_lm_head(
+    model: torch.nn.Module, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = ("log_probs",)
+) -> None:
+    """TRL 1.16.0's `add_fused_lm_head` contract for a model converted by `make_bitwise`: afterwards
+    `model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S] (-100: not scored),
+    fused_lm_head=True)` returns TRL's `FusedCausalLMOutput` whose `log_probs` [B, S - 1] (FP32, 0
+    where not scored) are the engine's processed log-probs at `temperature` of the next tokens, with
+    autograd's gradient; `entropy` [B, S - 1] of the same distribution when asked; without
+    `fused_lm_head` the forward is the model's own. Positions come from the attention mask (TRL's
+    prompts are left-padded). Raises ValueError for a model not converted, `cast_lm_head_to_fp32`,
+    or outputs other than `TRL_OUTPUTS`."""
+    if not hasattr(model, CONTEXT_ATTRIBUTE):
+        raise ValueError(
+            f"fp8_align's TRL patch scores with the engine's kernels: convert {type(model).__name__} with make_bitwise(model, cfg) before "
+            "the trainer is built (the reference model too when beta > 0)"
+        )
+    if cast_lm_head_to_fp32:
+        raise ValueError("cast_lm_head_to_fp32=True would feed the LM head FP32 activations; the engine multiplies BF16 (leave it False)")
+    unknown = sorted(set(outputs) - set(TRL_OUTPUTS))
+    if unknown:
+        raise ValueError(f"fp8_align's TRL patch computes {', '.join(TRL_OUTPUTS)}; asked for {', '.join(unknown)} too")
+    own_forward = model.forward
+    output_class = importlib.import_module("trl.trainer.utils").FusedCausalLMOutput
+
+    @functools.wraps(type(model).forward)
+    def engine_fused_forward(
+        self: torch.nn.Module, *args: Any, fused_lm_head: bool = False, labels: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if not fused_lm_head:
+            extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return own_forward(*args, **kwargs, **{key: value for key, value in extra.items() if value is not None})
+        if shift_labels is not None or labels is None:
+            raise NotImplementedError("fp8_align's TRL patch takes `labels` (no pre-shifted labels: context parallelism is not bitwise)")
+        mask_2d = kwargs.get("attention_mask")
+        if kwargs.get("position_ids") is None and mask_2d is not None:
+            kwargs["position_ids"] = (mask_2d.long().cumsum(-1) - 1).clamp(min=0)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state[:, :-1]
+        targets = labels[:, 1:].to(hidden.device)
+        mask = targets != -100
+        head, rows, picked = self.get_output_embeddings(), hidden[mask], targets[mask]
+        per_token: dict[str, list[torch.Tensor]] = {name: [] for name in TRL_OUTPUTS}
+        for start in range(0, rows.shape[0], TRL_CHUNK_ROWS):
+            logits = divided_by_temperature(head(rows[start : start + TRL_CHUNK_ROWS]), temperature)
+            per_token["log_probs"].append(engine_label_logprobs(logits, picked[start : start + TRL_CHUNK_ROWS]))
+            if "entropy" in outputs:
+                logprobs = torch.log_softmax(logits, dim=-1)
+                per_token["entropy"].append(-(logprobs.exp() * logprobs).sum(-1))
+        scattered = {
+            name: mask.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32))
+            for name, parts in per_token.items() if name == "log_probs" or name in outputs
+        }  # fmt: skip (masked_scatter keeps an all-masked micro-batch connected to the graph, as TRL does)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return output_class(
+            loss=-scattered["log_probs"].sum() / count, log_probs=scattered["log_probs"], entropy=scattered.get("entropy"),
+            log_sum_sq_probs=None, mean_logits=None, is_top1=None, label_mask=mask, aux_loss=None,
+        )  # fmt: skip
+
+    model.forward = engine_fused_forward.__get__(model)
+
+
 def _nemo_rl_version() -> str:
     return importlib.import_module("nemo_rl.package_info").__shortversion__
 
@@ -199,6 +276,7 @@ STACK_PATCHES: dict[str, StackPatch] = {
         ),
         ("0.6.0",), _nemo_rl_version,
     ),
+    "trl": StackPatch("trl.trainer.grpo_trainer", (("add_fused_lm_head", trl_add_fused_lm_head),), ("1.16.0",), _distribution_version("trl")),
 }  # fmt: skip
 _originals: dict[str, list[tuple[Any, str, Any]]] = {}
 

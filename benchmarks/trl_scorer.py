@@ -1,0 +1,111 @@
+"""Token log-probs and policy steps as TRL 1.16.0's GRPOTrainer computes them, for its policy
+converted by `make_bitwise`.
+
+`TrlGRPOScorer(model, cfg, tokenizer, temperature)` converts `model`, patches TRL's
+`add_fused_lm_head` (`patch_stack_logprobs("trl")`; `patch_logprobs=False` keeps TRL's own head, to
+show what the patch changes) and builds TRL's own `GRPOTrainer` around the
+model (no vLLM: the batches come from the caller, as the engine's rollouts would). Then:
+- `token_logprobs(sequences, prompt_lens)`: the batch as TRL's `_generate_and_score_completions`
+  hands it on (prompts left-padded, completions right-padded, their masks) through the trainer's
+  `_get_per_token_logps_and_entropies`: its labels, its autocast, the fused-head forward.
+- `policy_step(...)`: the trainer's `compute_loss` (TRL's GRPO loss, its default `dapo` form) per
+  micro-batch with the engine's log-probs as `old_per_token_logps`, backward, gradient clipping,
+  the optimizer step.
+
+What is not TRL's own here: the batch dictionary (TRL builds it from vLLM's outputs in
+`_generate_and_score_completions`) and the loop over micro-batches with its optimizer step (TRL's
+`Trainer.train`, which would also generate). Used by tests/trl_checks.py.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pyarrow as pa
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from benchmarks.rollout_batch import clip_and_step, left_right_padded
+
+from fp8_align import FP8Config
+from fp8_align.hf_training import make_bitwise, patch_stack_logprobs
+
+#: TRL's `max_grad_norm` (transformers' TrainingArguments default).
+MAX_GRAD_NORM = 1.0
+#: The pad id of the batches built here; masked, so never scored.
+PAD_ID = 0
+
+
+def no_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward function for the trainer's construction; the caller brings the advantages."""
+    return [0.0] * len(completions)
+
+
+class TrlGRPOScorer:
+    """TRL 1.16.0's GRPOTrainer over a converted policy (module docstring)."""
+
+    def __init__(
+        self, model: torch.nn.Module, cfg: FP8Config, tokenizer: Any, temperature: float, kv_scales: Any = None, patch_logprobs: bool = True
+    ) -> None:  # fmt: skip
+        make_bitwise(model, cfg, kv_scales=kv_scales)
+        if patch_logprobs:
+            patch_stack_logprobs("trl")
+        cpu = next(model.parameters()).device.type == "cpu"
+        args = GRPOConfig(
+            output_dir=tempfile.mkdtemp(prefix="fp8_align_trl_"), temperature=temperature, use_vllm=False, per_device_train_batch_size=2,
+            num_generations=2, max_grad_norm=MAX_GRAD_NORM, bf16=True, use_cpu=cpu, report_to="none", save_strategy="no",
+        )  # fmt: skip
+        # a fingerprint given: datasets 5.2 cannot hash a pyarrow 26 table with dill 0.4 to make one
+        prompts = Dataset(pa.table({"prompt": ["unused: the caller brings the rollouts"] * 2}), fingerprint="fp8_align_trl_scorer")
+        self.trainer = GRPOTrainer(model=model, reward_funcs=no_reward, args=args, train_dataset=prompts, processing_class=tokenizer)
+        self.trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # as Trainer's loop sets it
+        self.model, self.temperature = self.trainer.model, temperature
+        self.device = next(self.model.parameters()).device
+
+    def _batch(self, sequences: list[list[int]], prompt_lens: list[int]) -> dict[str, torch.Tensor]:
+        padded = left_right_padded(sequences, prompt_lens, self.device, PAD_ID)
+        return {"prompt_ids": padded["prompt_ids"], "prompt_mask": padded["prompt_mask"],
+                "completion_ids": padded["response_ids"], "completion_mask": padded["response_mask"]}  # fmt: skip
+
+    def _check(self, temperature: float) -> None:
+        if temperature != self.temperature:
+            raise ValueError(f"this trainer was built for temperature {self.temperature} (TRL fixes it at construction); asked for {temperature}")
+
+    def token_logprobs(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[torch.Tensor]:
+        """Per sequence, FP32 [len - prompt_len] log-probs of its completion tokens as TRL's
+        `_get_per_token_logps_and_entropies` returns them (no gradient). Raises ValueError for a
+        temperature other than the trainer's."""
+        self._check(temperature)
+        batch = self._batch(sequences, prompt_lens)
+        with torch.no_grad():
+            logps, _, _ = self.trainer._get_per_token_logps_and_entropies(
+                self.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_ids"].shape[1],
+            )  # fmt: skip
+        return [row[: len(seq) - p] for row, seq, p in zip(logps, sequences, prompt_lens, strict=True)]
+
+    def policy_step(
+        self, sequences: list[list[int]], prompt_lens: list[int], temperature: float, old_logprobs: list[torch.Tensor],
+        advantages: list[float], optimizer: torch.optim.Optimizer, micro_batch_size: int = 2,
+    ) -> dict[str, float]:  # fmt: skip
+        """One GRPO update over the batch: TRL's `compute_loss` per micro-batch (`num_items_in_batch`:
+        the whole batch's completion tokens), backward, `clip_grad_norm_` to `MAX_GRAD_NORM`, the
+        optimizer step. Returns {"loss": summed loss, "grad_norm": norm before clipping}."""
+        self._check(temperature)
+        tokens = torch.tensor(float(sum(len(seq) - p for seq, p in zip(sequences, prompt_lens, strict=True))), device=self.device)
+        optimizer.zero_grad()
+        total = 0.0
+        for start in range(0, len(sequences), micro_batch_size):
+            part = slice(start, start + micro_batch_size)
+            inputs = self._batch(sequences[part], prompt_lens[part])
+            old = torch.zeros(inputs["completion_ids"].shape, dtype=torch.float32, device=self.device)
+            for row, logprobs in enumerate(old_logprobs[part]):
+                old[row, : len(logprobs)] = logprobs.to(self.device)
+            inputs.update(old_per_token_logps=old, num_items_in_batch=tokens,
+                          advantages=torch.tensor(advantages[part], dtype=torch.float32, device=self.device))  # fmt: skip
+            loss = self.trainer.compute_loss(self.model, inputs)
+            loss.backward()
+            total += loss.item()
+        return {"loss": total, "grad_norm": clip_and_step(self.model.parameters(), optimizer, MAX_GRAD_NORM)}
