@@ -1,8 +1,8 @@
 """Bitwise inside a stack's own trainer code (GPU): verl 0.9.1's or OpenRLHF 0.11.2's actor, NeMo
-RL's DTensor policy or a megatron-core trainer against an fp8_align bitwise engine, with the
-stack's own weight sync between its policy steps.
+RL's DTensor policy, TRL 1.16.0's GRPOTrainer or a megatron-core trainer against an fp8_align
+bitwise engine, with the stack's own weight sync between its policy steps.
 
-    python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl|megatron]
+    python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl|trl|megatron]
         [--variants fp8,fp8_pow2] [--kv-cache-dtype fp8|auto] [--steps 3] [--temperatures 0.6,1.0]
         [--batch-size 64] [--max-tokens 64] [--lr 1e-3] [--linear-backward bf16|fp8] [--work /root/stack_bitwise_work]
     python benchmarks/stack_bitwise.py --out benchmarks/results/stack_bitwise.json --collect REPORT.json...
@@ -24,6 +24,13 @@ converted by `make_bitwise` with the stack's log-prob function patched (`patch_s
   extension's `update_weights_via_ipc_zmq`; weights only, so the engine keeps the K/V scales the
   trainer scores with). Needs NeMo RL's pins first on PYTHONPATH (`.cache/nemo_rl_site`, the box's
   `nemo_rl` stage): NeMo RL refuses transformers >= 5.12.
+- trl: `benchmarks/trl_scorer.TrlGRPOScorer` (its GRPOTrainer's log-prob unit and GRPO loss) in TRL's
+  colocate mode: TRL builds the engine itself (`patch_trl_engine(cfg)`, `processed_logprobs`, in
+  this process) and syncs it with its own `sync_weights` (one `load_weights` per parameter). One
+  temperature (TRL fixes it at construction) and a BF16 KV cache; the checkpoint gets a word-level
+  tokenizer of its vocabulary (TRL and its engine load one). No unpatched probe: TRL installs its
+  head at construction, so undoing the patch afterwards changes nothing (tests/trl_checks.py
+  compares TRL's own head on CPU).
 - megatron: `benchmarks/megatron_scorer.MegatronBitwiseActor`, the bitwise megatron-core GPTModel
   (`fp8_align.megatron_ext.bitwise`) under megatron-core's own DDP and optimizer,
   `processed_logprobs`, the weights synced as HF tensors by fp8_align's `refit_weights` (no worker
@@ -88,8 +95,11 @@ STACKS = {
     "verl": Stack("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension", "processed_logprobs", False),
     "openrlhf": Stack("openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", "raw_logprobs", True),
     "nemo_rl": Stack("tests.nemo_rl_worker.WorkerExtension", "processed_logprobs", False),
+    "trl": Stack(None, "processed_logprobs", False),
     "megatron": Stack(None, "processed_logprobs", False),
 }
+#: Stacks whose own log-prob code is not re-scored unpatched at step 0 (stack_bitwise's docstring says why).
+NO_UNPATCHED_PROBE = ("megatron", "trl")
 #: NeMo RL's refit buffer (it sizes it from free memory, NRL_REFIT_BUFFER_MEMORY_RATIO).
 NEMO_RL_BUFFER_BYTES = 512 * 2**20
 #: NeMo RL's `policy.max_total_sequence_length` here: the longest prompt (400) and its completion fit.
@@ -195,16 +205,29 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
     os.environ["VERL_RAY_JOB_ID"] = job_id  # names verl's ZMQ socket; the engine's workers inherit it
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # calibrate_kv_scales: collective_rpc with functions
     cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, bitwise_linear_backward=args.linear_backward, **VARIANTS[variant])
-    llm = LLM(
-        model=str(path), skip_tokenizer_init=True, max_num_seqs=args.batch_size, max_model_len=MAX_MODEL_LEN,
-        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=STACKS[stack].logprobs_mode,
-        **({"worker_extension_cls": STACKS[stack].worker_extension} if STACKS[stack].worker_extension else {}), **engine_kwargs(cfg),
-    )  # fmt: skip
+    actor: Any
+    if stack == "trl":  # TRL builds its engine itself, around the trainer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from benchmarks.trl_scorer import TrlGRPOScorer
+        from tests.model_factory import make_tiny_tokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(path, vocab_size=json.loads((path / "config.json").read_text())["vocab_size"]))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+        actor = TrlGRPOScorer(model, cfg, tokenizer, args.temperatures[0], colocate_engine={
+            "vllm_gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "vllm_max_model_length": MAX_MODEL_LEN,
+            "per_device_train_batch_size": args.batch_size})  # TRL's engine takes max_num_seqs from it  # fmt: skip
+        llm = actor.engine
+    else:
+        llm = LLM(
+            model=str(path), skip_tokenizer_init=True, max_num_seqs=args.batch_size, max_model_len=MAX_MODEL_LEN,
+            gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=STACKS[stack].logprobs_mode,
+            **({"worker_extension_cls": STACKS[stack].worker_extension} if STACKS[stack].worker_extension else {}), **engine_kwargs(cfg),
+        )  # fmt: skip
     scales = None
-    if kv_cache_dtype == "fp8":
+    if kv_cache_dtype == "fp8":  # the trl stack runs a BF16 KV cache (main refuses fp8 for it)
         calibrate_kv_scales(llm, probes, include_q=False)
         scales = engine_kv_scales(llm)
-    actor: Any
     if stack == "verl":
         from transformers import AutoModelForCausalLM
 
@@ -224,7 +247,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
 
         actor = MegatronBitwiseActor(path, cfg, scales, "cuda", args.lr)
         model = actor.gpt
-    else:
+    elif stack == "nemo_rl":
         from transformers import AutoModelForCausalLM
 
         from benchmarks.nemo_rl_scorer import NemoRLPolicyScorer
@@ -253,7 +276,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
             flat_engine = [x for lp in engine for x in lp]
             flat_verl = [x for lp in scored for x in lp.tolist()]
             max_abs, mult = _metrics(flat_engine, flat_verl)
-            if step == 0 and stack != "megatron":  # the same batch through the stack's own log-prob code: what the patch changes
+            if step == 0 and stack not in NO_UNPATCHED_PROBE:  # the same batch through the stack's own log-prob code: what the patch changes
                 unpatch_stack_logprobs(stack)
                 unpatched = _metrics(flat_engine, [x for lp in score(actor, sequences, prompt_lens, temperature) for x in lp.tolist()])[0]
                 patch_stack_logprobs(stack)
@@ -262,7 +285,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
                 "logprobs_mode": STACKS[stack].logprobs_mode, "sequences": len(sequences), "tokens": len(flat_engine),
                 "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_verl)),
-                **({"unpatched_max_abs_dlogp": unpatched} if step == 0 and stack != "megatron" else {}),
+                **({"unpatched_max_abs_dlogp": unpatched} if step == 0 and stack not in NO_UNPATCHED_PROBE else {}),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
             batches.append((sequences, prompt_lens, completions, scored))
@@ -279,6 +302,8 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
             openrlhf_sync(llm, model)
         elif stack == "megatron":
             refit_weights(llm, actor.hf_state())
+        elif stack == "trl":
+            actor.sync()
         else:
             nemo_rl_sync(llm, model)
         moved = sum(not torch.equal(start[name], p) for name, p in model.named_parameters() if name in start)
@@ -304,7 +329,7 @@ def collect(reports: list[Path]) -> dict[str, Any]:
                 raise ValueError(f"{path}: a second row for {key}")
             seen.add(key)
             probes = [r["unpatched_max_abs_dlogp"] for r in report["rows"] if r["variant"] == row["variant"] and "unpatched_max_abs_dlogp" in r]
-            unpatched = max(probes) if probes else None  # megatron: no stack function is patched
+            unpatched = max(probes) if probes else None  # megatron, trl: not probed (module docstring)
             rows.append({**row, "unpatched_max_abs_dlogp": unpatched, "date_utc": report["date_utc"], "report": path.as_posix()})
     return {"summary": rows}
 
@@ -336,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             check_temperature(temperature)
         except ValueError as error:
             parser.error(f"--temperatures: {error}")  # includes greedy (0): a policy step trains on samples
+    if args.stack == "trl" and (len(args.temperatures) != 1 or args.kv_cache_dtype != "auto"):
+        parser.error("--stack trl: one temperature (TRL fixes it at construction) and --kv-cache-dtype auto (the mode TRL's engine patch takes)")
     if STACKS[args.stack].temperature_one_only and args.temperatures != [1.0]:
         parser.error(f"--stack {args.stack}: --temperatures 1.0 only (docs/on_policy.md: its actor multiplies by 1/T on CUDA)")
     unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))

@@ -4,7 +4,11 @@ converted by `make_bitwise`.
 `TrlGRPOScorer(model, cfg, tokenizer, temperature)` converts `model`, patches TRL's
 `add_fused_lm_head` (`patch_stack_logprobs("trl")`; `patch_logprobs=False` keeps TRL's own head, to
 show what the patch changes) and builds TRL's own `GRPOTrainer` around the
-model (no vLLM: the batches come from the caller, as the engine's rollouts would). Then:
+model: without vLLM (the batches come from the caller, as the engine's rollouts would), or with
+`colocate_engine` (GRPOConfig fields over this file's, e.g. `vllm_gpu_memory_utilization` and
+`per_device_train_batch_size`, which sets the engine's `max_num_seqs`) in TRL's colocate mode, where TRL builds its own
+engine through `patch_trl_engine(cfg)` (`engine`) and syncs it with its own `sync_weights` (`sync`).
+Then:
 - `token_logprobs(sequences, prompt_lens)`: the batch as TRL's `_generate_and_score_completions`
   hands it on (prompts left-padded, completions right-padded, their masks) through the trainer's
   `_get_per_token_logps_and_entropies`: its labels, its autocast, the fused-head forward.
@@ -31,6 +35,7 @@ from benchmarks.rollout_batch import clip_and_step, left_right_padded
 
 from fp8_align import FP8Config
 from fp8_align.hf_training import make_bitwise, patch_stack_logprobs
+from fp8_align.trl_engine import patch_trl_engine
 
 #: TRL's `max_grad_norm` (transformers' TrainingArguments default).
 MAX_GRAD_NORM = 1.0
@@ -47,22 +52,36 @@ class TrlGRPOScorer:
     """TRL 1.16.0's GRPOTrainer over a converted policy (module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, cfg: FP8Config, tokenizer: Any, temperature: float, kv_scales: Any = None, patch_logprobs: bool = True
+        self, model: torch.nn.Module, cfg: FP8Config, tokenizer: Any, temperature: float, kv_scales: Any = None,
+        patch_logprobs: bool = True, colocate_engine: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         make_bitwise(model, cfg, kv_scales=kv_scales)
         if patch_logprobs:
             patch_stack_logprobs("trl")
+        if colocate_engine is not None:
+            patch_trl_engine(cfg)
         cpu = next(model.parameters()).device.type == "cpu"
-        args = GRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="fp8_align_trl_"), temperature=temperature, use_vllm=False, per_device_train_batch_size=2,
-            num_generations=2, max_grad_norm=MAX_GRAD_NORM, bf16=True, use_cpu=cpu, report_to="none", save_strategy="no",
-        )  # fmt: skip
+        settings = {
+            "output_dir": tempfile.mkdtemp(prefix="fp8_align_trl_"), "temperature": temperature, "per_device_train_batch_size": 2,
+            "num_generations": 2, "max_grad_norm": MAX_GRAD_NORM, "bf16": True, "use_cpu": cpu, "report_to": "none", "save_strategy": "no",
+            "use_vllm": colocate_engine is not None, **({"vllm_mode": "colocate", **colocate_engine} if colocate_engine is not None else {}),
+        }  # fmt: skip
+        args = GRPOConfig(**settings)
         # a fingerprint given: datasets 5.2 cannot hash a pyarrow 26 table with dill 0.4 to make one
         prompts = Dataset(pa.table({"prompt": ["unused: the caller brings the rollouts"] * 2}), fingerprint="fp8_align_trl_scorer")
         self.trainer = GRPOTrainer(model=model, reward_funcs=no_reward, args=args, train_dataset=prompts, processing_class=tokenizer)
         self.trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # as Trainer's loop sets it
         self.model, self.temperature = self.trainer.model, temperature
         self.device = next(self.model.parameters()).device
+
+    @property
+    def engine(self) -> Any:
+        """The `vllm.LLM` TRL built in colocate mode (`colocate_engine` given)."""
+        return self.trainer.vllm_generation.llm
+
+    def sync(self) -> None:
+        """TRL's own weight sync of the trainer's parameters into its colocate engine."""
+        self.trainer.vllm_generation.sync_weights()
 
     def _batch(self, sequences: list[list[int]], prompt_lens: list[int]) -> dict[str, torch.Tensor]:
         padded = left_right_padded(sequences, prompt_lens, self.device, PAD_ID)

@@ -22,8 +22,8 @@ from tests.engines import SMOLLM2_HEAD_DIM, fp8_kv_unsupported_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_SITE = ROOT / ".cache" / "trl_site"
-#: The checks tests/trl_checks.py holds: the colocate run's three, the patch's refusals, the server command, the bitwise trainer side's four.
-CHECKS = 9
+#: The checks tests/trl_checks.py holds: the colocate run's three, the patch's refusals, the server command, the bitwise trainer side's four, the bitwise engine's gate.
+CHECKS = 10
 
 
 @pytest.mark.slow

@@ -103,8 +103,10 @@ def test_patch_refuses_what_it_cannot_run_and_is_undone(monkeypatch: pytest.Monk
         trl_engine.patch_trl_engine(fp8_kv)
     with pytest.raises(ValueError, match="calibrate an FP8 KV cache"):
         trl_engine.patch_trl_engine(FP8Config(), KV_CALIBRATION_PROMPTS)
-    with pytest.raises(ValueError, match="on_policy='bitwise' with TRL's engine"):
-        trl_engine.patch_trl_engine(FP8Config(on_policy="bitwise"))
+    with pytest.raises(ValueError, match="first convert the policy with make_bitwise"):
+        trl_engine.patch_trl_engine(FP8Config(on_policy="bitwise"))  # TRL's log-prob code is not patched
+    with pytest.raises(ValueError, match="TRL's server mode"):
+        trl_engine.vllm_serve_args(FP8Config(on_policy="bitwise"))
     trl_engine.patch_trl_engine(fp8_kv, KV_CALIBRATION_PROMPTS)
     try:
         patched = (vllm_generation.LLM, vllm_generation.VLLMGeneration.sync_weights)
@@ -124,6 +126,32 @@ def test_patch_refuses_what_it_cannot_run_and_is_undone(monkeypatch: pytest.Monk
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.15.0")
     with pytest.raises(ValueError, match="trl 1.15.0"):
         trl_engine.patch_trl_engine(FP8Config())
+
+
+def test_the_bitwise_engine_patch_follows_trls_log_prob_patch(unpatched: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`on_policy="bitwise"` with TRL's engine once TRL's log-prob code is the engine's (a BF16 KV
+    cache): the engine TRL builds then gets the bitwise engine's arguments. vLLM's constructor is
+    replaced by a recorder here (the one mock of this file): a CPU engine refuses the bitwise mode
+    at start (tests/test_bitwise.py), the GPU run is benchmarks/stack_bitwise.py --stack trl."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from fp8_align import trl_engine
+    from fp8_align.hf_training import patch_stack_logprobs
+    from fp8_align.vllm_plugin import engine_kwargs
+
+    built: list[dict[str, Any]] = []
+    monkeypatch.setattr(vllm_generation, "LLM", lambda **kwargs: built.append(kwargs))
+    patch_stack_logprobs("trl")
+    with pytest.raises(ValueError, match="bitwise' with an FP8 KV cache in TRL"):
+        trl_engine.patch_trl_engine(FP8Config(on_policy="bitwise", kv_cache_dtype="fp8"), KV_CALIBRATION_PROMPTS)
+    trl_engine.patch_trl_engine(BITWISE)
+    try:
+        trl_args = {"model": "m", "max_num_batched_tokens": 4096, "logprobs_mode": "processed_logprobs"}
+        vllm_generation.LLM(**trl_args, quantization=None)
+    finally:
+        trl_engine.unpatch_trl_engine()
+    assert built == [engine_kwargs(BITWISE, **trl_args)] and built[0]["quantization"] == "fp8_align"
+    assert built[0]["hf_overrides"]["quantization_config"]["on_policy"] == "bitwise"
 
 
 def test_trls_server_command_runs_an_fp8_align_engine() -> None:

@@ -14,10 +14,11 @@ layer in place (a q, k or v shard, or a gate or up shard, alone). With an FP8 KV
 (`KVScaleCalibrator` on TRL's model: K, V and Q, as the recipe computes them) and pushed to the
 engine, so each rollout runs with scales of the weights it samples with. TRL's sleep mode is refused
 with an FP8 KV cache: its level 2 discards the scales with the weights, and its sync wakes the
-weights alone. `on_policy="bitwise"` is refused for the engine: the trainer's side exists
-(`make_bitwise` and `patch_stack_logprobs("trl")` make TRL's own log-prob code the engine's, checked
-on CPU against the engine's reference), but a bitwise engine inside TRL's loop has not run on a
-GPU, so equal log-probs are not yet shown there.
+weights alone. `on_policy="bitwise"` (colocate mode, BF16 KV cache) needs the trainer's side first:
+the policy converted by `make_bitwise` and `patch_stack_logprobs("trl")` applied, which make TRL's
+own log-prob code the engine's (checked on CPU against the engine's reference; the engine inside
+TRL's loop is benchmarks/stack_bitwise.py's `--stack trl`, a GPU run). Server mode and an FP8 KV
+cache are refused in that mode: neither has been compared.
 
 Server mode (`trl vllm-serve`) takes engine arguments on its command line; `vllm_serve_args(cfg)`
 gives them (docs/refit.md, "TRL").
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from fp8_align.config import FP8Config
+from fp8_align.hf_training.stack_patches import is_patched
 from fp8_align.megatron_ext.calibration import KVScaleCalibrator
 from fp8_align.vllm_plugin import engine_kwargs
 from fp8_align.vllm_plugin.kv.scales import push_kv_scales
@@ -55,13 +57,14 @@ def patch_trl_engine(cfg: FP8Config, kv_calibration_prompts: Sequence[Sequence[i
 
     kv_calibration_prompts: token-id prompts the K/V scales are measured on after every weight sync;
     required when `cfg.kv_cache_dtype == "fp8"`, refused otherwise. Raises ValueError for another
-    installed TRL release, `on_policy="bitwise"`, a missing or needless calibration set, or a second
-    call with another config (unpatch first).
+    installed TRL release, `on_policy="bitwise"` before `patch_stack_logprobs("trl")` or with an FP8
+    KV cache, a missing or needless calibration set, or a second call with another config (unpatch
+    first).
     """
     version = importlib.metadata.version("trl")
     if version not in TRL_VERSIONS:
         raise ValueError(f"trl {version}: patch_trl_engine is read from trl {', '.join(TRL_VERSIONS)} only")
-    _refuse_bitwise(cfg)
+    _check_bitwise(cfg)
     fp8_kv = cfg.kv_cache_dtype == "fp8"
     if fp8_kv and not kv_calibration_prompts:
         raise ValueError("an FP8 KV cache needs kv_calibration_prompts: the engine recalibrates its K/V scales on them after every TRL weight sync")
@@ -120,8 +123,10 @@ def unpatch_trl_engine() -> None:
 def vllm_serve_args(cfg: FP8Config) -> list[str]:
     """`trl vllm-serve` command-line arguments that make its server an fp8_align engine running `cfg`
     (TRL passes arguments it does not know to `vllm serve`; the last `--kv-cache-dtype` given wins
-    over TRL's own). Raises ValueError for `on_policy="bitwise"`, as `patch_trl_engine` does."""
-    _refuse_bitwise(cfg)
+    over TRL's own). Raises ValueError for `on_policy="bitwise"`: server mode's bitwise engine has not
+    been compared with TRL's trainer."""
+    if cfg.on_policy == "bitwise":
+        raise ValueError("on_policy='bitwise' in TRL's server mode: not compared with TRL's trainer; use colocate mode (patch_trl_engine)")
     args = []
     for key, value in engine_kwargs(cfg).items():
         flag = "--" + key.replace("_", "-")
@@ -132,10 +137,14 @@ def vllm_serve_args(cfg: FP8Config) -> list[str]:
     return args
 
 
-def _refuse_bitwise(cfg: FP8Config) -> None:
-    if cfg.on_policy == "bitwise":
+def _check_bitwise(cfg: FP8Config) -> None:
+    if cfg.on_policy != "bitwise":
+        return
+    if not is_patched("trl"):
         raise ValueError(
-            "on_policy='bitwise' with TRL's engine: the trainer's side is make_bitwise + patch_stack_logprobs('trl'), but a "
-            "bitwise engine inside TRL's loop has not been proven equal on a GPU yet; use on_policy='off' (TRL's importance "
-            "sampling corrects the rest)"
+            "on_policy='bitwise' with TRL: first convert the policy with make_bitwise(model, cfg) and call "
+            "patch_stack_logprobs('trl'), so that TRL's own log-prob code is the engine's; then build the trainer around that model"
         )
+    if cfg.kv_cache_dtype == "fp8":
+        raise ValueError("on_policy='bitwise' with an FP8 KV cache in TRL: not compared yet (the trainer would need the engine's K/V scales "
+                         "after every sync); use kv_cache_dtype='auto'")

@@ -303,6 +303,13 @@ def patch_stack_logprobs(stack: str) -> StackPatch:
     return patch
 
 
+def is_patched(stack: str) -> bool:
+    """Whether `patch_stack_logprobs(stack)` is in effect in this process. Raises ValueError for a
+    stack without a patch."""
+    _patch(stack)
+    return stack in _originals
+
+
 def unpatch_stack_logprobs(stack: str) -> None:
     """Put `stack`'s own log-prob code back; nothing happens when it is not patched."""
     _patch(stack)
