@@ -40,7 +40,8 @@ The report: `device`, `vllm`, `torch`, `model`, `layers`, `settings`, and per va
 model runner the engine ran), `step_s` (every timed step), `phases` (medians, "step" included),
 `steps` (every step with its phases and the engine-vs-trainer max |dlogp|), `memory_gib` and
 `speedup_vs_bf16`; a variant whose process fails is recorded under `failed` (exit code, the end of
-its log), the others still run, and the exit code is 1.
+its log, and the steps it finished: `--work`/VARIANT.steps.json is rewritten after every step), the
+others still run, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         max_dlogp = float(((old_logprobs - engine_logprobs).abs() * mask).max())
         steps.append({"step": step, "warm_up": step == 0, "tokens": int(mask.sum()), "engine_trainer_max_abs_dlogp": max_dlogp, "seconds": seconds})
         print(json.dumps({"variant": variant, **steps[-1]}), flush=True)
+        (args.work / f"{variant}.steps.json").write_text(json.dumps({"runner": runner, "steps": steps}, indent=1))  # kept if the run stops
     timed = [s["seconds"] for s in steps if not s["warm_up"]]
     kernels = profile_trainer(policy, packed, args.profile_kernels) if args.profile_kernels else None
     return {
@@ -317,11 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     failed: dict[str, dict[str, Any]] = {}
     for variant in variants:
         part, log = args.work / f"{variant}.json", args.work / f"{variant}.log"
+        (args.work / f"{variant}.steps.json").unlink(missing_ok=True)  # an earlier run's
         with open(log, "w") as handle:
             code = subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--one", variant],
                                   stdout=handle, stderr=subprocess.STDOUT).returncode  # fmt: skip
         if code != 0:  # recorded, and the other variants still run: one GPU session measures them all
-            failed[variant] = {"exit_code": code, "log_tail": log.read_text().splitlines()[-30:]}
+            done = args.work / f"{variant}.steps.json"  # the steps it finished before it stopped
+            failed[variant] = {"exit_code": code, "log_tail": log.read_text().splitlines()[-30:],
+                               **(json.loads(done.read_text()) if done.is_file() else {})}  # fmt: skip
             print(f"{variant} failed (exit {code}); its log: {log}", flush=True)
             continue
         report["variants"][variant] = json.loads(part.read_text())

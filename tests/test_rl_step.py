@@ -63,6 +63,8 @@ def test_colocated_step_sleeps_through_training_and_syncs_after_waking(tmp_path:
             assert list(step["seconds"]) == [*phases, "step"], variant  # in the order they ran
             assert step["tokens"] == (1 if step["warm_up"] else 2) * 2 * 4  # prompts x group x max tokens
         assert len(entry["step_s"]) == 1 and entry["phases"]["step"] == entry["step_s"][0]
+        kept = json.loads((tmp_path / "work" / f"{variant}.steps.json").read_text())  # what a stopped run leaves
+        assert (kept["runner"], kept["steps"]) == (entry["runner"], entry["steps"])
         # one micro-batch profiled: 16 tokens at most hold one 8 + 4 token sequence
         profiled = entry["trainer_profile"]
         assert list(profiled) == ["logprobs", "forward_backward"]
