@@ -3,7 +3,8 @@ and optimizer step, weight sync and K/V-scale recalibration; colocated, the engi
 
     python benchmarks/rl_step_time.py --out benchmarks/results/rl_step_full.json --model qwen3-1.7b --colocate
         [--variants bf16,fp8_fast@v2,fp8_bitwise_kv] [--layers N] [--prompts 64] [--group 8]
-        [--prompt-tokens 512] [--max-tokens 1024] [--steps 3] [--engine-memory 0.6] [--work DIR]
+        [--prompt-tokens 512] [--max-tokens 1024] [--steps 3] [--engine-memory 0.6] [--kv-cache-gib 36]
+        [--profile-kernels 15] [--work DIR]
 
 `--model`: a shape of `benchmarks/rollout/checkpoints.py` (qwen3-1.7b, qwen3-4b, qwen3-8b: random
 BF16 weights, seed 0, all layers unless `--layers` cuts it), `tiny` (a CPU try of the fp8 and
@@ -38,8 +39,8 @@ for the rollout, micro-batches for the trainer) on a terminal, and the end print
 
 The report: `device`, `vllm`, `torch`, `model`, `layers`, `settings`, and per variant `runner` (the
 model runner the engine ran), `step_s` (every timed step), `phases` (medians, "step" included),
-`steps` (every step with its phases and the engine-vs-trainer max |dlogp|), `memory_gib` and
-`speedup_vs_bf16`; a variant whose process fails is recorded under `failed` (exit code, the end of
+`steps` (every step with its phases and the engine-vs-trainer max |dlogp|), `memory_gib`,
+`speedup_vs_bf16` and, with `--profile-kernels`, `trainer_profile`; a variant whose process fails is recorded under `failed` (exit code, the end of
 its log, and the steps it finished: `--work`/VARIANT.steps.json is rewritten after every step), the
 others still run, and the exit code is 1.
 """
