@@ -122,12 +122,10 @@ class Phases:
 
     def run(self, phase: str, work: Callable[[tqdm], Any]) -> Any:
         with tqdm(desc=f"step {self.step} {phase}", unit="it", leave=False, disable=not sys.stderr.isatty()) as bar:
-            if self.device == "cuda":
-                torch.cuda.synchronize()
+            _drain(self.device)
             start = time.perf_counter()
             result = work(bar)
-            if self.device == "cuda":
-                torch.cuda.synchronize()
+            _drain(self.device)
             self.seconds[phase] = time.perf_counter() - start
         return result
 
@@ -241,8 +239,9 @@ def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]
     return parts
 
 
-def _drain(device: torch.device) -> None:
-    if device.type == "cuda":
+def _drain(device: str | torch.device) -> None:
+    """Wait for the GPU's queued work (nothing on a CPU)."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 

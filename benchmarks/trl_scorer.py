@@ -52,10 +52,10 @@ class TrlGRPOScorer:
     """TRL 1.16.0's GRPOTrainer over a converted policy (module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, cfg: FP8Config, tokenizer: Any, temperature: float, kv_scales: Any = None,
-        patch_logprobs: bool = True, colocate_engine: dict[str, Any] | None = None,
+        self, model: torch.nn.Module, cfg: FP8Config, tokenizer: Any, temperature: float, patch_logprobs: bool = True,
+        colocate_engine: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
-        make_bitwise(model, cfg, kv_scales=kv_scales)
+        make_bitwise(model, cfg)
         if patch_logprobs:
             patch_stack_logprobs("trl")
         if colocate_engine is not None:

@@ -194,12 +194,17 @@ def kernels_for(device: torch.device) -> EngineKernels:
     return engine_kernels() if device.type == "cuda" else reference_kernels()
 
 
-def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, kernels: EngineKernels) -> torch.Tensor:
-    """FP32 log-probs [...] of `labels` [...] (int64) under FP32 `logits` [..., V]: the engine's
-    log-softmax of each row (backward: autograd's formula), then the label's entry."""
+def row_logprobs(logits: torch.Tensor, kernels: EngineKernels) -> torch.Tensor:
+    """FP32 log-probs [N, V] of FP32 `logits` [..., V] flattened to rows: the engine's log-softmax of
+    each row (backward: autograd's formula)."""
     rows = logits.reshape(-1, logits.shape[-1])
-    logprobs = engine_op(kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), rows, vjp=log_softmax_vjp, save_output=True)
-    return logprobs.gather(1, labels.reshape(-1, 1))[:, 0].reshape(labels.shape)
+    return engine_op(kernels.log_softmax, functools.partial(torch.log_softmax, dim=-1), rows, vjp=log_softmax_vjp, save_output=True)
+
+
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, kernels: EngineKernels) -> torch.Tensor:
+    """FP32 log-probs [...] of `labels` [...] (int64) under FP32 `logits` [..., V]: `row_logprobs`,
+    then the label's entry."""
+    return row_logprobs(logits, kernels).gather(1, labels.reshape(-1, 1))[:, 0].reshape(labels.shape)
 
 
 def divided_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from fp8_align.hf_training.convert import CONTEXT_ATTRIBUTE
-from fp8_align.hf_training.engine_ops import divided_by_temperature, kernels_for, label_logprobs
+from fp8_align.hf_training.engine_ops import divided_by_temperature, kernels_for, label_logprobs, row_logprobs
 
 #: TRL's `add_fused_lm_head` outputs the TRL patch computes (log-probs always; entropy on request).
 TRL_OUTPUTS = ("log_probs", "entropy")
@@ -215,17 +215,15 @@ def trl_add_fused_lm_head(
         targets = labels[:, 1:].to(hidden.device)
         mask = targets != -100
         head, rows, picked = self.get_output_embeddings(), hidden[mask], targets[mask]
-        per_token: dict[str, list[torch.Tensor]] = {name: [] for name in TRL_OUTPUTS}
+        names = TRL_OUTPUTS if "entropy" in outputs else ("log_probs",)
+        per_token: dict[str, list[torch.Tensor]] = {name: [rows[:0, 0].float()] for name in names}  # connected even when empty
         for start in range(0, rows.shape[0], TRL_CHUNK_ROWS):
-            logits = divided_by_temperature(head(rows[start : start + TRL_CHUNK_ROWS]), temperature)
-            per_token["log_probs"].append(engine_label_logprobs(logits, picked[start : start + TRL_CHUNK_ROWS]))
-            if "entropy" in outputs:
-                logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = row_logprobs(divided_by_temperature(head(rows[start : start + TRL_CHUNK_ROWS]), temperature), kernels_for(rows.device))
+            per_token["log_probs"].append(logprobs.gather(1, picked[start : start + TRL_CHUNK_ROWS, None])[:, 0])
+            if "entropy" in names:
                 per_token["entropy"].append(-(logprobs.exp() * logprobs).sum(-1))
-        scattered = {
-            name: mask.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32))
-            for name, parts in per_token.items() if name == "log_probs" or name in outputs
-        }  # fmt: skip (masked_scatter keeps an all-masked micro-batch connected to the graph, as TRL does)
+        # masked_scatter keeps an all-masked micro-batch connected to the graph, as TRL does
+        scattered = {name: mask.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(mask, torch.cat(parts)) for name, parts in per_token.items()}
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return output_class(
             loss=-scattered["log_probs"].sum() / count, log_probs=scattered["log_probs"], entropy=scattered.get("entropy"),
