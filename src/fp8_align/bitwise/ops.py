@@ -3,21 +3,25 @@
 The engine (its patched RMSNorm, SiLU-and-mul and RoPE layers, `vllm_plugin.patches`) and the
 trainer (`fp8_align.hf_training.BitwiseForward`) call these same ops. As custom ops they are opaque
 to torch.compile: vLLM's Inductor graph calls them as they are and cannot fuse or re-round their
-arithmetic. On CUDA they run `fp8_align.bitwise.triton_kernels`, elsewhere the pure-torch
-references (`fp8_align.bitwise.reference`).
+arithmetic. On CUDA they run `fp8_align.bitwise.triton_kernels` (`moe_kernels` for the
+Mixture-of-Experts ops), elsewhere the pure-torch references (`fp8_align.bitwise.reference`,
+`moe_reference`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from fp8_align.bitwise.moe_reference import (
+    check_expert_offsets, check_grouped_mm_inputs, experts_of_rows, grouped_block_fp8_mm_reference, moe_combine_reference, moe_route_reference,
+)  # fmt: skip
 from fp8_align.bitwise.reference import apply_rope, fused_add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference
 from fp8_align.quant import fp8_block_gemm
 
 try:
-    from fp8_align.bitwise import triton_kernels
+    from fp8_align.bitwise import moe_kernels, triton_kernels
 except ImportError:  # CPU builds of torch come without Triton; the CPU path needs none
-    triton_kernels = None
+    moe_kernels = triton_kernels = None
 
 
 def _on_triton(x: torch.Tensor) -> bool:
@@ -118,3 +122,66 @@ def _(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     return torch.empty((x_fp8.shape[0], w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
+
+
+@torch.library.custom_op("fp8_align::bitwise_moe_route", mutates_args=())
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] bf16/fp16/fp32 (E <= 512) -> (weights [T, top_k] float32, expert ids
+    [T, top_k] int32, largest first, ties to the lowest index): `moe_reference.moe_route_reference`."""
+    if _on_triton(router_logits):
+        return moe_kernels.moe_route_triton(router_logits, top_k, renormalize)
+    return moe_route_reference(router_logits, top_k, renormalize)
+
+
+@moe_route.register_fake
+def _(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = router_logits.shape[0]
+    return router_logits.new_empty((tokens, top_k), dtype=torch.float32), router_logits.new_empty((tokens, top_k), dtype=torch.int32)
+
+
+@torch.library.custom_op("fp8_align::bitwise_grouped_block_fp8_mm", mutates_args=())
+def grouped_block_fp8_mm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows sorted by expert, x_fp8 [M, K] e4m3 with [M, ceil(K/128)] float32 scales, rows
+    expert_offsets[e] .. expert_offsets[e + 1] - 1 (offsets [E + 1] int32/int64) times expert e's
+    weight w_fp8 [E, N, K] e4m3 with its [E, ceil(N/128), ceil(K/128)] float32 grids -> [M, N]
+    `out_dtype`: each row's `fp8_align.quant.fp8_block_gemm` with its expert's weight, rounded once.
+    On CUDA one grouped Triton GEMM whose launch does not depend on the routing."""
+    if _on_triton(x_fp8):
+        return moe_kernels.grouped_block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale, expert_offsets, out_dtype)
+    check_grouped_mm_inputs(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+    check_expert_offsets(expert_offsets, w_fp8.shape[0])
+    return grouped_block_fp8_mm_reference(x_fp8, x_scale, w_fp8, w_scale, experts_of_rows(expert_offsets, x_fp8.shape[0]), out_dtype)
+
+
+@grouped_block_fp8_mm.register_fake
+def _(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return torch.empty((x_fp8.shape[0], w_fp8.shape[1]), dtype=out_dtype, device=x_fp8.device)
+
+
+@torch.library.custom_op("fp8_align::bitwise_moe_combine", mutates_args=())
+def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, K, H] bf16/fp16/fp32 (a token's K expert outputs, in slot order), weights [T, K]
+    float32 -> [T, H] in y's dtype: the FP32 weighted sum over the slots in order, no FMA,
+    rounded once (`moe_reference.moe_combine_reference`)."""
+    if _on_triton(y):
+        return moe_kernels.moe_combine_triton(y, weights)
+    return moe_combine_reference(y, weights)
+
+
+@moe_combine.register_fake
+def _(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return y.new_empty((y.shape[0], y.shape[2]))
