@@ -5,7 +5,7 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
         [--models smollm2,qwen3-8b-4l] [--variants bf16,fp8,fp8_pow2] [--kv-cache-dtypes auto,fp8]
         [--batch-sizes 1,7,64,512] [--max-tokens 96] [--work /root/bitwise_work]
         [--logprobs-mode raw_logprobs|processed_logprobs] [--temperatures 1.0[,0.6]] [--tensor-parallel-size 1|2]
-        [--scorer bitwise_forward|verl|megatron|nemo_rl_megatron]
+        [--scorer bitwise_forward|verl|megatron|nemo_rl_megatron] [--model-runner v1|v2]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
@@ -29,6 +29,11 @@ the same bits at every batch size.
 starts each engine over both GPUs and scores with `BitwiseForward(..., tensor_parallel_size=2)` on
 GPU 0; each row also gives `max_abs_dlogp_unsharded_trainer`, the same tokens scored as one GPU's
 engine computes them, which shows what reproducing the ranks' partial sums is worth.
+
+`--model-runner v2` runs the engines on vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`), which
+the bitwise engine refuses until this proof exists: the run sets the lab switch
+`FP8_ALIGN_UNPROVEN_BITWISE=v2_runner` (`vllm_plugin.engine_args.UNPROVEN_BITWISE_ENV_VAR`) for its
+engines, and the report records it. Every row names the runner the engine ran (`runner`).
 
 `--scorer verl` scores with verl 0.9.1's own compute_log_prob code instead
 (`benchmarks/verl_scorer.VerlActorScorer`): the HF model converted by `make_bitwise`, verl's
@@ -62,8 +67,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR  # noqa: E402
 
 MODELS = ("smollm2", "qwen3-8b-4l")
+MODEL_RUNNERS = ("v1", "v2")
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"precision": "bf16"},
     "fp8": {"precision": "fp8"},
@@ -148,6 +155,7 @@ def run_one(
         **engine_kwargs(cfg, tensor_parallel_size=tensor_parallel_size),
     )  # fmt: skip
     engine_start_s = time.perf_counter() - start
+    runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
     scales = None
     if kv_cache_dtype == "fp8":
         calibrate_kv_scales(llm, probes, include_q=False)
@@ -213,7 +221,7 @@ def run_one(
             rows.append({
                 "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
                 "temperature": temperature, "logprobs_mode": logprobs_mode, "trainer_temperature": scored_at, "batch_size": size,
-                "tensor_parallel_size": tensor_parallel_size, "scorer": scorer,
+                "tensor_parallel_size": tensor_parallel_size, "scorer": scorer, "runner": runner,
                 "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
             })  # fmt: skip
@@ -222,7 +230,7 @@ def run_one(
             print(json.dumps(rows[-1]), flush=True)
         invariance.append({
             "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
-            "temperature": temperature, "logprobs_mode": logprobs_mode, "batch_sizes": batch_sizes,
+            "temperature": temperature, "logprobs_mode": logprobs_mode, "batch_sizes": batch_sizes, "runner": runner,
             "probe_tokens_equal": all(run[i][0] == probe_runs[0][i][0] for run in probe_runs for i in range(len(probes))),
             "probe_logprobs_equal": all(run[i][1] == probe_runs[0][i][1] for run in probe_runs for i in range(len(probes))),
         })  # fmt: skip
@@ -276,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scorer", choices=("bitwise_forward", "verl", "megatron", "nemo_rl_megatron"), default="bitwise_forward",
                         help="the trainer side: BitwiseForward, verl 0.9.1's compute_log_prob on the converted model, the bitwise "
                              "megatron-core GPTModel, or NeMo RL's Megatron log-prob unit on it")
+    parser.add_argument("--model-runner", choices=MODEL_RUNNERS, default="v1",
+                        help="vLLM's model runner of the engines (v2: sets the lab switch FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -292,11 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.model_runner == "v2":  # read by engine_kwargs and the engine's start check, here and in each --one child
+        unproven = {part for part in os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "").split(",") if part} | {"v2_runner"}
+        os.environ.update({UNPROVEN_BITWISE_ENV_VAR: ",".join(sorted(unproven)), V2_MODEL_RUNNER_ENV_VAR: "1"})
     if args.one:
         result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer)
         args.out.write_text(json.dumps(result))
         return 0
-    report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions()}
+    report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions(),
+                              "unproven_bitwise": os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "")}  # fmt: skip
     if args.scorer in ("megatron", "nemo_rl_megatron"):
         report["megatron_core"] = importlib.metadata.version("megatron-core")
     report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
@@ -312,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         log = args.work / f"{model}_{variant}_{kv}.log"
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
                "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
-               "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size), "--scorer", args.scorer]  # fmt: skip
+               "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size), "--scorer", args.scorer,
+               "--model-runner", args.model_runner]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():

@@ -34,7 +34,8 @@ fp8_bitwise_kv (`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `Bitwise
 fp8_kv / fp8 (the fast mode's linears and trainer with vLLM's own FP8-KV decode, or a BF16 KV
 cache: what a CPU runs).
 `VARIANT@v1` / `VARIANT@v2` forces vLLM's V1 or V2 model runner (`VLLM_USE_V2_MODEL_RUNNER`);
-without it vLLM picks (the bitwise engine refuses V2). Each phase shows a progress bar (vLLM's
+without it vLLM picks (the bitwise engine refuses V2 until its proof: `fp8_bitwise_kv@v2` sets the
+lab switch `FP8_ALIGN_UNPROVEN_BITWISE=v2_runner`, and its entry says `unproven_bitwise`). Each phase shows a progress bar (vLLM's
 for the rollout, micro-batches for the trainer) on a terminal, and the end prints the table.
 
 The report: `device`, `vllm`, `torch`, `model`, `layers`, `settings`, and per variant `runner` (the
@@ -74,6 +75,7 @@ from benchmarks.grpo.policy import GRPOPolicy, pack_sequences  # noqa: E402
 from benchmarks.rollout.checkpoints import MODELS, ensure_bf16_checkpoint  # noqa: E402
 from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR  # noqa: E402
 
 #: Variant -> the engine's FP8Config (None: stock BF16); the trainer follows it (GRPOPolicy).
 VARIANTS: dict[str, FP8Config | None] = {
@@ -136,7 +138,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer initializes CUDA in this process
     fp8, model_runner = parse_variant(variant)
     if model_runner is not None:
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"
+        os.environ[V2_MODEL_RUNNER_ENV_VAR] = "1" if model_runner == "v2" else "0"
+    unproven = fp8 is not None and fp8.on_policy == "bitwise" and model_runner == "v2"
+    if unproven:  # the bitwise engine on V2 before its proof: the lab switch, recorded in the report
+        os.environ[UNPROVEN_BITWISE_ENV_VAR] = "v2_runner"
     deep_gemm = fp8 is not None and fp8.use_deep_gemm and fp8.on_policy == "off"
     os.environ["VLLM_USE_DEEP_GEMM"] = "1" if deep_gemm else "0"  # as rollout_throughput.py's _dg variants
     if deep_gemm and args.deepgemm_cache:
@@ -196,7 +201,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     timed = [s["seconds"] for s in steps if not s["warm_up"]]
     kernels = profile_trainer(policy, packed, args.profile_kernels) if args.profile_kernels else None
     return {
-        "runner": runner, "forced_runner": model_runner, "layers": layers, "engine_start_s": engine_start_s,
+        "runner": runner, "forced_runner": model_runner, "unproven_bitwise": unproven, "layers": layers, "engine_start_s": engine_start_s,
         "fp8_config": None if fp8 is None else fp8.model_dump(mode="json"),
         "step_s": [t["step"] for t in timed],
         "phases": {phase: statistics.median(t[phase] for t in timed) for phase in (*PHASES, "step") if phase in timed[0]},

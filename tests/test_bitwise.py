@@ -80,6 +80,22 @@ def test_engine_kwargs_refuse_an_environment_that_asks_for_the_v2_runner(monkeyp
     assert os.environ[BATCH_INVARIANT_ENV_VAR] == "0"
 
 
+def test_the_unproven_switch_leaves_the_v2_runner_to_the_environment_and_refuses_unknown_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8_ALIGN_UNPROVEN_BITWISE=v2_runner (the V2 proof run's lab switch) keeps the user's
+    VLLM_USE_V2_MODEL_RUNNER=1; a name it does not know is refused, listing the known ones."""
+    from fp8_align.vllm_plugin import engine_kwargs
+    from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR
+
+    monkeypatch.setenv(BATCH_INVARIANT_ENV_VAR, "0")
+    monkeypatch.setenv(V2_MODEL_RUNNER_ENV_VAR, "1")
+    monkeypatch.setenv(UNPROVEN_BITWISE_ENV_VAR, "v2_runner")
+    engine_kwargs(BITWISE)
+    assert (os.environ[V2_MODEL_RUNNER_ENV_VAR], os.environ[BATCH_INVARIANT_ENV_VAR]) == ("1", "1")
+    monkeypatch.setenv(UNPROVEN_BITWISE_ENV_VAR, "v2_runner,v3_runner")
+    with pytest.raises(ValueError, match=r"names \['v3_runner'\]; it takes a comma-separated list of \('v2_runner', 'qwen3_moe'\)"):
+        engine_kwargs(BITWISE)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.model_factory import make_tiny_llama
@@ -137,6 +153,8 @@ def test_engine_problems_name_the_v2_model_runner(tiny_llama: Path, v2_runner: s
     problems = "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
     assert ("V2 model runner" in problems) == (v2_runner == "1"), problems
     assert "vLLM's batch-invariant kernels" not in problems, problems
+    monkeypatch.setenv(on_policy.UNPROVEN_BITWISE_ENV_VAR, "v2_runner")  # the proof run's lab switch lets V2 past
+    assert "V2 model runner" not in "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
 
 
 @pytest.mark.parametrize(("tensor_parallel_size", "refused"), [(2, False), (4, True)])

@@ -13,6 +13,12 @@ BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"
 #: Set to "0" by `engine_kwargs` for `on_policy="bitwise"`: vLLM's V1 model runner, whose sampler the
 #: bitwise proofs cover (0.25 makes V2 the default for dense models, quantized or not).
 V2_MODEL_RUNNER_ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
+#: Lab switch for a GPU proof run: a comma-separated list of `UNPROVEN_BITWISE_FEATURES` the bitwise
+#: engine then runs although no proof of them is in benchmarks/results/ (never for RL runs).
+UNPROVEN_BITWISE_ENV_VAR = "FP8_ALIGN_UNPROVEN_BITWISE"
+#: What `UNPROVEN_BITWISE_ENV_VAR` may name: "v2_runner", vLLM's V2 model runner (its sampler's
+#: temperature and log-softmax kernels); "qwen3_moe", the bitwise Mixture-of-Experts layer.
+UNPROVEN_BITWISE_FEATURES = ("v2_runner", "qwen3_moe")
 #: Engine arguments of `on_policy="bitwise"` (what `vllm_plugin.on_policy` checks at engine start).
 BITWISE_ENGINE_KWARGS = {"attention_backend": "TRITON_ATTN", "enable_prefix_caching": False, "disable_cascade_attn": True}
 
@@ -26,6 +32,16 @@ def quantization_config_dict(cfg: FP8Config) -> dict[str, Any]:
     return {QUANT_METHOD_KEY: QUANTIZATION_NAME, **cfg.model_dump(mode="json")}
 
 
+def unproven_bitwise_features() -> frozenset[str]:
+    """The features `UNPROVEN_BITWISE_ENV_VAR` lets a bitwise engine run before their GPU proof;
+    ValueError naming any entry that is not in `UNPROVEN_BITWISE_FEATURES`."""
+    named = frozenset(part.strip() for part in os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "").split(",") if part.strip())
+    unknown = sorted(named - set(UNPROVEN_BITWISE_FEATURES))
+    if unknown:
+        raise ValueError(f"{UNPROVEN_BITWISE_ENV_VAR} names {unknown}; it takes a comma-separated list of {UNPROVEN_BITWISE_FEATURES}")
+    return named
+
+
 def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM(...)` / `EngineArgs(...)` that run `cfg` in every worker.
 
@@ -36,7 +52,8 @@ def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, A
     `cfg.on_policy == "bitwise"`, which also needs fp8_align in a BF16 engine: then the kwargs hold
     `BITWISE_ENGINE_KWARGS` and this function sets VLLM_BATCH_INVARIANT=1 and
     VLLM_USE_V2_MODEL_RUNNER=0 in `os.environ`; it raises ValueError when the environment already
-    asks for the V2 model runner (VLLM_USE_V2_MODEL_RUNNER other than 0).
+    asks for the V2 model runner (VLLM_USE_V2_MODEL_RUNNER other than 0), unless
+    `UNPROVEN_BITWISE_ENV_VAR` names "v2_runner" (then the runner is left to the environment).
     """
     cfg = FP8Config() if cfg is None else cfg
     kwargs: dict[str, Any] = {}
@@ -46,13 +63,14 @@ def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, A
         if cfg.kv_cache_dtype == "fp8":
             kwargs["kv_cache_dtype"] = "fp8"
     if cfg.on_policy == "bitwise":
-        if os.environ.get(V2_MODEL_RUNNER_ENV_VAR, "0") != "0":
-            raise ValueError(
-                f"on_policy='bitwise' runs vLLM's V1 model runner, but {V2_MODEL_RUNNER_ENV_VAR}="
-                f"{os.environ[V2_MODEL_RUNNER_ENV_VAR]!r} asks for V2; unset it or set it to 0"
-            )
+        if "v2_runner" not in unproven_bitwise_features():
+            if os.environ.get(V2_MODEL_RUNNER_ENV_VAR, "0") != "0":
+                raise ValueError(
+                    f"on_policy='bitwise' runs vLLM's V1 model runner, but {V2_MODEL_RUNNER_ENV_VAR}="
+                    f"{os.environ[V2_MODEL_RUNNER_ENV_VAR]!r} asks for V2; unset it or set it to 0"
+                )
+            os.environ[V2_MODEL_RUNNER_ENV_VAR] = "0"
         os.environ[BATCH_INVARIANT_ENV_VAR] = "1"
-        os.environ[V2_MODEL_RUNNER_ENV_VAR] = "0"
         kwargs.update(BITWISE_ENGINE_KWARGS)
     extra_overrides = overrides.pop("hf_overrides", None)
     if extra_overrides:

@@ -35,7 +35,7 @@ from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
 from fp8_align.config import FP8Config
 from fp8_align.versions import BITWISE_FEATURE, FEATURE_SERIES, installed_vllm_version, vllm_series
-from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, BITWISE_ENGINE_KWARGS
+from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, BITWISE_ENGINE_KWARGS, UNPROVEN_BITWISE_ENV_VAR, unproven_bitwise_features
 
 #: vLLM series whose batch-invariant mode, TRITON_ATTN kernel and model code (Llama, Qwen2, Qwen3
 #: forwards; RMSNorm, SiluAndMul, RotaryEmbedding layers) the bitwise engine was built and proven on.
@@ -69,10 +69,11 @@ def bitwise_engine_problems(vllm_config: Any, cfg: FP8Config) -> list[str]:
     if version is None or vllm_series(version) not in BITWISE_SERIES:
         tested = ", ".join(f"{a}.{b}" for a, b in BITWISE_SERIES)
         problems.append(f"it is built on vLLM {tested}'s batch-invariant kernels and model code; the installed vLLM is {version}")
-    elif vllm_config.use_v2_model_runner:
+    elif vllm_config.use_v2_model_runner and "v2_runner" not in unproven_bitwise_features():
         problems.append(
             "the engine runs vLLM's V2 model runner, whose sampler divides by the temperature and takes the log-softmax "
-            "in kernels of its own; the bitwise proofs cover the V1 runner (set VLLM_USE_V2_MODEL_RUNNER=0)"
+            "in kernels of its own; the bitwise proofs cover the V1 runner (set VLLM_USE_V2_MODEL_RUNNER=0; "
+            f"{UNPROVEN_BITWISE_ENV_VAR}=v2_runner is the switch of the GPU proof run)"
         )
     if not envs.VLLM_BATCH_INVARIANT:
         problems.append(f"{BATCH_INVARIANT_ENV_VAR}=1 must be set before the engine starts (engine_kwargs(cfg) sets it)")
