@@ -41,9 +41,10 @@ for the rollout, micro-batches for the trainer) on a terminal, and the end print
 The report: `device`, `vllm`, `torch`, `model`, `layers`, `settings`, and per variant `runner` (the
 model runner the engine ran), `step_s` (every timed step), `phases` (medians, "step" included),
 `steps` (every step with its phases and the engine-vs-trainer max |dlogp|), `memory_gib`,
-`speedup_vs_bf16` and, with `--profile-kernels`, `trainer_profile`; a variant whose process fails is recorded under `failed` (exit code, the end of
-its log, and the steps it finished: `--work`/VARIANT.steps.json is rewritten after every step), the
-others still run, and the exit code is 1.
+`speedup_vs_bf16` and, with `--profile-kernels`, `trainer_profile`; a variant whose process stops
+without its part is recorded under `failed` (the end of its log, and the steps it finished:
+`--work`/VARIANT.steps.json is rewritten after every step), the others still run, and the exit code
+is 1. `--from-work` writes the report of a run that was stopped from what its `--work` holds.
 """
 
 from __future__ import annotations
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-kernels", type=int, default=0, metavar="N", help="after the timed steps, the trainer's N costliest "
                         "kernels (GPU; CPU ops on a CPU) on one micro-batch (log-probs; forward + backward) in the report's trainer_profile")
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_step_work"))
+    parser.add_argument("--from-work", action="store_true", help="run nothing: the report from what --work holds (each variant's "
+                        "finished part, or the steps a stopped one wrote), e.g. of a run its machine took back")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
@@ -314,25 +317,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import vllm
 
-    report: dict[str, Any] = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "vllm": vllm.__version__,
-        "torch": torch.__version__, "model": args.model, "layers": None, "colocated": args.colocate,
-        "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "one", "work")}, "variants": {},
-    }  # fmt: skip
+    header = args.work / "run.json"  # the run's machine, versions and settings, for --from-work
+    if args.from_work:
+        if not header.is_file():
+            parser.error(f"--from-work: {header} is missing (written when a run starts)")
+        report: dict[str, Any] = {**json.loads(header.read_text()), "variants": {}}
+    else:
+        report = {
+            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "vllm": vllm.__version__,
+            "torch": torch.__version__, "model": args.model, "layers": None, "colocated": args.colocate,
+            "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "one", "work", "from_work")}, "variants": {},
+        }  # fmt: skip
+        header.write_text(json.dumps(report, indent=1))
     failed: dict[str, dict[str, Any]] = {}
     for variant in variants:
         part, log = args.work / f"{variant}.json", args.work / f"{variant}.log"
-        (args.work / f"{variant}.steps.json").unlink(missing_ok=True)  # an earlier run's
-        with open(log, "w") as handle:
-            code = subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--one", variant],
-                                  stdout=handle, stderr=subprocess.STDOUT).returncode  # fmt: skip
-        if code != 0:  # recorded, and the other variants still run: one GPU session measures them all
+        if not args.from_work:
+            for stale in (part, args.work / f"{variant}.steps.json"):  # an earlier run's
+                stale.unlink(missing_ok=True)
+            with open(log, "w") as handle:
+                subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--one", variant],
+                               stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
+        if not part.is_file():  # recorded, and the other variants still run: one GPU session measures them all
             done = args.work / f"{variant}.steps.json"  # the steps it finished before it stopped
-            failed[variant] = {"exit_code": code, "log_tail": log.read_text().splitlines()[-30:],
+            failed[variant] = {"log_tail": log.read_text().splitlines()[-30:] if log.is_file() else [],
                                **(json.loads(done.read_text()) if done.is_file() else {})}  # fmt: skip
-            print(f"{variant} failed (exit {code}); its log: {log}", flush=True)
+            print(f"{variant} did not finish; its log: {log}", flush=True)
             continue
         report["variants"][variant] = json.loads(part.read_text())
         print(f"{variant}: median step {report['variants'][variant]['phases']['step']:.2f} s", flush=True)

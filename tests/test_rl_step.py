@@ -74,3 +74,11 @@ def test_colocated_step_sleeps_through_training_and_syncs_after_waking(tmp_path:
         assert not any("backward" in op["name"] for op in profiled["logprobs"]["top"])  # no grad there
     assert list(report["variants"]) == [fp8] and "speedup_vs_bf16" not in report["variants"][fp8]
     assert "trainer_logprobs" in run.stdout  # the table
+    # a run its machine took back: no part of the variant, its steps kept; --from-work reports them
+    (tmp_path / "work" / f"{fp8}.json").unlink()
+    rebuilt_out = tmp_path / "rebuilt.json"
+    rebuilt = subprocess.run([*command[:3], str(rebuilt_out), *command[4:], "--from-work"], capture_output=True, text=True, timeout=300)
+    assert rebuilt.returncode == 1, rebuilt.stdout[-3000:] + rebuilt.stderr[-3000:]
+    stopped = json.loads(rebuilt_out.read_text())
+    assert {k: stopped[k] for k in ("command", "date_utc", "device", "settings")} == {k: report[k] for k in ("command", "date_utc", "device", "settings")}
+    assert stopped["variants"] == {} and stopped["failed"][fp8]["steps"] == report["variants"][fp8]["steps"]
