@@ -10,8 +10,13 @@ block-FP8 GEMM with one tile configuration for every token count. Every kernel c
 does not depend on how many other tokens share the launch (batch size, prefill or decode).
 """
 
-#: HF `model_type`s whose forward both sides reproduce (vLLM's Llama, Qwen2 and Qwen3 model code).
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+#: HF `model_type`s whose forward both sides reproduce (vLLM's Llama, Qwen2, Qwen3 and Qwen3-MoE
+#: model code; the MoE ones also pass `MOE_MODEL_TYPES`' conditions).
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+#: The Mixture-of-Experts `model_type`s among them: block-FP8 routed experts without shared experts,
+#: at tensor parallel size 1 and without expert parallelism (`moe.moe_experts`; the engine's check
+#: `vllm_plugin.on_policy.bitwise_engine_problems` also asks for a GPU proof's lab switch).
+MOE_MODEL_TYPES = ("qwen3_moe",)
 #: Tensor-parallel sizes a bitwise engine may run and `BitwiseForward` reproduces: at 2 ranks the
 #: all-reduce of a row-parallel layer's two BF16 partial sums is one correctly rounded BF16 addition,
 #: whatever the collective's algorithm or order; more ranks sum in the collective's own order.

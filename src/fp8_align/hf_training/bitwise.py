@@ -34,13 +34,13 @@ def parameter_sharing_copy(model: nn.Module) -> nn.Module:
 class BitwiseForward:
     """Token log-probs of packed sequences through the engine's kernels, with gradients.
 
-    `model`: an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` in BF16 on one
-    device, left unchanged (a Parameter-sharing copy is converted); `cfg`: the engine's FP8Config
+    `model`: an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
+    `Qwen3MoeForCausalLM` in BF16 on one device, left unchanged (a Parameter-sharing copy is converted); `cfg`: the engine's FP8Config
     (`on_policy="bitwise"`; its recipe picks the FP8 layers). Other model families raise
     UnsupportedModelError. With `cfg.kv_cache_dtype == "fp8"` the forward needs the per-layer K/V
     scales the engine generated with: `kv_scales` here or `set_kv_scales`. `tensor_parallel_size`:
     the engine's (one of `TENSOR_PARALLEL_SIZES`); it must divide the attention heads, the KV heads
-    and the intermediate size (ValueError otherwise). The trainer itself stays on one device.
+    and the intermediate size (ValueError otherwise); 1 for an MoE model. The trainer itself stays on one device.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The modules `make_bitwise` swaps into an HF Llama/Qwen2/Qwen3 model, each running the forward a
+"""The modules `make_bitwise` swaps into an HF Llama/Qwen2/Qwen3/Qwen3-MoE model, each running the forward a
 bitwise vLLM engine runs for that part (`BitwiseContext` holds what they share), with the
 standard BF16 gradient (`engine_ops`). Each keeps the Parameters of the module it replaces under
 the same names, so optimizers, state dicts, FSDP and the stacks' weight sync see the usual tensors.
@@ -11,18 +11,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
+from fp8_align.bitwise.moe import moe_experts
 from fp8_align.bitwise.reference import RopeSpec
 from fp8_align.config import FP8Config
 from fp8_align.hf_training.attention import FLASH_DTYPES, KVCacheScales, PackedBatch, attention_reference, flash_attention_vjp
 from fp8_align.hf_training.engine_ops import (
-    EngineKernels, Fp8Gemm, engine_op, engine_rope, rms_norm_gradient_fn, silu_and_mul_gradient_fn, without_autocast,
+    EngineKernels, Fp8Gemm, engine_op, engine_rope, linear_vjp, moe_experts_gradient_fn, rms_norm_gradient_fn, routing_weights_gradient_fn,
+    silu_and_mul_gradient_fn, without_autocast,
 )  # fmt: skip
 from fp8_align.hf_training.stacked import (
     StackedLinear, all_reduce_sum, quantize_stacked, stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
 )  # fmt: skip
+from fp8_align.quant.moe import quantize_experts
 from fp8_align.rounding import Rounding
 
 
@@ -210,6 +214,49 @@ class BitwiseMLP(nn.Module):
             partials.append(stacked_product(down, act, rank, tp, down_fp8, ctx.rounding, ctx.fp8_gemm, ctx.kernels, ctx.fp8_backward))
         out = all_reduce_sum(partials)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class BitwiseSparseMoE(nn.Module):
+    """HF's Qwen3-MoE sparse block (`Qwen3MoeSparseMoeBlock`: router `gate` with `weight` [E, H],
+    `top_k`, `norm_topk_prob`; fused `experts` with `gate_up_proj` [E, 2I, H] and `down_proj`
+    [E, H, I]) as the bitwise engine runs it at tensor parallel size 1 (`vllm_plugin.on_policy.
+    bitwise_qwen3_moe_forward`): router logits through the engine's BF16 linear, the engine's
+    routing (`bitwise_moe_route`, renormalized as `norm_topk_prob` says), then `moe_experts` over
+    the experts quantized to block FP8 at every forward by `quantize_experts`, the function the
+    engine's fp8_align MoE method quantizes them with at load and at each weight sync (so an
+    optimizer step is seen by the next forward, as the dense FP8 linears re-quantize theirs).
+    Backward: the BF16 straight-through gradient, autograd of HF's BF16 router and experts
+    (`routing_weights_gradient_fn`, `moe_experts_gradient_fn`) at the same inputs with the chosen
+    experts held fixed; it reaches the input, the router weight and both expert tensors. The
+    router's auxiliary loss is not computed: HF computes it from recorded router logits, which this
+    block does not produce (`make_bitwise` refuses `output_router_logits=True`). Holds the HF
+    block's `gate` and `experts` under their names (their own forwards are not called)."""
+
+    def __init__(self, moe: nn.Module, context: BitwiseContext) -> None:
+        super().__init__()
+        self.experts, self.gate = moe.experts, moe.gate  # HF's registration order: the same parameter order
+        self.top_k, self.renormalize = int(moe.gate.top_k), bool(moe.gate.norm_topk_prob)
+        self.context = context
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.fp8_align.bitwise_moe_route(logits, self.top_k, self.renormalize)
+
+    def _engine_experts(self, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        rounding = self.context.rounding
+        weights, ids = self._route(logits)
+        c13, s13, c2, s2 = quantize_experts(w13, w2, rounding.weight_pow2, rounding.scale_rule)
+        return moe_experts(x, weights, ids, c13, s13, c2, s2, rounding.activation_pow2, rounding.scale_rule)
+
+    def _bf16_experts(self, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        ids = self._route(logits.detach())[1]
+        return moe_experts_gradient_fn(x, routing_weights_gradient_fn(logits, ids, self.renormalize), ids, w13, w2)
+
+    @without_autocast
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        logits = engine_op(self.context.kernels.linear, F.linear, x2, self.gate.weight, vjp=linear_vjp)
+        out = engine_op(self._engine_experts, self._bf16_experts, x2, logits, self.experts.gate_up_proj, self.experts.down_proj)
+        return out.reshape(x.shape)
 
 
 class VocabParallelEmbedding(nn.Module):

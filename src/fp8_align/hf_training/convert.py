@@ -1,9 +1,10 @@
-"""`make_bitwise(model, cfg)`: an HF Llama/Qwen2/Qwen3 model whose own `forward` runs a bitwise
-vLLM engine's kernels, so the log-probs a stack computes from its logits are the engine's bits.
+"""`make_bitwise(model, cfg)`: an HF Llama/Qwen2/Qwen3/Qwen3-MoE model whose own `forward` runs a
+bitwise vLLM engine's kernels, so the log-probs a stack computes from its logits are the engine's bits.
 
 The conversion swaps modules in place (`bitwise_modules`): every RMSNorm, the projections (q|k|v
 and gate|up stacked as the engine stacks them, FP8 where the recipe quantizes them), the MLP's
-SiLU-and-mul, lm_head (FP32 logits of the engine's BF16 products) and, at tensor parallel size 2,
+SiLU-and-mul, Qwen3-MoE's sparse blocks (`BitwiseSparseMoE`: the engine's router and block-FP8
+experts), lm_head (FP32 logits of the engine's BF16 products) and, at tensor parallel size 2,
 the embedding; the rotary embedding becomes the identity and attention runs through transformers'
 attention interface as `bitwise_attention` (registered under `ATTENTION_IMPLEMENTATION`, with
 FlashAttention's mask convention): the engine's RoPE and its attention kernel over a paged copy of
@@ -25,15 +26,16 @@ from torch import nn
 
 from fp8_align.bitwise.reference import RopeSpec, rope_table
 from fp8_align.config import FP8Config
-from fp8_align.hf_emulation import recipe_fp8_modules
+from fp8_align.hf_emulation import is_fused_experts, recipe_fp8_modules
 from fp8_align.hf_training.attention import PackedBatch, kv_scales_on_device
 from fp8_align.hf_training.bitwise_modules import (
-    BitwiseContext, BitwiseMLP, EngineLMHead, EngineProjection, EngineRMSNorm, IdentityRotary, ProjectionGroup, VocabParallelEmbedding,
-    engine_attention,
+    BitwiseContext, BitwiseMLP, BitwiseSparseMoE, EngineLMHead, EngineProjection, EngineRMSNorm, IdentityRotary, ProjectionGroup,
+    VocabParallelEmbedding, engine_attention,
 )  # fmt: skip
 from fp8_align.hf_training.engine_ops import fp8_gemm_for, inverse_rope_table, kernels_for, without_autocast
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
 from fp8_align.hf_training.stacked import UnsupportedModelError, check_bitwise_model, check_tensor_parallel_size
+from fp8_align.quant import DEFAULT_BLOCK_SIZE
 
 #: The name `make_bitwise` registers `bitwise_attention` under (transformers' attention and mask interfaces).
 ATTENTION_IMPLEMENTATION = "fp8_align_bitwise"
@@ -143,7 +145,8 @@ def _register_attention() -> None:
 
 def bitwise_context(model: nn.Module, cfg: FP8Config, tensor_parallel_size: int = 1) -> BitwiseContext:
     """The `BitwiseContext` of the bitwise engine of `cfg` at `tensor_parallel_size` serving `model`
-    (an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` in BF16 on one device):
+    (an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` in
+    BF16 on one device):
     its kernels for the model's device, RoPE table, and the HF names of the linears the recipe runs
     in FP8. Raises UnsupportedModelError for other model families, ValueError for a non-bitwise
     config, weights not in BF16, or a tensor parallel size the engine does not run bitwise or that
@@ -161,7 +164,7 @@ def bitwise_context(model: nn.Module, cfg: FP8Config, tensor_parallel_size: int 
     table = rope_table(rope, device)
     return BitwiseContext(
         cfg=cfg, rounding=cfg.rounding, kernels=kernels_for(device),
-        fp8_gemm=fp8_gemm_for(cfg, device, [model.get_submodule(name).weight for name in sorted(fp8_names)]),
+        fp8_gemm=fp8_gemm_for(cfg, device, [m.weight for m in map(model.get_submodule, sorted(fp8_names)) if isinstance(m, nn.Linear)]),
         tensor_parallel_size=tensor_parallel_size, head_size=head_size, rope=rope, table=table, inverse_table=inverse_rope_table(table),
         num_layers=config.num_hidden_layers, fp8_names=frozenset(fp8_names),
     )  # fmt: skip
@@ -176,19 +179,40 @@ def recipe_fp8(context: BitwiseContext, prefix: str, names: tuple[str, ...]) -> 
     return chosen.pop()
 
 
+def is_sparse_moe(mlp: nn.Module) -> bool:
+    """A transformers-5 MoE block: a router `gate` with a `weight` and fused `experts` (`is_fused_experts`)."""
+    return isinstance(getattr(getattr(mlp, "gate", None), "weight", None), nn.Parameter) and is_fused_experts(getattr(mlp, "experts", None))
+
+
+def sparse_moe(mlp: nn.Module, context: BitwiseContext, prefix: str) -> BitwiseSparseMoE:
+    """`BitwiseSparseMoE` of the HF MoE block `prefix` (`mlp`); UnsupportedModelError unless the
+    recipe runs its experts in FP8 (the bitwise MoE path has block-FP8 experts only) and their
+    intermediate size is a multiple of 128 (`moe_experts`' grouped GEMM)."""
+    if f"{prefix}.experts" not in context.fp8_names:
+        raise UnsupportedModelError(f"{prefix}.experts: the recipe keeps these experts BF16; the bitwise MoE path runs block-FP8 experts only")
+    intermediate = mlp.experts.down_proj.shape[-1]
+    if intermediate % DEFAULT_BLOCK_SIZE[0]:
+        raise UnsupportedModelError(
+            f"{prefix}.experts: intermediate size {intermediate} is not a multiple of {DEFAULT_BLOCK_SIZE[0]} (the bitwise MoE's grouped GEMM)"
+        )
+    return BitwiseSparseMoE(mlp, context)
+
+
 def make_bitwise(
     model: nn.Module, cfg: FP8Config, kv_scales: Mapping[int, Mapping[str, float]] | None = None, tensor_parallel_size: int = 1
 ) -> BitwiseContext:
-    """Convert `model` (an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` in BF16
-    on one device, transformers' `model.model.rotary_emb` layout) in place so that its forward is
-    the bitwise engine's of `cfg` (`on_policy="bitwise"`; its recipe picks the FP8 layers) at the
-    engine's `tensor_parallel_size` (module docstring); its logits are FP32. Returns the model's
+    """Convert `model` (an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
+    `Qwen3MoeForCausalLM` in BF16 on one device, transformers' `model.model.rotary_emb` layout) in
+    place so that its forward is the bitwise engine's of `cfg` (`on_policy="bitwise"`; its recipe
+    picks the FP8 layers) at the engine's `tensor_parallel_size` (module docstring); its logits are
+    FP32. Returns the model's
     `BitwiseContext` (also `model.fp8_align_bitwise`). With `cfg.kv_cache_dtype == "fp8"` the
     forward needs the engine's K/V scales: `kv_scales` here or `set_kv_scales(model, scales)`.
-    Raises UnsupportedModelError for other model families or a transformers without
-    `set_attn_implementation`, ValueError for a non-bitwise config, a
+    Raises UnsupportedModelError for other model families, a transformers without
+    `set_attn_implementation`, MoE experts the recipe keeps BF16 or `output_router_logits=True`
+    (the router's auxiliary loss is not computed), ValueError for a non-bitwise config, a
     model not in BF16, a tensor parallel size the engine does not run bitwise or that does not
-    divide the heads, or a model converted already."""
+    divide the heads (an MoE model: any size but 1), or a model converted already."""
     config = model.config.get_text_config()
     check_bitwise_model(config, cfg, "make_bitwise")
     check_tensor_parallel_size(config, tensor_parallel_size)
@@ -197,6 +221,11 @@ def make_bitwise(
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         raise UnsupportedModelError("make_bitwise needs transformers' CausalLM layout: model.model.rotary_emb, model.model.layers, model.lm_head")
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedModelError(
+            "make_bitwise: output_router_logits=True asks for the router's auxiliary loss, which the bitwise MoE block does not "
+            "compute (set model.config.output_router_logits = False)"
+        )
     if not hasattr(model, "set_attn_implementation"):
         raise UnsupportedModelError(
             "make_bitwise needs a transformers release whose models have `set_attn_implementation` (tested: 5.17 and 5.19)"
@@ -218,7 +247,10 @@ def make_bitwise(
             if hasattr(attn, name):
                 setattr(attn, name, EngineRMSNorm(getattr(attn, name), default_eps))
         setattr(attn, CONTEXT_ATTRIBUTE, context)
-        layer.mlp = BitwiseMLP(layer.mlp, context, fp8(f"{prefix}.mlp", STACKED_PROJECTIONS[1]), fp8(f"{prefix}.mlp", ("down_proj",)))
+        if is_sparse_moe(layer.mlp):
+            layer.mlp = sparse_moe(layer.mlp, context, f"{prefix}.mlp")
+        else:
+            layer.mlp = BitwiseMLP(layer.mlp, context, fp8(f"{prefix}.mlp", STACKED_PROJECTIONS[1]), fp8(f"{prefix}.mlp", ("down_proj",)))
         layer.input_layernorm = EngineRMSNorm(layer.input_layernorm, default_eps)
         layer.post_attention_layernorm = EngineRMSNorm(layer.post_attention_layernorm, default_eps)
     inner.norm = EngineRMSNorm(inner.norm, default_eps)

@@ -119,6 +119,30 @@ def silu_and_mul_gradient_fn(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def routing_weights_gradient_fn(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """Router logits [T, E] and the chosen expert ids [T, K] (held fixed) -> routing weights [T, K]
+    in the logits' dtype as HF's Qwen3-MoE router computes them: the FP32 softmax over all experts
+    at the chosen ones, divided by their sum when `renormalize`, rounded to the logits' dtype."""
+    weights = torch.softmax(logits.float(), dim=-1).gather(1, ids.long())
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def moe_experts_gradient_fn(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x [T, H], routing weights [T, K] and ids [T, K] (experts in [0, E)), gate|up w13 [E, 2I, H]
+    and down w2 [E, H, I], all at x's precision -> [T, H]: HF's Qwen3-MoE experts in its order (per
+    expert hit, ascending, its (slot, token) pairs slot-major: `F.linear` with gate|up,
+    `silu(gate) * up`, `F.linear` with down, times the routing weight, added into the output): the
+    formula whose gradient the trainer's MoE block takes."""
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids).tolist():
+        slots, tokens = (ids.t() == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        out = out.index_add(0, tokens, F.linear(F.silu(gate) * up, w2[expert]) * weights[tokens, slots, None])
+    return out
+
+
 def inverse_rope_table(table: torch.Tensor) -> torch.Tensor:
     """The [max_pos, rotary_dim] table (cos | -sin) of the inverse rotation: RoPE with it maps an
     output gradient to the input gradient of RoPE with `table` (the exact transpose, in FP32, rounded once)."""

