@@ -8,7 +8,10 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
         [--scorer bitwise_forward|verl|megatron|nemo_rl_megatron] [--model-runner v1|v2]
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
-and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts). Variants:
+and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts); on request
+(`MOE_MODELS`, under the lab switch) Qwen3-30B-A3B's shape cut to 4 layers and a tiny Qwen3-MoE,
+for `--out benchmarks/results/moe_bitwise.json` (`--variants fp8,fp8_pow2`: the bitwise MoE runs
+block-FP8 experts). Variants:
 bf16 (all linears BF16), fp8 (FP32 scales), fp8_pow2 (power-of-two weight and activation scales);
 each with a BF16 KV cache (`auto`) and, for the FP8 variants, an E4M3 cache (`fp8`): its per-layer
 K/V scales are calibrated by the engine on the probe prompts (`calibrate_kv_scales`) and read back
@@ -66,10 +69,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
+from benchmarks.rollout.checkpoints import QWEN3_30B_A3B  # noqa: E402
+
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
 from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR  # noqa: E402
 
 MODELS = ("smollm2", "qwen3-8b-4l")
+#: Mixture-of-Experts models (random init, random token prompts): Qwen3-30B-A3B's shape cut to 4
+#: decoder layers (all 128 experts, top-8), and a tiny Qwen3-MoE (64 experts, top-4). Not in the
+#: default --models: the bitwise MoE runs only under the lab switch (`--models` naming one sets
+#: FP8_ALIGN_UNPROVEN_BITWISE=qwen3_moe for the run; the report records it).
+MOE_MODELS = ("qwen3-30b-a3b-4l", "qwen3-moe-tiny")
 MODEL_RUNNERS = ("v1", "v2")
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"precision": "bf16"},
@@ -82,6 +92,10 @@ QWEN3_8B_4L = {
     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }  # fmt: skip
+#: Qwen3-30B-A3B's shape with 4 of its 48 decoder layers, and a tiny Qwen3-MoE with 64 experts.
+QWEN3_30B_A3B_4L = {key: value for key, value in QWEN3_30B_A3B.items() if key not in ("architectures", "model_type", "torch_dtype")} | {"num_hidden_layers": 4}
+QWEN3_MOE_TINY = QWEN3_30B_A3B_4L | {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "moe_intermediate_size": 256,
+                                     "num_experts": 64, "num_experts_per_tok": 4, "num_hidden_layers": 2, "max_window_layers": 2}  # fmt: skip
 MAX_MODEL_LEN = 1024
 #: Share of GPU memory the engine takes; the trainer's model lives beside it on the same GPU.
 GPU_MEMORY_UTILIZATION = 0.5
@@ -123,7 +137,25 @@ def prepare_model(name: str, work: Path) -> tuple[Path, list[list[int]], list[li
             return [rng.randrange(vocab) for _ in range(length)]
 
         return path, [prompt(n) for n in (5, 37, 130, 400)], [prompt(rng.randint(8, 300)) for _ in range(508)]
-    raise ValueError(f"unknown model {name!r}; known: {MODELS}")
+    if name in MOE_MODELS:
+        shape = QWEN3_30B_A3B_4L if name == "qwen3-30b-a3b-4l" else QWEN3_MOE_TINY
+        path = work / name
+        if not (path / "config.json").is_file():
+            import torch
+            from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16)
+            model.save_pretrained(path)
+            del model
+        vocab = shape["vocab_size"]
+
+        def moe_prompt(length: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(length)]
+
+        return path, [moe_prompt(n) for n in (5, 37, 130, 400)], [moe_prompt(rng.randint(8, 300)) for _ in range(508)]
+    raise ValueError(f"unknown model {name!r}; known: {MODELS + MOE_MODELS}")
 
 
 def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
@@ -288,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's model runner of the engines (v2: sets the lab switch FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    models = args.models.split(",")
+    if args.one is None and set(models) - set(MODELS + MOE_MODELS):
+        parser.error(f"unknown --models {sorted(set(models) - set(MODELS + MOE_MODELS))}; known: {', '.join(MODELS + MOE_MODELS)}")
+    if set(models) & set(MOE_MODELS) and any(VARIANTS[v]["precision"] != "fp8" for v in args.variants.split(",")):
+        parser.error("the MoE models run block-FP8 experts in bitwise mode: --variants fp8 and/or fp8_pow2")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     for temperature in temperatures:
@@ -302,9 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     if any(b != 1 and b < 4 for b in batch_sizes):
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.model_runner == "v2":  # read by engine_kwargs and the engine's start check, here and in each --one child
-        unproven = {part for part in os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "").split(",") if part} | {"v2_runner"}
-        os.environ.update({UNPROVEN_BITWISE_ENV_VAR: ",".join(sorted(unproven)), V2_MODEL_RUNNER_ENV_VAR: "1"})
+    # the lab switch, read by engine_kwargs and the engine's start check, here and in each --one child
+    unproven = {part for part in os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "").split(",") if part}
+    if args.model_runner == "v2":
+        unproven.add("v2_runner")
+        os.environ[V2_MODEL_RUNNER_ENV_VAR] = "1"
+    if set(models) & set(MOE_MODELS):
+        unproven.add("qwen3_moe")
+    if unproven:
+        os.environ[UNPROVEN_BITWISE_ENV_VAR] = ",".join(sorted(unproven))
     if args.one:
         result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer)
         args.out.write_text(json.dumps(result))
@@ -318,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(kv_dtypes) - {"auto", "fp8"})
     if unknown:
         parser.error(f"unknown KV-cache dtypes {unknown}; choose from auto, fp8")
-    runs = [(m, v, kv) for m in args.models.split(",") for v in args.variants.split(",") for kv in kv_dtypes
+    runs = [(m, v, kv) for m in models for v in args.variants.split(",") for kv in kv_dtypes
             if kv == "auto" or VARIANTS[v].get("precision") == "fp8"]  # fmt: skip
     for model, variant, kv in runs:
         part = args.work / f"{model}_{variant}_{kv}.json"

@@ -12,6 +12,8 @@ CUDA kernels' bits are the GPU proof's (`FP8_ALIGN_UNPROVEN_BITWISE=qwen3_moe` u
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -341,3 +343,14 @@ def test_engine_problems_gate_the_moe_path(checkpoint: Path, monkeypatch: pytest
     for expected in ("reproduces ('qwen3_moe',) only", "shared experts", "tensor_parallel_size must be 1"):
         assert expected in problems, problems
     assert on_policy.bitwise_moe_problems(SimpleNamespace(model_type="qwen3"), SimpleNamespace(tensor_parallel_size=2), BITWISE) == []
+
+
+def test_the_moe_proof_refuses_bf16_experts_and_unknown_models(tmp_path: Path) -> None:
+    """benchmarks/on_policy_bitwise.py (the GPU proof of moe_bitwise.json) stops before any engine
+    when a MoE model is asked with BF16 experts, or a model it does not know."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "on_policy_bitwise.py"
+    for args, message in ((["--models", "qwen3-moe-tiny", "--variants", "bf16,fp8"], "--variants fp8 and/or fp8_pow2"),
+                          (["--models", "qwen3-moe-huge"], "unknown --models ['qwen3-moe-huge']")):  # fmt: skip
+        run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "r.json"), "--work", str(tmp_path), *args],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
