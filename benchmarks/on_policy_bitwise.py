@@ -184,6 +184,8 @@ def run_one(
     llm = LLM(
         model=str(path), skip_tokenizer_init=True, max_num_seqs=512, max_model_len=MAX_MODEL_LEN,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=logprobs_mode,
+        # MoE: a backend whose setup keeps fp8_align's expert codes and scale grids where the bitwise block reads them
+        **({"moe_backend": "triton"} if model_name in MOE_MODELS else {}),
         **engine_kwargs(cfg, tensor_parallel_size=tensor_parallel_size),
     )  # fmt: skip
     engine_start_s = time.perf_counter() - start
