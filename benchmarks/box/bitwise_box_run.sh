@@ -3,7 +3,7 @@
 #   bash benchmarks/box/bitwise_box_run.sh STAGE...
 #   STAGE: stage (copy the carried .gpukit/part_* or .gpukit25/part_*, .gpumodel/smol.zst.part_* and .gpute/te.part_* to /root/stage)
 #        | setup (kit + SmolLM2) | te-build (TransformerEngine, in the background) | te-wait
-#        | tests[=EXPR] (tests/test_gpu_bitwise.py and test_gpu_bitwise_rollout.py; with EXPR, test_gpu_bitwise.py -k EXPR) | proof[=MODELS] ($PROOF_ARGS: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
+#        | tests[=EXPR] (tests/test_gpu_bitwise.py and test_gpu_bitwise_rollout.py; with EXPR, test_gpu_bitwise.py -k EXPR) | proof[=MODELS][#NAME] ($PROOF_ARGS, or $NAME: more arguments) | cost[=PARTS] ($COST_ARGS: more arguments)
 #        | grpo (3 seeds of the arms $GRPO_ARMS, default bf16,fp8_bitwise, at once; $GRPO_ARGS: more arguments)
 #        | main-job (`fp8-align bench-error` with its CUDA defaults) | te (benchmarks/box/te_box_run.sh tests ops)
 #        | profile (one decode step of the fast mode and of the bitwise mode, kernel families; Qwen3-8B shape)
@@ -43,9 +43,11 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s "${files[@]}" > "$out/pytest_bitwise.txt" 2>&1
       tail -25 "$out/pytest_bitwise.txt" ;;
     proof*)
-      models="${stage#proof}"; models="${models#=}"
-      name="on_policy_bitwise${models:+_${models//,/_}}"
-      python3 benchmarks/on_policy_bitwise.py --out "$out/$name.json" ${models:+--models "$models"} ${PROOF_ARGS:-} \
+      # proof[=MODELS][#NAME]: the arguments from $NAME instead of $PROOF_ARGS (two proofs of one run with their own)
+      spec="${stage#proof}"; spec="${spec#=}"; models="${spec%%#*}"; args_var=PROOF_ARGS
+      [[ "$spec" == *"#"* ]] && args_var="${spec#*#}"
+      name="on_policy_bitwise${models:+_${models//,/_}}"; [ "$args_var" = PROOF_ARGS ] || name="${name}_$args_var"
+      python3 benchmarks/on_policy_bitwise.py --out "$out/$name.json" ${models:+--models "$models"} ${!args_var:-} \
         --work /root/bitwise_work > "$out/$name.log" 2>&1
       echo "rc=$?"; tail -40 "$out/$name.log"
       tail -c 20000 /root/bitwise_work/*.log > "$out/bitwise_engine_logs.txt" 2>/dev/null ;;
