@@ -96,6 +96,9 @@ QWEN3_8B_4L = {
 QWEN3_30B_A3B_4L = {key: value for key, value in QWEN3_30B_A3B.items() if key not in ("architectures", "model_type", "torch_dtype")} | {"num_hidden_layers": 4}
 QWEN3_MOE_TINY = QWEN3_30B_A3B_4L | {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "moe_intermediate_size": 256,
                                      "num_experts": 64, "num_experts_per_tok": 4, "num_hidden_layers": 2, "max_window_layers": 2}  # fmt: skip
+#: The random-init models (random token prompts): name -> (HF model_type, config fields).
+RANDOM_MODELS = {"qwen3-8b-4l": ("qwen3", QWEN3_8B_4L), "qwen3-30b-a3b-4l": ("qwen3_moe", QWEN3_30B_A3B_4L),
+                 "qwen3-moe-tiny": ("qwen3_moe", QWEN3_MOE_TINY)}  # fmt: skip
 MAX_MODEL_LEN = 1024
 #: Share of GPU memory the engine takes; the trainer's model lives beside it on the same GPU.
 GPU_MEMORY_UTILIZATION = 0.5
@@ -120,41 +123,24 @@ def prepare_model(name: str, work: Path) -> tuple[Path, list[list[int]], list[li
         probes = [chats[0], chats[1], chats[2], long_probe]
         fillers = [chats[i % len(chats)][: rng.randint(8, len(chats[i % len(chats)]))] for i in range(508)]
         return path, probes, fillers
-    if name == "qwen3-8b-4l":
-        path = work / "qwen3-8b-4l"
+    if name in RANDOM_MODELS:
+        model_type, shape = RANDOM_MODELS[name]
+        path = work / name
         if not (path / "config.json").is_file():
             import torch
-            from transformers import Qwen3Config, Qwen3ForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM
 
             torch.manual_seed(0)
             with torch.device("cuda"):
-                model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B_4L)).to(torch.bfloat16)
+                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape)).to(torch.bfloat16)
             model.save_pretrained(path)
             del model
-        vocab = QWEN3_8B_4L["vocab_size"]
+        vocab = shape["vocab_size"]
 
         def prompt(length: int) -> list[int]:
             return [rng.randrange(vocab) for _ in range(length)]
 
         return path, [prompt(n) for n in (5, 37, 130, 400)], [prompt(rng.randint(8, 300)) for _ in range(508)]
-    if name in MOE_MODELS:
-        shape = QWEN3_30B_A3B_4L if name == "qwen3-30b-a3b-4l" else QWEN3_MOE_TINY
-        path = work / name
-        if not (path / "config.json").is_file():
-            import torch
-            from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-            torch.manual_seed(0)
-            with torch.device("cuda"):
-                model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16)
-            model.save_pretrained(path)
-            del model
-        vocab = shape["vocab_size"]
-
-        def moe_prompt(length: int) -> list[int]:
-            return [rng.randrange(vocab) for _ in range(length)]
-
-        return path, [moe_prompt(n) for n in (5, 37, 130, 400)], [moe_prompt(rng.randint(8, 300)) for _ in range(508)]
     raise ValueError(f"unknown model {name!r}; known: {MODELS + MOE_MODELS}")
 
 

