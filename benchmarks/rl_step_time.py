@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-memory", type=float, default=0.3, help="the engine's gpu_memory_utilization (on CPU: of the host's memory)")
     parser.add_argument("--kv-cache-gib", type=float, help="the engine's KV cache in GiB (vLLM's kv_cache_memory_bytes: no profiling, the "
                         "same bytes for every variant; session 37's fp8_fast engine on the V2 runner sized its cache past --engine-memory)")
-    parser.add_argument("--max-tokens-per-forward", type=int, default=4096, help="trainer micro-batch size in tokens")
+    parser.add_argument("--max-tokens-per-forward", type=int, default=8192,
+                        help="trainer micro-batch size in tokens (whole sequences: 5 of 1,536 tokens at 8192; at 2 a micro-batch the trainer waits on the host, results_log.md session 40)")
     parser.add_argument("--deepgemm-cache", type=Path, help="DeepGEMM JIT cache for fp8_fast (fp8-align prepare-deepgemm)")
     parser.add_argument("--profile-kernels", type=int, default=0, metavar="N", help="after the timed steps, the trainer's N costliest "
                         "kernels (GPU; CPU ops on a CPU) on one micro-batch (log-probs; forward + backward) in the report's trainer_profile")

@@ -574,3 +574,24 @@ def test_engine_kernel_training_linear_trains() -> None:
     training(x).float().square().sum().backward()
     gx, gw = x.grad.clone(), linear.weight.grad.clone()
     assert gx is not None and torch.isfinite(gw).all() and gw.abs().sum() > 0
+
+
+@pytest.mark.parametrize("in_features,out_features", [(2048, 4096), (576, 192)])  # DeepGEMM; Triton per shard
+def test_engine_kernel_training_linear_does_not_sync_the_host(in_features: int, out_features: int) -> None:
+    """Forward and backward of `Fp8TrainingLinear(forward_kernel="engine")` queue GPU work without
+    waiting for it: a device sync per layer would leave the GPU idle between a trainer's layers
+    (`torch.cuda.set_sync_debug_mode("error")` raises on any sync). The first call, which selects
+    the backend and compiles, runs before the check."""
+    from fp8_align.hf_training import Fp8TrainingLinear
+
+    linear = torch.nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
+    training = Fp8TrainingLinear(linear, FP8Config(), "engine", "proj")
+    x = _activations(3072, in_features, seed=5).requires_grad_(True)
+    training(x).float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        training(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

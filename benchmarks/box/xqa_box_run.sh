@@ -71,6 +71,11 @@ else
   mkdir -p "$aot" && cp -r .flashinfer_aot/aot/* "$aot/" || exit 1
   export FLASHINFER_DISABLE_JIT=1
 fi
+engine_log_tail() {  # LOG: its last 20,000 characters without the engine's line per FP8 layer (the plan line
+  # sums them up), so an engine's error stays in the tail
+  grep -v -- '-> [a-z_]* (passed: ' "$1" | tail -c 20000
+}
+
 dg_prepare() {  # MODEL: fill /root/dg_cache for its linears (and experts) from its config.json in benchmarks/rollout/checkpoints.py
   local tp="${DG_PREPARE_TP:-1}" tag="$1"; [ "$tp" = 1 ] || tag="$1_tp$tp"  # per-rank shapes of a TP=$tp engine
   mkdir -p "/root/dg_config/$1" && python3 -c "import json, sys; from benchmarks.rollout.checkpoints import MODELS; \
@@ -98,7 +103,7 @@ while [ $# -gt 0 ]; do
       cp -r "$bg/out/xqa/." "$out/" 2>/dev/null
       for work in /root/rollout_work* /root/rl_step_work*; do [ -d "$work" ] && mkdir -p "$out/${work##*/}" && cp "$work"/*.json "$out/${work##*/}/"; done 2>/dev/null
       for log in /root/rl_step_work*/*.log; do
-        [ -f "$log" ] && work="${log%/*}" && mkdir -p "$out/${work##*/}" && tail -c 20000 "$log" > "$out/${work##*/}/${log##*/}.tail"
+        [ -f "$log" ] && work="${log%/*}" && mkdir -p "$out/${work##*/}" && engine_log_tail "$log" > "$out/${work##*/}/${log##*/}.tail"
       done 2>/dev/null; true ;;
     par=*)
       IFS=+ read -r -a chains <<< "${stage#par=}"; pids=()
@@ -231,7 +236,7 @@ while [ $# -gt 0 ]; do
       python3 benchmarks/rl_step_time.py --out "$out/rl_step_time_$tag.json" ${variants:+--variants "$variants"} \
         --deepgemm-cache /root/dg_cache --work "/root/rl_step_work_$tag" ${RL_STEP_ARGS:-} > "$out/rl_step_time_$tag.log" 2>&1
       echo "rc=$?"; tail -5 "$out/rl_step_time_$tag.log"
-      for log in /root/rl_step_work_"$tag"/*.log; do [ -f "$log" ] && tail -c 20000 "$log" > "$out/rl_step_${tag}_${log##*/}"; done; true ;;
+      for log in /root/rl_step_work_"$tag"/*.log; do [ -f "$log" ] && engine_log_tail "$log" > "$out/rl_step_${tag}_${log##*/}"; done; true ;;
     xqa-sweep)
       # XQA decode alone by page size and layout at the rollout's decode batch (benchmarks/attention_decode.py)
       for batch in 512 256; do

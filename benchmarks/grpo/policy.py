@@ -211,28 +211,31 @@ class GRPOPolicy:
         _reset(progress, sum(map(len, groups)))
         mask = packed.mask.to(self.device)
         advantages = advantages.to(self.device)
-        losses, norms, clipped_tokens = [], [], 0
+        # the loss and clip counts stay on the device until the end: a host sync per micro-batch
+        # would stall the GPU between micro-batches
+        losses, norms = [], []
+        clipped_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         for minibatch, minibatch_groups in zip(slices, groups):
             tokens = int(packed.mask[minibatch].sum())
             if tokens == 0:
                 continue
-            total = 0.0
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
             for group in minibatch_groups:
                 index = torch.tensor(group, device=self.device)
                 logprobs = self.logprobs(packed, group)
                 per_token, clipped = clipped_policy_loss(logprobs, old_logprobs[index], advantages[index], clip_eps)
                 loss = importance_weighted_loss(per_token, is_weights[index], mask[index], "token-mean", normalizer=tokens)
                 loss.backward()
-                total += float(loss.detach())
-                clipped_tokens += int((clipped & mask[index]).sum())
+                total += loss.detach().float()
+                clipped_tokens += (clipped & mask[index]).sum()
                 _advance(progress)
             norms.append(self._optimizer_step())
             losses.append(total)
         valid = int(packed.mask.sum())
         return {
-            "loss": sum(losses) / max(len(losses), 1),
+            "loss": float(torch.stack(losses).mean()) if losses else 0.0,
             "grad_norm": sum(norms) / max(len(norms), 1),
-            "ppo_clip_fraction": clipped_tokens / max(valid, 1),
+            "ppo_clip_fraction": int(clipped_tokens) / max(valid, 1),
         }
 
     def _optimizer_step(self) -> float:

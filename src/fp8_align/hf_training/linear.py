@@ -23,6 +23,8 @@ rest of the model still run HF's code. Default "emulation": the pure-torch refer
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -92,10 +94,10 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         module: Fp8TrainingLinear,
     ) -> torch.Tensor:
-        from types import SimpleNamespace
-
         rounding = module.rounding
-        codes, scale_inv = quantize_weight_into(weight.detach(), rounding.weight_pow2, scale_rule=rounding.scale_rule)
+        # no finiteness check: it is a device sync per layer and micro-batch, which left the GPU idle
+        # between layers; a NaN/Inf weight gives NaN outputs, and the engine's weight sync refuses it
+        codes, scale_inv = quantize_weight_into(weight.detach(), rounding.weight_pow2, check_finite=False, scale_rule=rounding.scale_rule)
         layer = SimpleNamespace(
             weight=codes, weight_scale_inv=scale_inv, params_dtype=x.dtype,
             fp8_align=Fp8AlignLayerState("linear", module.name, rounding, shard_sizes=[codes.shape[0]]),
@@ -118,6 +120,8 @@ class Fp8TrainingLinear(nn.Module):
     Input [..., in_features] in the weight's dtype (BF16 for a BF16 model) -> [..., out_features]
     in the input's dtype. The FP8 codes are recomputed from the current weight at every forward,
     so after an optimizer step the layer computes what a vLLM engine sent that weight computes.
+    The "engine" forward does not sync the host (a NaN/Inf weight gives NaN outputs, as in
+    `BitwiseForward`); the "emulation" forward raises ValueError on one.
     `forward_kernel` "engine" runs the vLLM plugin's GPU kernels (module docstring); then
     `stacked_shape` ([N, K] of the engine's stacked layer) and `shard_sizes` pick the backend.
     """
