@@ -133,6 +133,12 @@ def build_bitwise_gpt(
     the tensor parallel size does not divide, or an override of a field the spec sets
     (`BITWISE_CONFIG`, and `tensor_model_parallel_size` other than the process's)."""
     hf_config = hf_model.config
+    if hf_config.model_type == "qwen3_moe":
+        raise UnsupportedModelError(
+            "build_bitwise_gpt maps dense models only: megatron-core's MoE layer combines the experts' outputs in its token "
+            "dispatcher (a BF16 scatter/index add) and weights them before linear_fc2, where the engine sums them in FP32 after "
+            "down_proj (docs/megatron.md, 'Qwen3-MoE is refused'); train a Qwen3-MoE policy bitwise with BitwiseForward / make_bitwise"
+        )
     if hf_config.model_type not in ("llama", "qwen3"):
         raise UnsupportedModelError(f"build_bitwise_gpt maps Llama and dense Qwen3 models; this model is {hf_config.model_type!r}")
     clashes = {k: v for k, v in config_overrides.items() if k in BITWISE_CONFIG and v != BITWISE_CONFIG[k]}
