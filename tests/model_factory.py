@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -120,3 +121,18 @@ def tiny_hf_model(kind: str, num_layers: int = 2) -> torch.nn.Module:
     config_class, model_class = classes[kind]
     torch.manual_seed(0)
     return model_class(config_class(**shape, **({"head_dim": 64} if kind == "qwen3" else {}))).to(torch.bfloat16)
+
+
+def tiny_qwen3_moe_model(**overrides: Any) -> torch.nn.Module:
+    """An in-memory BF16 `Qwen3MoeForCausalLM`: 2 decoder layers, hidden 256, 4 heads over 2 KV heads
+    of 64, 8 experts of intermediate 128, top-2 renormalized, vocabulary 512, untied, transformers'
+    default init, seed 0 (`overrides`: more config fields): the bitwise MoE trainer's CPU model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    fields = dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=256,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**fields, **overrides})).to(torch.bfloat16)

@@ -26,6 +26,7 @@ from fp8_align.bitwise.moe import moe_experts
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError, make_bitwise
 from fp8_align.hf_training.bitwise_modules import BitwiseSparseMoE
 from fp8_align.quant.moe import quantize_experts
+from tests.model_factory import tiny_qwen3_moe_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -38,15 +39,7 @@ PROMPT_LENS = [3, 10, 2]
 
 def tiny_qwen3_moe(**overrides: Any) -> torch.nn.Module:
     """The module docstring's BF16 `Qwen3MoeForCausalLM` (`overrides`: config fields)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    fields = dict(
-        hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=INTERMEDIATE, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, max_position_embeddings=256,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**fields, **overrides})).to(torch.bfloat16)
+    return tiny_qwen3_moe_model(**overrides)
 
 
 def _hf_logprobs(model: torch.nn.Module, seq: list[int], prompt: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import BitwiseForward
-from tests.model_factory import tiny_hf_model
+from tests.model_factory import tiny_hf_model, tiny_qwen3_moe_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -42,6 +42,24 @@ def test_log_probs_and_gradients_are_bitwise_forwards_on_cuda(cfg: FP8Config, re
     model.train()
     mine = torch.cat(token_logprobs(model, SEQUENCES, PROMPT_LENS, temperature=0.6))
     theirs = torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS, temperature=0.6))
+    assert torch.equal(mine, theirs)
+    mine.sum().backward()
+    theirs.sum().backward()
+    grads = hf_state_dict_from_megatron({n: p.grad for n, p in model.named_parameters()}, hf.config, fused_norms=False)
+    for name, param in hf.named_parameters():
+        assert torch.equal(grads[name], param.grad), name
+
+
+@pytest.mark.parametrize("cfg", [FP8Config(on_policy="bitwise", precision="fp8"), FP8_POW2], ids=["fp8", "fp8_pow2"])
+def test_moe_log_probs_and_gradients_are_bitwise_forwards_on_cuda(cfg: FP8Config) -> None:
+    """Qwen3-MoE (`EngineMoE` in the sparse layers' MLP slot, layer 1 dense): log-probs and every
+    gradient equal BitwiseForward's on CUDA, the routing and grouped block-FP8 kernels included."""
+    hf = tiny_qwen3_moe_model(num_hidden_layers=3, mlp_only_layers=[1], vocab_size=1000).cuda()
+    reference = BitwiseForward(hf, cfg)
+    model = build_bitwise_gpt(hf, cfg)
+    model.train()
+    mine = torch.cat(token_logprobs(model, SEQUENCES, PROMPT_LENS))
+    theirs = torch.cat(reference.token_logprobs(SEQUENCES, PROMPT_LENS))
     assert torch.equal(mine, theirs)
     mine.sum().backward()
     theirs.sum().backward()

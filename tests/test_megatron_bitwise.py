@@ -13,7 +13,6 @@ import re
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError
@@ -162,10 +161,6 @@ def test_bad_models_settings_and_megatron_states_are_refused(monkeypatch: pytest
         build_bitwise_gpt(hf, FP8Config())
     with pytest.raises(UnsupportedModelError, match="this model is 'qwen2'"):
         build_bitwise_gpt(tiny_hf_model("qwen2"), FP8)
-    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=256))  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="megatron-core's MoE layer combines .* BitwiseForward / make_bitwise"):
-        build_bitwise_gpt(moe.to(torch.bfloat16), FP8)
     with pytest.raises(ValueError, match=re.escape("sets ['hidden_dropout'] itself")):
         build_bitwise_gpt(hf, FP8, hidden_dropout=0.1)
     with pytest.raises(ValueError, match="engine runs BF16 weights"):

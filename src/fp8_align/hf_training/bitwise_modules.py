@@ -216,18 +216,46 @@ class BitwiseMLP(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _engine_moe_experts(
+    context: BitwiseContext, top_k: int, renormalize: bool, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    rounding = context.rounding
+    weights, ids = torch.ops.fp8_align.bitwise_moe_route(logits, top_k, renormalize)
+    c13, s13, c2, s2 = quantize_experts(w13, w2, rounding.weight_pow2, rounding.scale_rule)
+    return moe_experts(x, weights, ids, c13, s13, c2, s2, rounding.activation_pow2, rounding.scale_rule)
+
+
+def _bf16_moe_experts(
+    top_k: int, renormalize: bool, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    ids = torch.ops.fp8_align.bitwise_moe_route(logits.detach(), top_k, renormalize)[1]
+    return moe_experts_gradient_fn(x, routing_weights_gradient_fn(logits, ids, renormalize), ids, w13, w2)
+
+
+def sparse_moe_output(
+    context: BitwiseContext, x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
+) -> torch.Tensor:
+    """Qwen3-MoE's sparse block on tokens x [T, H] (BF16) -> [T, H] as the bitwise engine runs it at
+    tensor parallel size 1 (`vllm_plugin.on_policy.bitwise_qwen3_moe_forward`): router logits
+    (`router_weight` [E, H]) through the engine's BF16 linear, the engine's routing
+    (`bitwise_moe_route`: `top_k` experts, renormalized when `renormalize`), then `moe_experts` over
+    the experts w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] quantized to block FP8 by
+    `quantize_experts`, the function the engine's fp8_align MoE method quantizes them with at load
+    and at each weight sync (so an optimizer step is seen by the next call). Backward: the BF16
+    straight-through gradient, autograd of HF's BF16 router and experts (`routing_weights_gradient_fn`,
+    `moe_experts_gradient_fn`) at the same inputs with the chosen experts held fixed; it reaches x,
+    `router_weight`, w13 and w2. Each token's row depends on that token alone."""
+    logits = engine_op(context.kernels.linear, F.linear, x, router_weight, vjp=linear_vjp)
+    return engine_op(
+        functools.partial(_engine_moe_experts, context, top_k, renormalize), functools.partial(_bf16_moe_experts, top_k, renormalize),
+        x, logits, w13, w2,
+    )  # fmt: skip
+
+
 class BitwiseSparseMoE(nn.Module):
     """HF's Qwen3-MoE sparse block (`Qwen3MoeSparseMoeBlock`: router `gate` with `weight` [E, H],
     `top_k`, `norm_topk_prob`; fused `experts` with `gate_up_proj` [E, 2I, H] and `down_proj`
-    [E, H, I]) as the bitwise engine runs it at tensor parallel size 1 (`vllm_plugin.on_policy.
-    bitwise_qwen3_moe_forward`): router logits through the engine's BF16 linear, the engine's
-    routing (`bitwise_moe_route`, renormalized as `norm_topk_prob` says), then `moe_experts` over
-    the experts quantized to block FP8 at every forward by `quantize_experts`, the function the
-    engine's fp8_align MoE method quantizes them with at load and at each weight sync (so an
-    optimizer step is seen by the next forward, as the dense FP8 linears re-quantize theirs).
-    Backward: the BF16 straight-through gradient, autograd of HF's BF16 router and experts
-    (`routing_weights_gradient_fn`, `moe_experts_gradient_fn`) at the same inputs with the chosen
-    experts held fixed; it reaches the input, the router weight and both expert tensors. The
+    [E, H, I]) as the bitwise engine runs it at tensor parallel size 1: `sparse_moe_output`. The
     router's auxiliary loss is not computed: HF computes it from recorded router logits, which this
     block does not produce (`make_bitwise` refuses `output_router_logits=True`). Holds the HF
     block's `gate` and `experts` under their names (their own forwards are not called)."""
@@ -238,24 +266,10 @@ class BitwiseSparseMoE(nn.Module):
         self.top_k, self.renormalize = int(moe.gate.top_k), bool(moe.gate.norm_topk_prob)
         self.context = context
 
-    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.fp8_align.bitwise_moe_route(logits, self.top_k, self.renormalize)
-
-    def _engine_experts(self, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        rounding = self.context.rounding
-        weights, ids = self._route(logits)
-        c13, s13, c2, s2 = quantize_experts(w13, w2, rounding.weight_pow2, rounding.scale_rule)
-        return moe_experts(x, weights, ids, c13, s13, c2, s2, rounding.activation_pow2, rounding.scale_rule)
-
-    def _bf16_experts(self, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        ids = self._route(logits.detach())[1]
-        return moe_experts_gradient_fn(x, routing_weights_gradient_fn(logits, ids, self.renormalize), ids, w13, w2)
-
     @without_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        logits = engine_op(self.context.kernels.linear, F.linear, x2, self.gate.weight, vjp=linear_vjp)
-        out = engine_op(self._engine_experts, self._bf16_experts, x2, logits, self.experts.gate_up_proj, self.experts.down_proj)
+        out = sparse_moe_output(self.context, x2, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize)
         return out.reshape(x.shape)
 
 

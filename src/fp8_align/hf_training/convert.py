@@ -185,9 +185,15 @@ def is_sparse_moe(mlp: nn.Module) -> bool:
 
 
 def sparse_moe(mlp: nn.Module, context: BitwiseContext, prefix: str) -> BitwiseSparseMoE:
-    """`BitwiseSparseMoE` of the HF MoE block `prefix` (`mlp`); UnsupportedModelError unless the
-    recipe runs its experts in FP8 (the bitwise MoE path has block-FP8 experts only) and their
-    intermediate size is a multiple of 128 (`moe_experts`' grouped GEMM)."""
+    """`BitwiseSparseMoE` of the HF MoE block `prefix` (`mlp`), after `check_sparse_moe`."""
+    check_sparse_moe(mlp, context, prefix)
+    return BitwiseSparseMoE(mlp, context)
+
+
+def check_sparse_moe(mlp: nn.Module, context: BitwiseContext, prefix: str) -> None:
+    """UnsupportedModelError unless the recipe runs the experts of the HF MoE block `prefix` (`mlp`)
+    in FP8 (the bitwise MoE path has block-FP8 experts only) and their intermediate size is a
+    multiple of 128 (`moe_experts`' grouped GEMM)."""
     if f"{prefix}.experts" not in context.fp8_names:
         raise UnsupportedModelError(f"{prefix}.experts: the recipe keeps these experts BF16; the bitwise MoE path runs block-FP8 experts only")
     intermediate = mlp.experts.down_proj.shape[-1]
@@ -195,7 +201,6 @@ def sparse_moe(mlp: nn.Module, context: BitwiseContext, prefix: str) -> BitwiseS
         raise UnsupportedModelError(
             f"{prefix}.experts: intermediate size {intermediate} is not a multiple of {DEFAULT_BLOCK_SIZE[0]} (the bitwise MoE's grouped GEMM)"
         )
-    return BitwiseSparseMoE(mlp, context)
 
 
 def make_bitwise(

@@ -17,7 +17,12 @@ Weight mapping (HF -> megatron-core, per decoder layer):
 - Qwen3's per-head q_norm / k_norm -> `self_attention.q_layernorm` / `k_layernorm` (megatron-core's
   `qk_layernorm`, applied per head before RoPE, as Qwen3 applies them);
 - embed_tokens -> `embedding.word_embeddings`; norm -> `decoder.final_layernorm`; lm_head ->
-  `output_layer` unless the embeddings are tied.
+  `output_layer` unless the embeddings are tied;
+- Qwen3-MoE's sparse layers (`is_moe_layer`): the router `mlp.gate` -> `mlp.router`, expert e's
+  rows of the fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate then up) -> `mlp.experts.linear_fc1.weight<e>`
+  and of `down_proj` [E, H, I] -> `mlp.experts.linear_fc2.weight<e>` (megatron-core's grouped-experts
+  names). Only the bitwise spec has a module for them (`megatron_ext.bitwise`); `build_megatron_gpt`
+  refuses MoE models.
 
 The block-FP8 consequence of the QKV interleave: TE quantizes the fused [ng * (q/g + 2) * d, H]
 matrix on one 128x128 grid, while vLLM quantizes q, k and v each on their own grid. The two grids
@@ -40,8 +45,10 @@ from fp8_align.megatron_ext.shim import transformer_config_kwargs
 
 #: HF model types whose weights map onto megatron-core's GPT layers as described above.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3")
+#: MoE model types whose weights map too, onto the bitwise spec's `EngineMoE` (`allow_moe=True`).
+MOE_MODEL_TYPES = ("qwen3_moe",)
 #: Of those, the ones with a per-head RMSNorm of q and k before RoPE.
-QK_NORM_MODEL_TYPES = ("qwen3",)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 SPECS = ("transformer_engine", "local")
 #: MegatronCausalLM pads sequence lengths to a multiple of this (TE FP8 GEMM shape rule).
 TOKEN_MULTIPLE = 16
@@ -51,12 +58,14 @@ class MegatronBridgeError(ValueError):
     """The HF model cannot be represented by this bridge; the message says which property."""
 
 
-def check_llama_family(hf_config: Any) -> None:
-    """Raise MegatronBridgeError unless `hf_config` is a Llama-style model the bridge maps exactly."""
+def check_llama_family(hf_config: Any, allow_moe: bool = False) -> None:
+    """Raise MegatronBridgeError unless `hf_config` is a Llama-style model the bridge maps exactly
+    (with `allow_moe`, Qwen3-MoE too: its weight mapping, for the bitwise spec)."""
     model_type = getattr(hf_config, "model_type", None)
+    supported = SUPPORTED_MODEL_TYPES + (MOE_MODEL_TYPES if allow_moe else ())
     problems = []
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        problems.append(f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if model_type not in supported:
+        problems.append(f"model_type {model_type!r} (supported: {', '.join(supported)})")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         problems.append("linear biases")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -72,6 +81,15 @@ def check_llama_family(hf_config: Any) -> None:
         problems.append(f"{heads} query heads not divisible by {groups} KV heads")
     if problems:
         raise MegatronBridgeError("cannot map this HF model onto megatron-core GPT layers: " + "; ".join(problems))
+
+
+def is_moe_layer(hf_config: Any, index: int) -> bool:
+    """Whether decoder layer `index` of the HF model is a sparse MoE block (Qwen3-MoE's rule:
+    experts exist, the layer is not in `mlp_only_layers`, and `index + 1` is a multiple of
+    `decoder_sparse_step`)."""
+    experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    return experts > 0 and index not in (getattr(hf_config, "mlp_only_layers", None) or []) and (index + 1) % step == 0
 
 
 def head_dim(hf_config: Any) -> int:
@@ -97,13 +115,14 @@ def rope_theta(hf_config: Any) -> float:
     return float(getattr(hf_config, "rope_theta", 10000.0))
 
 
-def megatron_config_kwargs(hf_config: Any, fp8_cfg: FP8Config | None) -> dict[str, Any]:
+def megatron_config_kwargs(hf_config: Any, fp8_cfg: FP8Config | None, allow_moe: bool = False) -> dict[str, Any]:
     """`TransformerConfig(**kwargs)` for the HF model; `fp8_cfg` None (or precision bf16) trains in BF16.
 
     The FP8 fields come from `transformer_config_kwargs(fp8_cfg)`: the same fields any Megatron
-    job using fp8_align sets.
+    job using fp8_align sets. `allow_moe`: a Qwen3-MoE model too (the dense layers' sizes; its
+    sparse layers are the bitwise spec's `EngineMoE`, which takes its own).
     """
-    check_llama_family(hf_config)
+    check_llama_family(hf_config, allow_moe)
     layers = int(hf_config.num_hidden_layers)
     kwargs: dict[str, Any] = {
         "num_layers": layers,
@@ -161,10 +180,11 @@ def _renamed_tensors(hf_config: Any, fused_norms: bool) -> list[tuple[str, str]]
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         pairs += [
             (hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight"),
-            (hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight"),
             (hf + "input_layernorm.weight", mg + ("self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight")),
             (hf + "post_attention_layernorm.weight", mg + ("mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight")),
         ]
+        if not is_moe_layer(hf_config, i):
+            pairs.append((hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight"))
         if has_qk_norm(hf_config):
             pairs += [(hf + "self_attn.q_norm.weight", mg + "self_attention.q_layernorm.weight"),
                       (hf + "self_attn.k_norm.weight", mg + "self_attention.k_layernorm.weight")]  # fmt: skip
@@ -184,7 +204,7 @@ def megatron_state_dict_from_hf(hf_state: Mapping[str, torch.Tensor], hf_config:
     Returns:
         {megatron name: tensor}; `output_layer.weight` only when embeddings are not tied.
     """
-    check_llama_family(hf_config)
+    check_llama_family(hf_config, allow_moe=True)
     heads = int(hf_config.num_attention_heads)
     groups = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     d, hidden = head_dim(hf_config), int(hf_config.hidden_size)
@@ -195,7 +215,12 @@ def megatron_state_dict_from_hf(hf_state: Mapping[str, torch.Tensor], hf_config:
         k = hf_state[hf + "self_attn.k_proj.weight"].view(groups, d, hidden)
         v = hf_state[hf + "self_attn.v_proj.weight"].view(groups, d, hidden)
         out[mg + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat([hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]])
+        if is_moe_layer(hf_config, i):
+            out[mg + "mlp.router.weight"] = hf_state[hf + "mlp.gate.weight"]
+            for e, (fc1, fc2) in enumerate(zip(hf_state[hf + "mlp.experts.gate_up_proj"], hf_state[hf + "mlp.experts.down_proj"])):
+                out[f"{mg}mlp.experts.linear_fc1.weight{e}"], out[f"{mg}mlp.experts.linear_fc2.weight{e}"] = fc1, fc2
+        else:
+            out[mg + "mlp.linear_fc1.weight"] = torch.cat([hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]])
     return out
 
 
@@ -219,6 +244,7 @@ def build_megatron_gpt(hf_model: nn.Module, fp8_cfg: FP8Config | None, spec: str
     if spec == "local" and fp8_cfg is not None and fp8_cfg.precision == "fp8":
         raise MegatronBridgeError("block FP8 needs TransformerEngine layers: use spec='transformer_engine'")
     hf_config = hf_model.config
+    check_llama_family(hf_config)
     init_single_process_parallel_state()
     config = TransformerConfig(**megatron_config_kwargs(hf_config, fp8_cfg))
     qk_norm = has_qk_norm(hf_config)
@@ -245,8 +271,9 @@ def build_megatron_gpt(hf_model: nn.Module, fp8_cfg: FP8Config | None, spec: str
 def hf_state_dict_from_megatron(megatron_state: Mapping[str, torch.Tensor], hf_config: Any, fused_norms: bool) -> dict[str, torch.Tensor]:
     """The inverse of `megatron_state_dict_from_hf`: megatron-core GPTModel parameters -> HF names
     (`model.` prefix; `lm_head.weight` only when the embeddings are not tied), for a weight sync
-    (`refit_weights`) or an HF copy of a Megatron-trained model; views, no arithmetic."""
-    check_llama_family(hf_config)
+    (`refit_weights`) or an HF copy of a Megatron-trained model; views, no arithmetic (a Qwen3-MoE
+    layer's experts are stacked into HF's fused tensors)."""
+    check_llama_family(hf_config, allow_moe=True)
     heads = int(hf_config.num_attention_heads)
     groups = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     d, hidden = head_dim(hf_config), int(hf_config.hidden_size)
@@ -258,7 +285,13 @@ def hf_state_dict_from_megatron(megatron_state: Mapping[str, torch.Tensor], hf_c
         out[hf + "self_attn.q_proj.weight"] = qkv[:, :per_group].reshape(-1, hidden)
         out[hf + "self_attn.k_proj.weight"] = qkv[:, per_group : per_group + d].reshape(-1, hidden)
         out[hf + "self_attn.v_proj.weight"] = qkv[:, per_group + d :].reshape(-1, hidden)
-        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = megatron_state[mg + "mlp.linear_fc1.weight"].chunk(2)
+        if is_moe_layer(hf_config, i):
+            experts = range(int(hf_config.num_experts))
+            out[hf + "mlp.gate.weight"] = megatron_state[mg + "mlp.router.weight"]
+            out[hf + "mlp.experts.gate_up_proj"] = torch.stack([megatron_state[f"{mg}mlp.experts.linear_fc1.weight{e}"] for e in experts])
+            out[hf + "mlp.experts.down_proj"] = torch.stack([megatron_state[f"{mg}mlp.experts.linear_fc2.weight{e}"] for e in experts])
+        else:
+            out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = megatron_state[mg + "mlp.linear_fc1.weight"].chunk(2)
     return out
 
 

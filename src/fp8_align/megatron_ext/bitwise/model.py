@@ -7,7 +7,9 @@ The spec (`bitwise_layer_specs`): one layer spec per decoder layer (the recipe's
 layers differ), norms and SwiGLU through the engine's kernels, the fused linears as the engine's
 stacked layers (FP8 where the recipe runs them so), core attention with the engine's RoPE
 (`position_embedding_type="none"`: megatron-core applies none) and attention kernel, the final
-norm, and the output layer swapped after the build for the engine's FP32 logits. Megatron runs its
+norm, and the output layer swapped after the build for the engine's FP32 logits; Qwen3-MoE's sparse
+layers get `EngineMoE` in the MLP slot (router, block-FP8 experts and their sum together: the engine's
+bits, which megatron-core's `MoELayer` does not give, docs/megatron.md). Megatron runs its
 own embedding, residual adds, backward and optimizer around them; THD packing and sbhd batches.
 Megatron tensor parallel size 1 or 2 (each Megatron rank computes the engine rank of its index,
 against an engine of that tensor parallel size; no sequence parallelism), context and pipeline
@@ -37,16 +39,18 @@ from fp8_align.bitwise import TENSOR_PARALLEL_SIZES
 from fp8_align.config import FP8Config
 from fp8_align.hf_training.attention import host_to_device, kv_scales_on_device
 from fp8_align.hf_training.bitwise_modules import BitwiseContext
-from fp8_align.hf_training.convert import bitwise_context, recipe_fp8
+from fp8_align.hf_training.convert import bitwise_context, check_sparse_moe, is_sparse_moe, recipe_fp8
 from fp8_align.hf_training.engine_ops import completion_logprobs
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
 from fp8_align.hf_training.stacked import VOCAB_PADDING, UnsupportedModelError, check_tensor_parallel_size
 from fp8_align.megatron_ext.bitwise.modules import (
-    EngineCoreAttention, EngineFc1Linear, EngineNorm, EngineOutputLayer, EngineQKVLinear, EngineRowLinear, EngineSiluAndMul,
+    EngineCoreAttention, EngineFc1Linear, EngineMoE, EngineNorm, EngineOutputLayer, EngineQKVLinear, EngineRowLinear, EngineSiluAndMul,
 )  # fmt: skip
 from fp8_align.megatron_ext.hf_bridge import copy_hf_weights, has_qk_norm, init_single_process_parallel_state, megatron_config_kwargs
 
+#: HF model types `build_bitwise_gpt` maps (Qwen3-MoE's sparse layers as `EngineMoE`).
+MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 #: The attribute of a bitwise GPTModel that holds its `BitwiseContext`.
 CONTEXT_ATTRIBUTE = "fp8_align_bitwise"
 #: TransformerConfig fields the bitwise spec sets; `build_bitwise_gpt` refuses overrides of them.
@@ -67,10 +71,14 @@ BITWISE_CONFIG: dict[str, Any] = {
 }
 
 
-def bitwise_layer_specs(context: BitwiseContext, num_layers: int, qk_layernorm: bool) -> TransformerBlockSubmodules:
+def bitwise_layer_specs(
+    context: BitwiseContext, num_layers: int, qk_layernorm: bool, moe_layers: Mapping[int, Mapping[str, Any]] | None = None
+) -> TransformerBlockSubmodules:
     """The decoder block spec: per layer megatron-core's local GPT layer with every slot the
     bitwise module of the engine (its linears FP8 where `context`'s recipe runs that HF layer so),
-    and the engine's RMSNorm as final norm."""
+    and the engine's RMSNorm as final norm. `moe_layers`: {layer index: `EngineMoE`'s `num_experts`,
+    `top_k`, `renormalize`, `ffn_hidden_size`} of the sparse layers, whose MLP slot is an `EngineMoE`."""
+    moe_layers = moe_layers or {}
     specs = []
     for index in range(num_layers):
         prefix = f"model.layers.{index}"
@@ -86,13 +94,29 @@ def bitwise_layer_specs(context: BitwiseContext, num_layers: int, qk_layernorm: 
         attention.linear_proj = ModuleSpec(module=EngineRowLinear, params={"context": context, "fp8": proj_fp8})
         if qk_layernorm:
             attention.q_layernorm = attention.k_layernorm = EngineNorm
-        layer.mlp = functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(
-            linear_fc1=ModuleSpec(module=EngineFc1Linear, params={"context": context, "fp8": fc1_fp8}),
-            linear_fc2=ModuleSpec(module=EngineRowLinear, params={"context": context, "fp8": fc2_fp8}),
-            activation_func=EngineSiluAndMul,
-        ))  # fmt: skip
+        if index in moe_layers:
+            layer.mlp = functools.partial(EngineMoE, context=context, **moe_layers[index])
+        else:
+            layer.mlp = functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(
+                linear_fc1=ModuleSpec(module=EngineFc1Linear, params={"context": context, "fp8": fc1_fp8}),
+                linear_fc2=ModuleSpec(module=EngineRowLinear, params={"context": context, "fp8": fc2_fp8}),
+                activation_func=EngineSiluAndMul,
+            ))  # fmt: skip
         specs.append(ModuleSpec(module=TransformerLayer, submodules=layer))
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=EngineNorm)
+
+
+def _moe_layers(hf_model: nn.Module, context: BitwiseContext) -> dict[int, dict[str, Any]]:
+    """`bitwise_layer_specs`' `moe_layers` of `hf_model`: its sparse MoE blocks (`check_sparse_moe`:
+    UnsupportedModelError for experts the bitwise MoE path does not run)."""
+    found = {}
+    for index, layer in enumerate(hf_model.model.layers):
+        if is_sparse_moe(layer.mlp):
+            check_sparse_moe(layer.mlp, context, f"model.layers.{index}.mlp")
+            gate, experts = layer.mlp.gate, layer.mlp.experts
+            found[index] = {"num_experts": int(gate.weight.shape[0]), "top_k": int(gate.top_k),
+                            "renormalize": bool(gate.norm_topk_prob), "ffn_hidden_size": int(experts.down_proj.shape[-1])}  # fmt: skip
+    return found
 
 
 def _check_megatron_state(caller: str) -> int:
@@ -118,8 +142,8 @@ def _check_megatron_state(caller: str) -> int:
 def build_bitwise_gpt(
     hf_model: nn.Module, cfg: FP8Config, kv_scales: Mapping[int, Mapping[str, float]] | None = None, **config_overrides: Any
 ) -> GPTModel:
-    """A megatron-core GPTModel holding `hf_model`'s weights (an HF Llama or dense Qwen3 causal LM in
-    BF16 on one device; the GPTModel on the same device, in train mode) whose forward is the bitwise
+    """A megatron-core GPTModel holding `hf_model`'s weights (an HF Llama, Qwen3 or Qwen3-MoE causal LM
+    in BF16 on one device; the GPTModel on the same device, in train mode) whose forward is the bitwise
     engine's of `cfg` (`on_policy="bitwise"`, its recipe picks the FP8 layers; module docstring):
     `model(input_ids, position_ids, attention_mask, packed_seq_params=...)` returns FP32 logits
     [b, s, V]; `token_logprobs` the engine sampler's log-probs. `kv_scales`: the engine's FP8 KV-cache
@@ -128,19 +152,14 @@ def build_bitwise_gpt(
     state for one process when it is not yet. Under Megatron tensor parallel size 2 (initialized by
     the caller) each rank builds its share, the vocabulary padded to a multiple of 64 as the engine
     pads it, and computes what the engine rank of its index computes (an engine at
-    `tensor_parallel_size=2`). Raises UnsupportedModelError for other models, another Megatron
+    `tensor_parallel_size=2`; a Qwen3-MoE model: size 1 only, ValueError otherwise). Raises
+    UnsupportedModelError for other models, MoE experts the bitwise MoE path does not run, another Megatron
     parallel size or megatron-core's batch-invariant mode, ValueError for a non-bitwise config, heads
     the tensor parallel size does not divide, or an override of a field the spec sets
     (`BITWISE_CONFIG`, and `tensor_model_parallel_size` other than the process's)."""
     hf_config = hf_model.config
-    if hf_config.model_type == "qwen3_moe":
-        raise UnsupportedModelError(
-            "build_bitwise_gpt maps dense models only: megatron-core's MoE layer combines the experts' outputs in its token "
-            "dispatcher (a BF16 scatter/index add) and weights them before linear_fc2, where the engine sums them in FP32 after "
-            "down_proj (docs/megatron.md, 'Qwen3-MoE is refused'); train a Qwen3-MoE policy bitwise with BitwiseForward / make_bitwise"
-        )
-    if hf_config.model_type not in ("llama", "qwen3"):
-        raise UnsupportedModelError(f"build_bitwise_gpt maps Llama and dense Qwen3 models; this model is {hf_config.model_type!r}")
+    if hf_config.model_type not in MODEL_TYPES:
+        raise UnsupportedModelError(f"build_bitwise_gpt maps {', '.join(MODEL_TYPES)} models; this model is {hf_config.model_type!r}")
     clashes = {k: v for k, v in config_overrides.items() if k in BITWISE_CONFIG and v != BITWISE_CONFIG[k]}
     if clashes:
         raise ValueError(f"build_bitwise_gpt sets {sorted(clashes)} itself ({ {k: BITWISE_CONFIG[k] for k in clashes} }); got {clashes}")
@@ -153,12 +172,12 @@ def build_bitwise_gpt(
             f"build_bitwise_gpt: tensor_model_parallel_size={config_overrides['tensor_model_parallel_size']}; "
             f"this process's Megatron tensor parallel size is {tp}"
         )
-    config = TransformerConfig(**{**megatron_config_kwargs(hf_config, None), **BITWISE_CONFIG, **config_overrides, "tensor_model_parallel_size": tp})
+    config = TransformerConfig(**{**megatron_config_kwargs(hf_config, None, allow_moe=True), **BITWISE_CONFIG, **config_overrides, "tensor_model_parallel_size": tp})
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     vocab = int(hf_config.vocab_size)
     padded_vocab = vocab if tp == 1 else -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
     model = GPTModel(
-        config, bitwise_layer_specs(context, config.num_layers, has_qk_norm(hf_config)), vocab_size=padded_vocab,
+        config, bitwise_layer_specs(context, config.num_layers, has_qk_norm(hf_config), _moe_layers(hf_model, context)), vocab_size=padded_vocab,
         max_sequence_length=int(hf_config.max_position_embeddings), position_embedding_type="none",
         share_embeddings_and_output_weights=tied, pre_process=True, post_process=True,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The megatron-core modules of the bitwise layer spec: each slot of a GPT layer (norms, the fused
-linears, SwiGLU, core attention) and the output layer computing what a bitwise vLLM engine
+linears, SwiGLU, core attention, Qwen3-MoE's sparse MLP) and the output layer computing what a bitwise vLLM engine
 computes for that part, with the standard BF16 gradient. They run the same ops as `make_bitwise`'s
 HF modules (`fp8_align.hf_training.bitwise_modules`: `stacked_output(s)`, `engine_attention`, the
 engine's RMSNorm and SiLU-and-mul) on Megatron's tensors and Parameters, whose names, shapes and
@@ -36,7 +36,7 @@ from torch import nn
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align.hf_training.attention import PackedBatch, host_to_device
-from fp8_align.hf_training.bitwise_modules import BitwiseContext, engine_attention, stacked_output, stacked_outputs
+from fp8_align.hf_training.bitwise_modules import BitwiseContext, engine_attention, sparse_moe_output, stacked_output, stacked_outputs
 from fp8_align.hf_training.engine_ops import engine_op, rms_norm_gradient_fn, silu_and_mul_gradient_fn, without_autocast
 from fp8_align.hf_training.stacked import StackedLinear, UnsupportedModelError, vocab_parallel_logits
 
@@ -78,6 +78,50 @@ class EngineSiluAndMul(nn.Module):
     @without_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return engine_op(torch.ops.fp8_align.bitwise_silu_and_mul, silu_and_mul_gradient_fn, x.contiguous())
+
+
+class _ExpertWeights(nn.Module):
+    """One Parameter per expert, `weight0` ... `weight<E-1>` (megatron-core's grouped-experts names)."""
+
+    def __init__(self, num_experts: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        super().__init__()
+        for expert in range(num_experts):
+            self.register_parameter(f"weight{expert}", nn.Parameter(torch.empty(shape, dtype=dtype)))
+
+    def stacked(self) -> torch.Tensor:
+        """[E, *shape]: every expert's weight, stacked (gradients flow back to each)."""
+        return torch.stack(list(self.parameters()))
+
+
+class EngineMoE(MegatronModule):
+    """A Qwen3-MoE sparse layer in the MLP slot, as the bitwise engine runs it at tensor parallel size 1
+    (`hf_training.bitwise_modules.sparse_moe_output`: router, routing, block-FP8 experts and their
+    weighted sum together; megatron-core's `MoELayer` cannot give these bits, docs/megatron.md).
+    Parameters under megatron-core's MoE names: `router.weight` [E, H], and per expert e
+    `experts.linear_fc1.weight<e>` [2F, H] (gate rows, then up) and `experts.linear_fc2.weight<e>`
+    [H, F]. Input [s, b, H] (or THD's [t, 1, H]) -> ([s, b, H], None), each token's row from that
+    token alone. Built by TransformerLayer (`config=, pg_collection=, is_mtp_layer=, name=`) with the
+    spec's `context`, `num_experts`, `top_k`, `renormalize` and `ffn_hidden_size` bound."""
+
+    def __init__(
+        self, config: TransformerConfig, pg_collection: Any, is_mtp_layer: bool, name: str | None = None, *,
+        context: BitwiseContext, num_experts: int, top_k: int, renormalize: bool, ffn_hidden_size: int,
+    ) -> None:  # fmt: skip
+        super().__init__(config=config)
+        hidden, dtype = config.hidden_size, config.params_dtype
+        self.context, self.top_k, self.renormalize = context, top_k, renormalize
+        self.router = nn.Module()
+        self.router.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
+        self.experts = nn.Module()
+        self.experts.linear_fc1 = _ExpertWeights(num_experts, (2 * ffn_hidden_size, hidden), dtype)
+        self.experts.linear_fc2 = _ExpertWeights(num_experts, (hidden, ffn_hidden_size), dtype)
+
+    @without_autocast
+    def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        w13, w2 = self.experts.linear_fc1.stacked(), self.experts.linear_fc2.stacked()
+        out = sparse_moe_output(self.context, x, self.router.weight, w13, w2, self.top_k, self.renormalize)
+        return out.reshape(hidden_states.shape), None
 
 
 def _column_input(layer: ColumnParallelLinear, input_: torch.Tensor) -> torch.Tensor:
