@@ -84,8 +84,6 @@ def bitwise_layer_specs(
         prefix = f"model.layers.{index}"
         qkv_fp8 = recipe_fp8(context, f"{prefix}.self_attn", STACKED_PROJECTIONS[0])
         proj_fp8 = recipe_fp8(context, f"{prefix}.self_attn", ("o_proj",))
-        fc1_fp8 = recipe_fp8(context, f"{prefix}.mlp", STACKED_PROJECTIONS[1])
-        fc2_fp8 = recipe_fp8(context, f"{prefix}.mlp", ("down_proj",))
         layer = get_gpt_layer_local_submodules(normalization="RMSNorm", qk_layernorm=qk_layernorm)
         layer.input_layernorm = layer.pre_mlp_layernorm = EngineNorm
         attention = layer.self_attention.submodules
@@ -97,6 +95,8 @@ def bitwise_layer_specs(
         if index in moe_layers:
             layer.mlp = functools.partial(EngineMoE, context=context, **moe_layers[index])
         else:
+            fc1_fp8 = recipe_fp8(context, f"{prefix}.mlp", STACKED_PROJECTIONS[1])
+            fc2_fp8 = recipe_fp8(context, f"{prefix}.mlp", ("down_proj",))
             layer.mlp = functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(
                 linear_fc1=ModuleSpec(module=EngineFc1Linear, params={"context": context, "fp8": fc1_fp8}),
                 linear_fc2=ModuleSpec(module=EngineRowLinear, params={"context": context, "fp8": fc2_fp8}),
