@@ -50,9 +50,11 @@ is 1. `--from-work` writes the report of a run that was stopped from what its `-
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -215,7 +217,10 @@ def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]
     """The trainer's kernels on the first micro-batch of `packed` (GPU kernels; on a CPU, the CPU
     ops): its log-probs without grad (the trainer_logprobs phase's work) and forward + backward of
     their sum (the train phase's; no optimizer step, the gradients dropped). Per part: the
-    micro-batch's tokens, the summed self time (ms) and the `top` entries by it (name, calls, ms)."""
+    micro-batch's tokens, the summed self time (ms) and the `top` entries by it (name, calls, ms),
+    `wall_ms` (the median of 3 runs, the device drained at each end: kernels well under it mean the
+    device waits on the host) and `host_top`, the `top` Python functions by their own host time
+    (cProfile, one run: function, calls, self_ms, total_ms)."""
     cuda = policy.device.type == "cuda"
     group = policy.micro_batch_rows(list(range(packed.num_sequences)), packed)[0]
     tokens = int((packed.prompt_lengths[group] + packed.completion_lengths[group]).sum())
@@ -241,8 +246,32 @@ def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]
         parts[part] = {
             "tokens": tokens, "self_ms": sum(us for us, _ in self_us.values()) / 1e3,
             "top": [{"name": name[:160], "calls": calls, "ms": us / 1e3} for name, (us, calls) in ranked[:top]],
+            "wall_ms": statistics.median(_wall_ms(work, policy.device) for _ in range(3)), "host_top": host_functions(work, policy.device, top),
         }  # fmt: skip
     return parts
+
+
+def _wall_ms(work: Callable[[], None], device: torch.device) -> float:
+    _drain(device)
+    start = time.perf_counter()
+    work()
+    _drain(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def host_functions(work: Callable[[], None], device: torch.device, top: int) -> list[dict[str, Any]]:
+    """The `top` Python functions of one run of `work` by their own host time (cProfile's tottime):
+    function ("file:line(name)"), calls, self_ms and total_ms (with what they call)."""
+    _drain(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    work()
+    _drain(device)
+    profiler.disable()
+    entries = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, calls, tottime, cumtime, callers)}
+    ranked = sorted(entries.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls, "self_ms": tottime * 1e3, "total_ms": cumtime * 1e3}
+            for (file, line, name), (_, calls, tottime, cumtime, _) in ranked]  # fmt: skip
 
 
 def _drain(device: str | torch.device) -> None:

@@ -412,6 +412,49 @@ def test_bf16_gradients_are_the_models_own_on_cuda() -> None:
     assert max(errors.values()) < 0.05, errors
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("grad", [False, True], ids=["logprobs", "forward_backward"])
+def test_bitwise_trainer_does_not_sync_the_host(kv_cache_dtype: str, grad: bool) -> None:
+    """The bitwise trainer's log-probs (and their backward) queue GPU work without waiting for it: a
+    device sync inside a micro-batch leaves the GPU idle while the host prepares the next kernels
+    (the RL step's bitwise trainer ran 35 ms of kernels in 99 ms, results_log session 40). Every
+    sync under `torch.cuda.set_sync_debug_mode("warn")` is recorded with the Python line that asked
+    for it; the first call (kernel selection, Triton compiles) runs before."""
+    import warnings
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fp8_align.hf_training import BitwiseForward
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=64, vocab_size=2000, max_position_embeddings=1024)  # fmt: skip
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).cuda()
+    forward = BitwiseForward(model, FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype))
+    if kv_cache_dtype == "fp8":
+        forward.set_kv_scales({layer: {"k_scale": 0.02, "v_scale": 0.01} for layer in range(2)})
+    sequences, prompt_lens = [torch.randint(0, 2000, (n,)).tolist() for n in (40, 200, 7)], [5, 50, 2]
+
+    def run() -> None:
+        with torch.set_grad_enabled(grad):
+            logprobs = torch.cat(forward.token_logprobs(sequences, prompt_lens))
+            if grad:
+                logprobs.sum().backward()
+
+    run()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, f"{len(syncs)} device syncs: {syncs}"
+
+
 def test_bench_error_bitwise_trainer_side_is_the_engine_bit_for_bit(tmp_path: Path) -> None:
     """`fp8-align bench-error --variants fp8_bitwise` on SmolLM2-135M-Instruct with an eager engine
     (no torch.compile, no CUDA graphs: another code path than the proof's compiled engines): the

@@ -71,6 +71,8 @@ def test_colocated_step_sleeps_through_training_and_syncs_after_waking(tmp_path:
         for part in profiled.values():
             assert part["tokens"] == 12 and len(part["top"]) == 3
             assert part["self_ms"] >= sum(op["ms"] for op in part["top"]) > 0
+            assert part["wall_ms"] > 0 and len(part["host_top"]) == 3
+            assert all(f["total_ms"] >= f["self_ms"] >= 0 and f["calls"] >= 1 for f in part["host_top"])
         assert not any("backward" in op["name"] for op in profiled["logprobs"]["top"])  # no grad there
     assert list(report["variants"]) == [fp8] and "speedup_vs_bf16" not in report["variants"][fp8]
     assert "trainer_logprobs" in run.stdout  # the table

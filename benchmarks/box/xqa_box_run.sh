@@ -4,6 +4,7 @@
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
 #        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl | openrlhf | nemo_rl | stack-proof
+#        | pytest=FILE[@EXPR] (one GPU test file, or its tests matching the pytest -k EXPR; no SmolLM2 staged: the tests that build their own models)
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
@@ -169,6 +170,11 @@ while [ $# -gt 0 ]; do
         tests/test_gpu_flashinfer_scales.py \
         > "$out/pytest_xqa_dg.txt" 2>&1
       grep -E "XQA|xqa|cold|FLASHINFER|passed|failed|Error" "$out/pytest_xqa_dg.txt" | tail -25 ;;
+    pytest=*)
+      spec="${stage#pytest=}"; file="${spec%%@*}"; expr=""; [[ "$spec" == *"@"* ]] && expr="${spec#*@}"
+      name="pytest_$(basename "$file" .py)${expr:+_${expr//[^A-Za-z0-9]/_}}"
+      python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs -s "$file" ${expr:+-k "$expr"} > "$out/$name.txt" 2>&1
+      echo "rc=$?"; tail -15 "$out/$name.txt" ;;
     tests-tp*)
       # tensor parallel size 2 over every visible GPU (not inside a par chain): fp8_align's own TP tests and the
       # stacks' sync at TP=2 (their packages from .whl/site, benchmarks/box/build_stack_site.sh; Ray cases where

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from fp8_align.error_bench.scoring import micro_batches
 from fp8_align.config import FP8Config
 from fp8_align.hf_training import BitwiseForward, apply_fp8_training
+from fp8_align.hf_training.attention import host_to_device
 from fp8_align.is_correction import importance_weighted_loss
 from fp8_align.megatron_ext.calibration import KVScaleCalibrator
 
@@ -143,8 +144,8 @@ class GRPOPolicy:
             return self._bitwise_logprobs(self.bitwise, packed, rows)
         index = torch.tensor(list(rows))
         length = int((packed.prompt_lengths[index] + packed.completion_lengths[index]).max())
-        ids = packed.input_ids[index, :length].to(self.device)
-        attention_mask = packed.attention_mask[index, :length].to(self.device)
+        ids = host_to_device(packed.input_ids[index, :length], self.device)
+        attention_mask = host_to_device(packed.attention_mask[index, :length], self.device)
         # only the positions that predict a completion token go through the LM head (its BF16
         # backward dominates a step on a CPU): the last `keep`, from the shortest prompt's end
         keep = length - int(packed.prompt_lengths[index].min()) + 1
@@ -152,10 +153,10 @@ class GRPOPolicy:
         width = packed.targets.shape[1]
         # logits at position p predict token p + 1: completion token t sits at prompt_length + t
         positions = (packed.prompt_lengths[index, None] - 1 + torch.arange(width)[None, :]).clamp(max=length - 1) - (length - keep)
-        picked = logits[torch.arange(len(index), device=self.device)[:, None], positions.to(self.device)]  # [b, T, V]
-        targets = packed.targets[index].to(self.device)
+        picked = logits[torch.arange(len(index), device=self.device)[:, None], host_to_device(positions, self.device)]  # [b, T, V]
+        targets = host_to_device(packed.targets[index], self.device)
         values = torch.log_softmax(picked.float(), dim=-1).gather(-1, targets[:, :, None])[:, :, 0]
-        return torch.where(packed.mask[index].to(self.device), values, 0.0)
+        return torch.where(host_to_device(packed.mask[index], self.device), values, 0.0)
 
     def _bitwise_logprobs(self, bitwise: BitwiseForward, packed: PackedSequences, rows: Sequence[int]) -> Tensor:
         """`logprobs` through BitwiseForward: the rows' sequences packed without padding."""
@@ -177,7 +178,7 @@ class GRPOPolicy:
         groups = self.micro_batch_rows(list(range(packed.num_sequences)), packed)
         _reset(progress, len(groups))
         for group in groups:
-            out[torch.tensor(group, device=self.device)] = self.logprobs(packed, group)
+            out[host_to_device(torch.tensor(group), self.device)] = self.logprobs(packed, group)
             _advance(progress)
         return out
 
@@ -221,7 +222,7 @@ class GRPOPolicy:
                 continue
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for group in minibatch_groups:
-                index = torch.tensor(group, device=self.device)
+                index = host_to_device(torch.tensor(group), self.device)
                 logprobs = self.logprobs(packed, group)
                 per_token, clipped = clipped_policy_loss(logprobs, old_logprobs[index], advantages[index], clip_eps)
                 loss = importance_weighted_loss(per_token, is_weights[index], mask[index], "token-mean", normalizer=tokens)
