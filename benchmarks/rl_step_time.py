@@ -24,8 +24,10 @@ and moments, about 18 bytes a parameter), one untimed warm-up step and `--steps`
 - weight_sync: the trainer's BF16 weights into the engine (`grpo.engine.push_weights`: the stacks'
   `load_weights` path, CUDA IPC handles; an FP8 engine re-quantizes in place), then one layer
   checked bit for bit against what the trainer sent (`check_engine_weights`);
-- kv_scales (FP8 KV variants): `grpo.loop.update_kv_scales`, the trainer's calibration forward
-  pushed to the engine (fp8_fast) or the engine's calibration read back by the bitwise trainer.
+- kv_scales (FP8 KV variants): fp8_fast's trainer measures the next rollout's scales with a
+  calibration forward after its optimizer step, the engine still asleep (`grpo.loop.trainer_kv_scales`),
+  and pushes them after the weight sync (the phase is both parts); the bitwise trainer reads back
+  the scales the woken engine calibrates (`grpo.loop.update_kv_scales`).
 
 Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode: `FP8Config(kv_cache_dtype="fp8",
 kv_decode_kernel="xqa")`, DeepGEMM on `--deepgemm-cache`; the trainer in the aligned block-FP8
@@ -73,11 +75,12 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
 from benchmarks.grpo.engine import check_engine_weights, push_weights, sample, start_engine  # noqa: E402
-from benchmarks.grpo.loop import update_kv_scales  # noqa: E402
+from benchmarks.grpo.loop import trainer_kv_scales, update_kv_scales  # noqa: E402
 from benchmarks.grpo.policy import GRPOPolicy, pack_sequences  # noqa: E402
 from benchmarks.rollout.checkpoints import MODELS, ensure_bf16_checkpoint  # noqa: E402
 from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
+from fp8_align.vllm_plugin import push_kv_scales  # noqa: E402
 from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR  # noqa: E402
 
 #: Variant -> the engine's FP8Config (None: stock BF16); the trainer follows it (GRPOPolicy).
@@ -131,7 +134,7 @@ class Phases:
             start = time.perf_counter()
             result = work(bar)
             _drain(self.device)
-            self.seconds[phase] = time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start  # a phase run in two parts: their sum
         return result
 
 
@@ -189,12 +192,18 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         advantages = torch.randn(packed.num_sequences, generator=gen)
         mask = packed.mask.to(old_logprobs.device)
         phases.run("train", lambda bar: policy.update(packed, advantages, old_logprobs, mask.float(), clip_eps=0.2, num_minibatches=1, progress=bar))
+        # the fast trainer measures the next rollout's K/V scales at the end of its step, the engine still
+        # asleep (as NeMo RL does before its refit), and pushes them after the wake; the bitwise trainer
+        # takes the ones the woken engine calibrates
+        measured = phases.run("kv_scales", lambda bar: trainer_kv_scales(policy, packed)) if fp8_kv and policy.bitwise is None else None
         if args.colocate:
             phases.run("wake", lambda bar: _wake(llm, device))
         phases.run("weight_sync", lambda bar: push_weights(llm, policy.bf16_weights()))
         checked = f"model.layers.{step % layers}.mlp.down_proj"
         check_engine_weights(llm, checked, policy.model.get_submodule(checked).weight, fp8)
-        if fp8_kv:
+        if measured is not None:
+            phases.run("kv_scales", lambda bar: push_kv_scales(llm, measured))
+        elif fp8_kv:
             phases.run("kv_scales", lambda bar: update_kv_scales(llm, policy, packed))
         seconds = {**phases.seconds, "step": sum(phases.seconds.values())}
         max_dlogp = float(((old_logprobs - engine_logprobs).abs() * mask).max())
@@ -202,6 +211,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps({"variant": variant, **steps[-1]}), flush=True)
         (args.work / f"{variant}.steps.json").write_text(json.dumps({"runner": runner, "steps": steps}, indent=1))  # kept if the run stops
     timed = [s["seconds"] for s in steps if not s["warm_up"]]
+    if args.profile_kernels and args.colocate:
+        llm.sleep(level=1)  # the trainer's GPU, as in its phases of a step
     kernels = profile_trainer(policy, packed, args.profile_kernels) if args.profile_kernels else None
     return {
         "runner": runner, "forced_runner": model_runner, "unproven_bitwise": unproven, "layers": layers, "engine_start_s": engine_start_s,

@@ -419,7 +419,10 @@ def test_bitwise_trainer_does_not_sync_the_host(kv_cache_dtype: str, grad: bool)
     device sync inside a micro-batch leaves the GPU idle while the host prepares the next kernels
     (the RL step's bitwise trainer ran 35 ms of kernels in 99 ms, results_log session 40). Every
     sync under `torch.cuda.set_sync_debug_mode("warn")` is recorded with the Python line that asked
-    for it; the first call (kernel selection, Triton compiles) runs before."""
+    for it; the first call (kernel selection, Triton compiles) runs before. One sync is transformers':
+    its causal-mask builder reads back whether `position_ids` hold packed sequences (masking_utils'
+    `find_packed_sequence_indices`, H100 session 41), before the first layer; none may come from
+    anywhere else."""
     import warnings
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -451,8 +454,9 @@ def test_bitwise_trainer_does_not_sync_the_host(kv_cache_dtype: str, grad: bool)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-    assert not syncs, f"{len(syncs)} device syncs: {syncs}"
+    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+    others = [site for site in syncs if not site.startswith("masking_utils.py:")]
+    assert not others and len(syncs) <= 1, f"{len(syncs)} device syncs: {syncs}"
 
 
 def test_bench_error_bitwise_trainer_side_is_the_engine_bit_for_bit(tmp_path: Path) -> None:

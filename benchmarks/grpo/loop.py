@@ -37,16 +37,22 @@ from .task import Problem, exact_match_reward, prompt_token_ids, split_problems,
 KV_CALIBRATION_SEQUENCES = 64
 
 
+def trainer_kv_scales(policy: GRPOPolicy, packed: PackedSequences) -> dict[int, dict[str, float]]:
+    """The FP8 KV-cache scales the (non-bitwise) trainer's forward measures on the first
+    KV_CALIBRATION_SEQUENCES of `packed` ({layer: {k_scale, v_scale, q_scale}}), to push to the engine."""
+    return policy.kv_scales(packed, range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences)))
+
+
 def update_kv_scales(llm: Any, policy: GRPOPolicy, packed: PackedSequences) -> None:
     """New FP8 KV-cache scales for the next rollout, from the first KV_CALIBRATION_SEQUENCES of
     `packed`. A bitwise trainer (which scores through the engine's kernels, not the HF modules the
     trainer-side calibrator hooks): the engine measures them (`calibrate_kv_scales`, which pushes)
     and the trainer takes exactly what the engine holds (`engine_kv_scales`). Otherwise the
     trainer's forward measures them and they are pushed to the engine."""
-    rows = range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))
     if policy.bitwise is None:
-        push_kv_scales(llm, policy.kv_scales(packed, rows))
+        push_kv_scales(llm, trainer_kv_scales(policy, packed))
         return
+    rows = range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))
     calibrate_kv_scales(llm, [packed.sequence(row) for row in rows], include_q=False)
     policy.bitwise.set_kv_scales(engine_kv_scales(llm))
 

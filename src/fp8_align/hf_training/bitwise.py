@@ -19,7 +19,7 @@ from torch import nn
 from fp8_align.config import FP8Config
 from fp8_align.hf_training.attention import KVCacheScales, host_to_device
 from fp8_align.hf_training.bitwise_modules import BitwiseContext
-from fp8_align.hf_training.convert import make_bitwise, set_kv_scales
+from fp8_align.hf_training.convert import make_bitwise, set_kv_scales, use_packed_layout
 from fp8_align.hf_training.engine_ops import EngineKernels, completion_logprobs
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
 from fp8_align.hf_training.stacked import check_bitwise_model
@@ -93,6 +93,7 @@ class BitwiseForward:
         self.context.layer_kv_scales(0)  # an FP8-cache config without scales fails before any kernel runs
         ids = host_to_device(torch.tensor([[t for s in sequences for t in s]], dtype=torch.long), self.device)
         positions = host_to_device(torch.cat([torch.arange(len(s)) for s in sequences])[None], self.device)
+        use_packed_layout(self.context, positions, [len(s) for s in sequences])
         return self.converted.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
 
     def token_logprobs(

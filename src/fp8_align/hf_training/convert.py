@@ -17,7 +17,7 @@ positions must be 0..n-1, as the engine numbers them. Backward: the standard BF1
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,14 @@ def _layout(context: BitwiseContext, attention_mask: torch.Tensor | None, positi
     layout = _packed_layout(attention_mask, position_ids, rows, columns, device)
     context.layout_cache.update(key=key, layout=layout)
     return layout
+
+
+def use_packed_layout(context: BitwiseContext, position_ids: torch.Tensor, lengths: Sequence[int]) -> None:
+    """The next forward of `context`'s model that gets `position_ids` ([1, sum(lengths)], each
+    sequence numbered 0..n-1) packs the sequences of `lengths` (host ints) without reading the
+    positions back from the device (`_packed_layout` would: one device sync per forward)."""
+    key = (None, position_ids, 1, int(sum(lengths)))
+    context.layout_cache.update(key=key, layout=_Layout(None, PackedBatch.from_lengths(list(lengths), position_ids.device)))
 
 
 @without_autocast
