@@ -9,7 +9,8 @@
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
 # FLASHINFER_DISABLE_JIT=1 (nothing may compile on the box; a missing module raises, naming it).
 # dg-prepare[=MODEL] fills DeepGEMM's JIT cache /root/dg_cache for the linears of a rollout model
-# (benchmarks/rollout/checkpoints.py: qwen3-8b, the default, qwen3-30b-a3b, moonlight-16b-a3b;
+# (benchmarks/rollout/checkpoints.py: qwen3-8b, the default, qwen3-30b-a3b, moonlight-16b-a3b; a carried .dgcache/MODEL.tar that an
+# earlier machine's prepare brought back as dgcache_MODEL.tar skips the compile when its marks cover the model on this GPU and vLLM;
 # `fp8-align prepare-deepgemm --model`, 16 processes; session 16's `dg-prepare-moe` is
 # `dg-prepare=qwen3-30b-a3b`; of an MoE model it compiles the routed experts' grouped kernels
 # too); the _dg rollout variants start with it. DG_PREPARE_TP=N (default 1): the per-rank shapes of engines split
@@ -81,10 +82,23 @@ dg_prepare() {  # MODEL: fill /root/dg_cache for its linears (and experts) from 
   local tp="${DG_PREPARE_TP:-1}" tag="$1"; [ "$tp" = 1 ] || tag="$1_tp$tp"  # per-rank shapes of a TP=$tp engine
   mkdir -p "/root/dg_config/$1" && python3 -c "import json, sys; from benchmarks.rollout.checkpoints import MODELS; \
     json.dump(MODELS[sys.argv[1]].config, open(sys.argv[2], 'w'))" "$1" "/root/dg_config/$1/config.json" || return 1
+  # a cache an earlier machine brought back (.dgcache/TAG.tar, carried): used when its marks cover this model on this setup
+  [ -f ".dgcache/$tag.tar" ] && mkdir -p /root/dg_cache && tar -C /root/dg_cache -xf ".dgcache/$tag.tar"
+  if python3 -c "import json, sys, torch; from pathlib import Path
+from fp8_align.vllm_plugin.kernels.deepgemm.fill import model_deepgemm_shapes
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import DEFAULT_MAX_BATCHED_TOKENS, is_prepared
+from fp8_align.vllm_plugin.kernels.deepgemm.warmup import deepgemm_cache_setup
+shapes, setup = model_deepgemm_shapes(json.load(open(sys.argv[1])), int(sys.argv[2])), deepgemm_cache_setup(torch.device('cuda', 0))
+sys.exit(0 if shapes and all(is_prepared(Path('/root/dg_cache'), setup, s.n, s.k, DEFAULT_MAX_BATCHED_TOKENS) for s in shapes) else 1)" \
+      "/root/dg_config/$1/config.json" "$tp"; then
+    echo "dg-prepare $tag: the carried cache covers it"; du -sh /root/dg_cache; return 0
+  fi
   python3 -m fp8_align.cli prepare-deepgemm --model "/root/dg_config/$1" --tensor-parallel-size "$tp" --cache-dir /root/dg_cache \
     --json "$out/deepgemm_prepare_$tag.json" > "$out/deepgemm_prepare_$tag.log" 2>&1
   local rc=$?
   tail -c 1500 "$out/deepgemm_prepare_$tag.log"; du -sh /root/dg_cache
+  # brought back for the next machine: copy it to .dgcache/TAG.tar here (git-ignored) and carry .dgcache
+  [ $rc = 0 ] && tar -C /root/dg_cache -cf "$out/dgcache_$tag.tar" .
   return $rc  # a failed prepare stops the chain (its rollouts would time an engine that fills the cache at start)
 }
 while [ $# -gt 0 ]; do
