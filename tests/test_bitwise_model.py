@@ -268,3 +268,18 @@ def test_bitwise_forward_is_a_converted_copy_and_leaves_its_model(tensor_paralle
     assert [type(m) for m in model.modules()] == modules_before
     with torch.no_grad():
         assert torch.equal(model(**packed_inputs(SEQUENCES)).logits, hf_logits)
+
+
+def test_bitwise_forward_packs_its_sequences_without_reading_positions_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`BitwiseForward` knows its sequences' lengths on the host and hands their layout to the
+    attention (`use_packed_layout`): the layout is not rebuilt from the position tensor (on a GPU, a
+    device sync per forward), and the log-probs are the ones the rebuilt layout gives."""
+    from fp8_align.hf_training import convert
+
+    cfg = FP8Config(on_policy="bitwise", precision="fp8")
+    forward = BitwiseForward(tiny_hf_model("qwen3"), cfg)
+    with torch.no_grad():
+        rebuilt = forward.converted.model(**packed_inputs(SEQUENCES), use_cache=False).last_hidden_state[0]
+        monkeypatch.setattr(convert, "_packed_layout", lambda *args: pytest.fail("the layout was rebuilt from the positions"))
+        handed = forward.hidden_states(SEQUENCES)
+    assert torch.equal(handed, rebuilt)
