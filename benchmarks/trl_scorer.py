@@ -61,8 +61,11 @@ class TrlGRPOScorer:
         if colocate_engine is not None:
             patch_trl_engine(cfg)
         cpu = next(model.parameters()).device.type == "cpu"
+        # TRL's trainer needs an output directory and writes nothing there (save_strategy "no");
+        # it is removed with this scorer
+        self._output_dir = tempfile.TemporaryDirectory(prefix="fp8_align_trl_")
         settings = {
-            "output_dir": tempfile.mkdtemp(prefix="fp8_align_trl_"), "temperature": temperature, "per_device_train_batch_size": 2,
+            "output_dir": self._output_dir.name, "temperature": temperature, "per_device_train_batch_size": 2,
             "num_generations": 2, "max_grad_norm": MAX_GRAD_NORM, "bf16": True, "use_cpu": cpu, "report_to": "none", "save_strategy": "no",
             "use_vllm": colocate_engine is not None, **({"vllm_mode": "colocate", **colocate_engine} if colocate_engine is not None else {}),
         }  # fmt: skip

@@ -26,7 +26,12 @@ from tests.model_factory import make_tiny_llama, make_tiny_tokenizer
 
 
 def main(out_path: str) -> None:
-    path = make_tiny_llama(Path(tempfile.mkdtemp(prefix="fp8_align_trl_bitwise_")) / "model")
+    with tempfile.TemporaryDirectory(prefix="fp8_align_trl_bitwise_") as work:
+        build_trainer(Path(work), out_path)
+
+
+def build_trainer(work: Path, out_path: str) -> None:
+    path = make_tiny_llama(work / "model")
     tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     engine = {"vllm_gpu_memory_utilization": 0.25, "vllm_max_model_length": 256, "per_device_train_batch_size": 4}
