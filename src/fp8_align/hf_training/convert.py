@@ -92,16 +92,20 @@ def _layout(context: BitwiseContext, attention_mask: torch.Tensor | None, positi
     if cached is not None and all(a is b for a, b in zip(cached[:2], key[:2])) and cached[2:] == key[2:]:
         return context.layout_cache["layout"]
     layout = _packed_layout(attention_mask, position_ids, rows, columns, device)
-    context.layout_cache.update(key=key, layout=layout)
+    _cache_layout(context, key, layout)
     return layout
+
+
+def _cache_layout(context: BitwiseContext, key: tuple[Any, ...], layout: _Layout) -> None:
+    """`layout` is the one `_layout` returns while its arguments are `key` (the mask and positions by identity)."""
+    context.layout_cache.update(key=key, layout=layout)
 
 
 def use_packed_layout(context: BitwiseContext, position_ids: torch.Tensor, lengths: Sequence[int]) -> None:
     """The next forward of `context`'s model that gets `position_ids` ([1, sum(lengths)], each
     sequence numbered 0..n-1) packs the sequences of `lengths` (host ints) without reading the
     positions back from the device (`_packed_layout` would: one device sync per forward)."""
-    key = (None, position_ids, 1, int(sum(lengths)))
-    context.layout_cache.update(key=key, layout=_Layout(None, PackedBatch.from_lengths(list(lengths), position_ids.device)))
+    _cache_layout(context, (None, position_ids, 1, int(sum(lengths))), _Layout(None, PackedBatch.from_lengths(list(lengths), position_ids.device)))
 
 
 @without_autocast
