@@ -23,7 +23,8 @@ mkdir -p /tmp/ep/fp8_align-0.1.0.dist-info
 printf 'Metadata-Version: 2.1\nName: fp8-align\nVersion: 0.1.0\n' > /tmp/ep/fp8_align-0.1.0.dist-info/METADATA
 printf '[vllm.general_plugins]\nfp8_align = fp8_align.vllm_plugin:register\n' > /tmp/ep/fp8_align-0.1.0.dist-info/entry_points.txt
 export PYTHONPATH="/root/kit:$PWD/src:/tmp/ep:$PWD"
-export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# PYTHONFAULTHANDLER: a process that dies of a signal (an engine core in CUDA-graph capture, session 40) prints its Python stack
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 python3 - > /tmp/fp8_align_env.txt <<'EOF' || { cat /tmp/fp8_align_env.txt; return 1; }
 import importlib.metadata as md, subprocess, sys, datetime
 import torch, triton, transformers, vllm
