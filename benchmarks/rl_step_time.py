@@ -29,6 +29,11 @@ and moments, about 18 bytes a parameter), one untimed warm-up step and `--steps`
   and pushes them after the weight sync (the phase is both parts); the bitwise trainer reads back
   the scales the woken engine calibrates (`grpo.loop.update_kv_scales`).
 
+After the warm-up step, the engine still asleep, the trainer runs once on each distinct micro-batch
+shape of a timed step (`warm_trainer_shapes`; the report's `trainer_warmup`): the fast trainer's
+DeepGEMM compiles a kernel the first time it meets a layer shape and M bucket, seconds each, which
+a run of many steps pays once (session 41's first timed step paid it in its log-probs).
+
 Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode: `FP8Config(kv_cache_dtype="fp8",
 kv_decode_kernel="xqa")`, DeepGEMM on `--deepgemm-cache`; the trainer in the aligned block-FP8
 recipe with the engine's GEMM kernels, `apply_fp8_training(forward_kernel="engine")`),
@@ -75,8 +80,8 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
 from benchmarks.grpo.engine import check_engine_weights, push_weights, sample, start_engine  # noqa: E402
-from benchmarks.grpo.loop import trainer_kv_scales, update_kv_scales  # noqa: E402
-from benchmarks.grpo.policy import GRPOPolicy, pack_sequences  # noqa: E402
+from benchmarks.grpo.loop import calibration_rows, trainer_kv_scales, update_kv_scales  # noqa: E402
+from benchmarks.grpo.policy import GRPOPolicy, PackedSequences, pack_sequences  # noqa: E402
 from benchmarks.rollout.checkpoints import MODELS, ensure_bf16_checkpoint  # noqa: E402
 from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
@@ -196,6 +201,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         # asleep (as NeMo RL does before its refit), and pushes them after the wake; the bitwise trainer
         # takes the ones the woken engine calibrates
         measured = phases.run("kv_scales", lambda bar: trainer_kv_scales(policy, packed)) if fp8_kv and policy.bitwise is None else None
+        if step == 0:  # the timed steps' micro-batch shapes (the smaller warm-up may not have had them), the engine still asleep
+            clock = time.perf_counter()
+            warmed = warm_trainer_shapes(policy, pack_sequences(*_timed_step_shaped(args)), fp8_kv and policy.bitwise is None)
+            trainer_warmup = {"micro_batch_tokens": warmed, "seconds": time.perf_counter() - clock}
         if args.colocate:
             phases.run("wake", lambda bar: _wake(llm, device))
         phases.run("weight_sync", lambda bar: push_weights(llm, policy.bf16_weights()))
@@ -220,8 +229,35 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         "step_s": [t["step"] for t in timed],
         "phases": {phase: statistics.median(t[phase] for t in timed) for phase in (*PHASES, "step") if phase in timed[0]},
         "memory_gib": {"trainer_peak": torch.cuda.max_memory_allocated() / 2**30} if device == "cuda" else {},
-        "steps": steps, **({"trainer_profile": kernels} if kernels is not None else {}),
+        "steps": steps, "trainer_warmup": trainer_warmup, **({"trainer_profile": kernels} if kernels is not None else {}),
     }  # fmt: skip
+
+
+def _timed_step_shaped(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, completions) of token id 0 with a timed step's row count and lengths."""
+    rows = args.prompts * args.group
+    return [[0] * args.prompt_tokens] * rows, [[0] * args.max_tokens] * rows
+
+
+def warm_trainer_shapes(policy: GRPOPolicy, packed: PackedSequences, calibration: bool) -> list[int]:
+    """Run the trainer once on each distinct micro-batch of `packed` (log-probs without grad, then
+    forward + backward with the gradients dropped; with `calibration`, also those of the K/V-scale
+    calibration rows), so that kernels compiled per shape (DeepGEMM's JIT in the fast trainer: a
+    kernel per layer shape and M bucket, seconds each) are built before the timed steps. Returns
+    the micro-batches' token counts."""
+    groups = policy.micro_batch_rows(list(range(packed.num_sequences)), packed)
+    if calibration:
+        groups += policy.micro_batch_rows(list(calibration_rows(packed)), packed)
+    lengths = (packed.prompt_lengths + packed.completion_lengths).tolist()
+    by_tokens = {sum(lengths[r] for r in group): group for group in groups}
+    for group in by_tokens.values():
+        with torch.no_grad():
+            policy.logprobs(packed, group)
+        policy.logprobs(packed, group).sum().backward()
+        for param in policy.params:
+            param.grad = None
+    _drain(policy.device)
+    return sorted(by_tokens)
 
 
 def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]:

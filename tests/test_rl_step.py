@@ -67,6 +67,7 @@ def test_colocated_step_sleeps_through_training_and_syncs_after_waking(tmp_path:
         kept = json.loads((tmp_path / "work" / f"{variant}.steps.json").read_text())  # what a stopped run leaves
         assert (kept["runner"], kept["steps"]) == (entry["runner"], entry["steps"])
         # one micro-batch profiled: 16 tokens at most hold one 8 + 4 token sequence
+        assert entry["trainer_warmup"]["micro_batch_tokens"] == [12] and entry["trainer_warmup"]["seconds"] > 0
         profiled = entry["trainer_profile"]
         assert list(profiled) == ["logprobs", "forward_backward"]
         for part in profiled.values():

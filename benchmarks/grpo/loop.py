@@ -37,14 +37,15 @@ from .task import Problem, exact_match_reward, prompt_token_ids, split_problems,
 KV_CALIBRATION_SEQUENCES = 64
 
 
-def _calibration_rows(packed: PackedSequences) -> range:
+def calibration_rows(packed: PackedSequences) -> range:
+    """The rows of `packed` the K/V-scale calibration forward runs over (its first KV_CALIBRATION_SEQUENCES)."""
     return range(min(KV_CALIBRATION_SEQUENCES, packed.num_sequences))
 
 
 def trainer_kv_scales(policy: GRPOPolicy, packed: PackedSequences) -> dict[int, dict[str, float]]:
     """The FP8 KV-cache scales the (non-bitwise) trainer's forward measures on the first
     KV_CALIBRATION_SEQUENCES of `packed` ({layer: {k_scale, v_scale, q_scale}}), to push to the engine."""
-    return policy.kv_scales(packed, _calibration_rows(packed))
+    return policy.kv_scales(packed, calibration_rows(packed))
 
 
 def update_kv_scales(llm: Any, policy: GRPOPolicy, packed: PackedSequences) -> None:
@@ -56,7 +57,7 @@ def update_kv_scales(llm: Any, policy: GRPOPolicy, packed: PackedSequences) -> N
     if policy.bitwise is None:
         push_kv_scales(llm, trainer_kv_scales(policy, packed))
         return
-    calibrate_kv_scales(llm, [packed.sequence(row) for row in _calibration_rows(packed)], include_q=False)
+    calibrate_kv_scales(llm, [packed.sequence(row) for row in calibration_rows(packed)], include_q=False)
     policy.bitwise.set_kv_scales(engine_kv_scales(llm))
 
 
