@@ -17,7 +17,7 @@ import torch
 
 from fp8_align.cli import main
 from fp8_align.vllm_plugin.kernels.deepgemm.cache import split_work
-from fp8_align.vllm_plugin.kernels.deepgemm.inventory import LinearShape, decoder_linear_shapes, parse_shapes
+from fp8_align.vllm_plugin.kernels.deepgemm.inventory import LinearShape, decoder_linear_shapes, parse_shapes, trainer_linear_shapes
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip
@@ -35,6 +35,24 @@ def test_dense_shapes_match_vllm_merged_layers() -> None:
     assert tp8["qkv_proj"].shards == (512, 128, 128) and tp8["down_proj"].k == 1536
     # 16 ranks over 8 KV heads: each rank holds one (replicated) KV head.
     assert decoder_linear_shapes(QWEN3_8B, tensor_parallel_size=16)[0].shards == (256, 128, 128)
+
+
+def test_trainer_shapes_are_the_hf_models_linears() -> None:
+    """`trainer_linear_shapes` against the nn.Linear weights of a real transformers Qwen3 model of
+    that config (one [N, K] each), and its refusal of an MoE config."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    small = {**QWEN3_8B, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}
+    config = Qwen3Config(**{k: v for k, v in small.items() if k != "model_type"}, num_hidden_layers=1, vocab_size=128)
+    layer = Qwen3ForCausalLM(config).model.layers[0]
+    held = {tuple(m.weight.shape) for m in layer.modules() if isinstance(m, torch.nn.Linear)}
+    found = trainer_linear_shapes(small)
+    assert {(s.n, s.k) for s in found} == held and len(found) == len(held)
+    # Qwen3-8B: q_proj is o_proj's [N, K]; k/v and gate/up are the new ones
+    assert [(s.name, s.n, s.k) for s in trainer_linear_shapes(QWEN3_8B)] == [
+        ("q_proj", 4096, 4096), ("k_proj", 1024, 4096), ("gate_proj", 12288, 4096), ("down_proj", 4096, 12288)]  # fmt: skip
+    with pytest.raises(ValueError, match="dense decoders only"):
+        trainer_linear_shapes(QWEN3_30B_A3B)
 
 
 def test_smollm2_shapes_that_deepgemm_cannot_take() -> None:
@@ -149,6 +167,9 @@ def test_cli_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "--shapes" in capsys.readouterr().err
     assert main(["prepare-deepgemm", "--model", str(tmp_path / "missing")]) == 2
     assert main(["prepare-deepgemm", "--shapes", "12x"]) == 2
+    capsys.readouterr()
+    assert main(["prepare-deepgemm", "--shapes", "6144x4096", "--trainer"]) == 2
+    assert "--trainer adds the shapes of --model's trainer" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

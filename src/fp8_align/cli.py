@@ -28,6 +28,7 @@ from fp8_align.vllm_plugin.kernels.deepgemm.inventory import (
     decoder_linear_shapes,
     expert_shapes,
     parse_shapes,
+    trainer_linear_shapes,
 )
 
 
@@ -84,6 +85,8 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
     try:
         if (args.model is None) == (args.shapes is None):
             raise ValueError("give one of --model and --shapes")
+        if args.trainer and args.model is None:
+            raise ValueError("--trainer adds the shapes of --model's trainer: give --model")
         experts: list[ExpertShape] = []
         if args.shapes is not None:
             shapes = parse_shapes(args.shapes)
@@ -92,6 +95,9 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
             config = config.get("text_config", config)
             shapes = decoder_linear_shapes(config, args.tensor_parallel_size)
             experts = expert_shapes(config, args.tensor_parallel_size)
+            if args.trainer:
+                engine = {(s.n, s.k) for s in shapes}
+                shapes += [s for s in trainer_linear_shapes(config) if (s.n, s.k) not in engine]
         report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir, args.device, experts)
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -116,6 +122,8 @@ def _add_prepare_deepgemm(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--model", type=Path, help="checkpoint directory: the linear shapes come from its config.json (dense, Qwen3-MoE, Mixtral, MLA without q "
                       "LoRA), and of an MoE model the routed experts' grouped-GEMM kernels (moe_backend='deep_gemm') too")
     prep.add_argument("--shapes", help="comma-separated NxK of each linear per rank instead of --model (e.g. 6144x4096,4096x4096)")
+    prep.add_argument("--trainer", action="store_true", help="also the kernels of a Hugging Face trainer of --model whose FP8 linears run the "
+                      "engine's GEMM (apply_fp8_training(forward_kernel='engine'): unstacked q/k/v and gate/up projections; dense models)")
     prep.add_argument("--tensor-parallel-size", type=int, default=1, help="shapes per rank of this tensor-parallel size (default 1)")
     prep.add_argument(
         "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,

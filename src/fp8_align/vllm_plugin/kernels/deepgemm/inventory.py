@@ -94,6 +94,29 @@ def decoder_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int =
     return list(first.values())
 
 
+def trainer_linear_shapes(config: Mapping[str, Any]) -> list[LinearShape]:
+    """The [N, K] of a dense decoder's linears as a Hugging Face trainer holds them, one entry per
+    [N, K]: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, unstacked and unsplit.
+    `apply_fp8_training(forward_kernel="engine")` runs each of them on the engine's GEMM, so on
+    DeepGEMM the trainer compiles the [N, K] the engine's stacked layers do not have (Qwen3-1.7B:
+    1024 x 2048 and 6144 x 2048) at the first micro-batch of each M bucket, unless they were prepared.
+    Mixture-of-Experts and MLA configs raise ValueError naming `--shapes`."""
+    if _described_routed_experts(config, 1) or config.get("kv_lora_rank"):
+        raise ValueError("the trainer's linears are described for dense decoders only: pass --shapes NxK[,NxK...]")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv, inter = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim, config["intermediate_size"]
+    shapes = [
+        LinearShape("q_proj", q, hidden, (q,)), LinearShape("k_proj", kv, hidden, (kv,)), LinearShape("v_proj", kv, hidden, (kv,)),
+        LinearShape("o_proj", hidden, q, (hidden,)), LinearShape("gate_proj", inter, hidden, (inter,)),
+        LinearShape("up_proj", inter, hidden, (inter,)), LinearShape("down_proj", hidden, inter, (hidden,)),
+    ]  # fmt: skip
+    first: dict[tuple[int, int], LinearShape] = {}
+    for shape in shapes:
+        first.setdefault((shape.n, shape.k), shape)
+    return list(first.values())
+
+
 def _described_routed_experts(config: Mapping[str, Any], tp: int) -> int:
     """The routed experts per layer of a config `decoder_linear_shapes` describes (0: dense), or
     ValueError naming `--shapes` for one it does not, or for a tensor parallelism that does not
