@@ -88,10 +88,7 @@ def decoder_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int =
         shapes += _mlp_shapes("", config["intermediate_size"], hidden, tp)
     if routed and config.get("n_shared_experts"):
         shapes += _mlp_shapes("shared_experts.", config["n_shared_experts"] * config["moe_intermediate_size"], hidden, tp)
-    first: dict[tuple[int, int], LinearShape] = {}
-    for shape in shapes:
-        first.setdefault((shape.n, shape.k), shape)
-    return list(first.values())
+    return _one_per_weight_shape(shapes)
 
 
 def trainer_linear_shapes(config: Mapping[str, Any]) -> list[LinearShape]:
@@ -111,6 +108,11 @@ def trainer_linear_shapes(config: Mapping[str, Any]) -> list[LinearShape]:
         LinearShape("o_proj", hidden, q, (hidden,)), LinearShape("gate_proj", inter, hidden, (inter,)),
         LinearShape("up_proj", inter, hidden, (inter,)), LinearShape("down_proj", hidden, inter, (hidden,)),
     ]  # fmt: skip
+    return _one_per_weight_shape(shapes)
+
+
+def _one_per_weight_shape(shapes: list[LinearShape]) -> list[LinearShape]:
+    """The first of `shapes` for each [N, K], in order (DeepGEMM's kernels depend on [N, K], not the shards)."""
     first: dict[tuple[int, int], LinearShape] = {}
     for shape in shapes:
         first.setdefault((shape.n, shape.k), shape)
