@@ -18,7 +18,13 @@ and moments, about 18 bytes a parameter), one untimed warm-up step and `--steps`
   tokens' log-probs returned;
 - sleep (`--colocate`): `LLM.sleep(level=1)`, as verl, OpenRLHF and NeMo RL colocate: the engine's
   weights go to host memory and its KV cache is dropped, so the trainer has the GPU;
-- trainer_logprobs: the trainer's log-probs of every sampled token (no grad);
+- trainer_logprobs: the trainer's log-probs of every sampled token (no grad), the old log-probs of
+  GRPO's ratio, as verl's and NeMo RL's trainers recompute them every step by default (verl's bypass
+  modes take the engine's instead, mismatch and all). The bitwise arm skips it
+  after its warm-up step: its engine's log-probs are its trainer's bits, so they are the old log-probs
+  (`--recompute-bitwise-logprobs` keeps the pass). Its train forward, before the optimizer step,
+  still compares the two (`GRPOPolicy.update`'s `on_policy_max_abs_dlogp`, each step's
+  `engine_trainer_max_abs_dlogp`; `old_logprobs` says which were used);
 - train: one optimizer step over the whole batch, GRPO's clipped loss with random advantages;
 - wake (`--colocate`): the trainer's cached blocks released, `LLM.wake_up()`;
 - weight_sync: the trainer's BF16 weights into the engine (`grpo.engine.push_weights`: the stacks'
@@ -192,11 +198,15 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         if args.colocate:
             phases.run("sleep", lambda bar: llm.sleep(level=1))
         packed = pack_sequences([prompts[r.prompt_index] for r in rollouts], [r.token_ids for r in rollouts])
-        old_logprobs = phases.run("trainer_logprobs", lambda bar: policy.all_logprobs(packed, progress=bar))
-        engine_logprobs = pad_logprobs([r.logprobs for r in rollouts])[0].to(old_logprobs.device)
+        engine_logprobs = pad_logprobs([r.logprobs for r in rollouts])[0].to(policy.device)
+        # the bitwise arm's old log-probs are the engine's (the trainer's bits, checked in the train forward),
+        # after a warm-up step that recomputes them as the other arms do every step
+        reuse = policy.bitwise is not None and step > 0 and not args.recompute_bitwise_logprobs
+        old_logprobs = engine_logprobs if reuse else phases.run("trainer_logprobs", lambda bar: policy.all_logprobs(packed, progress=bar))
         advantages = torch.randn(packed.num_sequences, generator=gen)
-        mask = packed.mask.to(old_logprobs.device)
-        phases.run("train", lambda bar: policy.update(packed, advantages, old_logprobs, mask.float(), clip_eps=0.2, num_minibatches=1, progress=bar))
+        mask = packed.mask.to(policy.device)
+        stats = phases.run("train", lambda bar: policy.update(
+            packed, advantages, old_logprobs, mask.float(), clip_eps=0.2, num_minibatches=1, progress=bar))  # fmt: skip
         # the fast trainer measures the next rollout's K/V scales at the end of its step, the engine still
         # asleep (as NeMo RL does before its refit), and pushes them after the wake; the bitwise trainer
         # takes the ones the woken engine calibrates
@@ -215,8 +225,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         elif fp8_kv:
             phases.run("kv_scales", lambda bar: update_kv_scales(llm, policy, packed))
         seconds = {**phases.seconds, "step": sum(phases.seconds.values())}
-        max_dlogp = float(((old_logprobs - engine_logprobs).abs() * mask).max())
-        steps.append({"step": step, "warm_up": step == 0, "tokens": int(mask.sum()), "engine_trainer_max_abs_dlogp": max_dlogp, "seconds": seconds})
+        max_dlogp = stats["on_policy_max_abs_dlogp"] if reuse else float(((old_logprobs - engine_logprobs).abs() * mask).max())
+        steps.append({"step": step, "warm_up": step == 0, "tokens": int(mask.sum()), "old_logprobs": "engine" if reuse else "trainer",
+                      "engine_trainer_max_abs_dlogp": max_dlogp, "seconds": seconds})  # fmt: skip
         print(json.dumps({"variant": variant, **steps[-1]}), flush=True)
         (args.work / f"{variant}.steps.json").write_text(json.dumps({"runner": runner, "steps": steps}, indent=1))  # kept if the run stops
     timed = [s["seconds"] for s in steps if not s["warm_up"]]
@@ -365,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens-per-forward", type=int, default=8192,
                         help="trainer micro-batch size in tokens (whole sequences: 5 of 1,536 tokens at 8192; at 2 a micro-batch the trainer waits on the host, results_log.md session 40)")
     parser.add_argument("--deepgemm-cache", type=Path, help="DeepGEMM JIT cache for fp8_fast (fp8-align prepare-deepgemm)")
+    parser.add_argument("--recompute-bitwise-logprobs", action="store_true", help="the bitwise arm recomputes the old log-probs with its "
+                        "trainer every step, as the other arms must (default: it takes the engine's, which are its trainer's bits, after the warm-up step)")
     parser.add_argument("--profile-kernels", type=int, default=0, metavar="N", help="after the timed steps, the trainer's N costliest "
                         "kernels (GPU; CPU ops on a CPU) on one micro-batch (log-probs; forward + backward) in the report's trainer_profile")
     parser.add_argument("--work", type=Path, default=Path("/tmp/rl_step_work"))

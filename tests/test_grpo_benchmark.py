@@ -147,9 +147,17 @@ def test_bitwise_trainer_logprobs_and_update(tmp_path: Path) -> None:
         assert torch.equal(got[row, : len(completion)], expected)
     assert bool((got[~packed.mask] == 0).all())
     before = policy.bf16_weights()["model.layers.1.mlp.down_proj.weight"].clone()
+    # the train forward (with grad) gives the no-grad log-probs' bits: the check a run that takes the
+    # engine's log-probs as the old ones relies on
     stats = policy.update(packed, torch.tensor([1.0, -1.0, 0.5]), got, packed.mask.float(), clip_eps=0.2, num_minibatches=1)
-    assert stats["grad_norm"] > 0 and math.isfinite(stats["loss"])
+    assert stats["grad_norm"] > 0 and math.isfinite(stats["loss"]) and stats["on_policy_max_abs_dlogp"] == 0.0
     assert not torch.equal(policy.bf16_weights()["model.layers.1.mlp.down_proj.weight"], before)
+    # old log-probs off by 0.25 at one token: the gap is measured before the optimizer step moved the weights
+    moved = policy.all_logprobs(packed)
+    off = moved.clone()
+    off[2, 0] += 0.25
+    stats = policy.update(packed, torch.tensor([1.0, -1.0, 0.5]), off, packed.mask.float(), clip_eps=0.2, num_minibatches=2)
+    assert stats["on_policy_max_abs_dlogp"] == pytest.approx(0.25, abs=1e-6)
 
 
 def test_bitwise_arm_refuses_a_cpu_run(tmp_path: Path) -> None:

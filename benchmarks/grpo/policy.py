@@ -204,8 +204,10 @@ class GRPOPolicy:
         """One GRPO step: the batch in `num_minibatches` consecutive slices, one optimizer step
         each, loss = token-mean over the slice of IS weight x clipped surrogate.
         advantages [B]; old_logprobs, is_weights [B, T] (trainer's device); `progress` (a tqdm
-        bar) is advanced once per micro-batch. Returns mean loss, mean pre-clip gradient norm and
-        the fraction of tokens where PPO clipping was active."""
+        bar) is advanced once per micro-batch. Returns mean loss, mean pre-clip gradient norm, the
+        fraction of tokens where PPO clipping was active, and `on_policy_max_abs_dlogp`: max |log-prob
+        - old_logprobs| over the tokens trained before the first optimizer step, at the weights the
+        batch was sampled at (0.0 where the old log-probs are this trainer's own bits)."""
         rows = list(range(packed.num_sequences))
         slices = [rows[i::num_minibatches] for i in range(num_minibatches)]
         groups = [self.micro_batch_rows(minibatch, packed) for minibatch in slices]
@@ -216,6 +218,7 @@ class GRPOPolicy:
         # would stall the GPU between micro-batches
         losses, norms = [], []
         clipped_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        on_policy_gap = torch.zeros((), dtype=torch.float32, device=self.device)
         for minibatch, minibatch_groups in zip(slices, groups):
             tokens = int(packed.mask[minibatch].sum())
             if tokens == 0:
@@ -224,6 +227,9 @@ class GRPOPolicy:
             for group in minibatch_groups:
                 index = host_to_device(torch.tensor(group), self.device)
                 logprobs = self.logprobs(packed, group)
+                if not norms:  # no optimizer step yet: the weights the batch was sampled at
+                    gap = torch.where(mask[index], (logprobs.detach() - old_logprobs[index]).abs(), 0.0)
+                    on_policy_gap = torch.maximum(on_policy_gap, gap.amax())
                 per_token, clipped = clipped_policy_loss(logprobs, old_logprobs[index], advantages[index], clip_eps)
                 loss = importance_weighted_loss(per_token, is_weights[index], mask[index], "token-mean", normalizer=tokens)
                 loss.backward()
@@ -237,6 +243,7 @@ class GRPOPolicy:
             "loss": float(torch.stack(losses).mean()) if losses else 0.0,
             "grad_norm": sum(norms) / max(len(norms), 1),
             "ppo_clip_fraction": int(clipped_tokens) / max(valid, 1),
+            "on_policy_max_abs_dlogp": float(on_policy_gap),
         }
 
     def _optimizer_step(self) -> float:
