@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from fp8_align.cli import main
 from fp8_align.vllm_plugin.kernels.deepgemm.cache import split_work
@@ -40,8 +41,6 @@ def test_dense_shapes_match_vllm_merged_layers() -> None:
 def test_trainer_shapes_are_the_hf_models_linears() -> None:
     """`trainer_linear_shapes` against the nn.Linear weights of a real transformers Qwen3 model of
     that config (one [N, K] each), and its refusal of an MoE config."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     small = {**QWEN3_8B, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}
     config = Qwen3Config(**{k: v for k, v in small.items() if k != "model_type"}, num_hidden_layers=1, vocab_size=128)
     layer = Qwen3ForCausalLM(config).model.layers[0]
