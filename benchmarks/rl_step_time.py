@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import functools
 import json
 import os
 import pstats
@@ -262,13 +263,23 @@ def warm_trainer_shapes(policy: GRPOPolicy, packed: PackedSequences, calibration
     lengths = (packed.prompt_lengths + packed.completion_lengths).tolist()
     by_tokens = {sum(lengths[r] for r in group): group for group in groups}
     for group in by_tokens.values():
-        with torch.no_grad():
-            policy.logprobs(packed, group)
-        policy.logprobs(packed, group).sum().backward()
-        for param in policy.params:
-            param.grad = None
+        _logprobs_without_grad(policy, packed, group)
+        _forward_backward(policy, packed, group)
     _drain(policy.device)
     return sorted(by_tokens)
+
+
+def _logprobs_without_grad(policy: GRPOPolicy, packed: PackedSequences, group: list[int]) -> None:
+    """The trainer_logprobs phase's work on one micro-batch."""
+    with torch.no_grad():
+        policy.logprobs(packed, group)
+
+
+def _forward_backward(policy: GRPOPolicy, packed: PackedSequences, group: list[int]) -> None:
+    """The train phase's forward and backward on one micro-batch, without an optimizer step (the gradients dropped)."""
+    policy.logprobs(packed, group).sum().backward()
+    for param in policy.params:
+        param.grad = None
 
 
 def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]:
@@ -283,17 +294,9 @@ def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]
     group = policy.micro_batch_rows(list(range(packed.num_sequences)), packed)[0]
     tokens = int((packed.prompt_lengths[group] + packed.completion_lengths[group]).sum())
 
-    def logprobs() -> None:
-        with torch.no_grad():
-            policy.logprobs(packed, group)
-
-    def forward_backward() -> None:
-        policy.logprobs(packed, group).sum().backward()
-        for param in policy.params:
-            param.grad = None
-
     parts: dict[str, Any] = {}
-    for part, work in (("logprobs", logprobs), ("forward_backward", forward_backward)):
+    for part, run in (("logprobs", _logprobs_without_grad), ("forward_backward", _forward_backward)):
+        work = functools.partial(run, policy, packed, group)
         work()  # this micro-batch's kernels compiled and tuned before the recording
         _drain(policy.device)
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as recording:

@@ -29,6 +29,7 @@ from fp8_align.vllm_plugin.kernels.deepgemm.inventory import (
     expert_shapes,
     parse_shapes,
     trainer_linear_shapes,
+    unique_weight_shapes,
 )
 
 
@@ -96,8 +97,7 @@ def _prepare_deepgemm(args: argparse.Namespace) -> int:
             shapes = decoder_linear_shapes(config, args.tensor_parallel_size)
             experts = expert_shapes(config, args.tensor_parallel_size)
             if args.trainer:
-                engine = {(s.n, s.k) for s in shapes}
-                shapes += [s for s in trainer_linear_shapes(config) if (s.n, s.k) not in engine]
+                shapes = unique_weight_shapes([*shapes, *trainer_linear_shapes(config)])
         report = prepare_deepgemm_cache(shapes, args.max_num_batched_tokens, args.jobs, args.cache_dir, args.device, experts)
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)

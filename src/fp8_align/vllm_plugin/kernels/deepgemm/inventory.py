@@ -88,7 +88,7 @@ def decoder_linear_shapes(config: Mapping[str, Any], tensor_parallel_size: int =
         shapes += _mlp_shapes("", config["intermediate_size"], hidden, tp)
     if routed and config.get("n_shared_experts"):
         shapes += _mlp_shapes("shared_experts.", config["n_shared_experts"] * config["moe_intermediate_size"], hidden, tp)
-    return _one_per_weight_shape(shapes)
+    return unique_weight_shapes(shapes)
 
 
 def trainer_linear_shapes(config: Mapping[str, Any]) -> list[LinearShape]:
@@ -108,10 +108,10 @@ def trainer_linear_shapes(config: Mapping[str, Any]) -> list[LinearShape]:
         LinearShape("o_proj", hidden, q, (hidden,)), LinearShape("gate_proj", inter, hidden, (inter,)),
         LinearShape("up_proj", inter, hidden, (inter,)), LinearShape("down_proj", hidden, inter, (hidden,)),
     ]  # fmt: skip
-    return _one_per_weight_shape(shapes)
+    return unique_weight_shapes(shapes)
 
 
-def _one_per_weight_shape(shapes: list[LinearShape]) -> list[LinearShape]:
+def unique_weight_shapes(shapes: Sequence[LinearShape]) -> list[LinearShape]:
     """The first of `shapes` for each [N, K], in order (DeepGEMM's kernels depend on [N, K], not the shards)."""
     first: dict[tuple[int, int], LinearShape] = {}
     for shape in shapes:
