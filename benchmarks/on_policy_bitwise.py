@@ -9,7 +9,7 @@ against `fp8_align.hf_training.BitwiseForward`'s, per model, variant, sampling a
 
 Models: SmolLM2-135M-Instruct (the trained default model, `smollm2_checkpoint()`; its chat prompts),
 and a random-init Qwen3-8B-shaped model cut to 4 decoder layers (random token prompts); on request
-(`MOE_MODELS`, under the lab switch) Qwen3-30B-A3B's shape cut to 4 layers and a tiny Qwen3-MoE,
+(`MOE_MODELS`) Qwen3-30B-A3B's shape cut to 4 layers and a tiny Qwen3-MoE,
 for `--out benchmarks/results/moe_bitwise.json` (`--variants fp8,fp8_pow2`: the bitwise MoE runs
 block-FP8 experts). Variants:
 bf16 (all linears BF16), fp8 (FP32 scales), fp8_pow2 (power-of-two weight and activation scales);
@@ -34,9 +34,10 @@ GPU 0; each row also gives `max_abs_dlogp_unsharded_trainer`, the same tokens sc
 engine computes them, which shows what reproducing the ranks' partial sums is worth.
 
 `--model-runner v2` runs the engines on vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`), which
-the bitwise engine refuses until this proof exists: the run sets the lab switch
-`FP8_ALIGN_UNPROVEN_BITWISE=v2_runner` (`vllm_plugin.engine_args.UNPROVEN_BITWISE_ENV_VAR`) for its
-engines, and the report records it. Every row names the runner the engine ran (`runner`).
+the bitwise engine runs only on the releases this proof covers (`engine_args.bitwise_proven`);
+on another one the run sets the lab switch `FP8_ALIGN_UNPROVEN_BITWISE=v2_runner`
+(`vllm_plugin.engine_args.UNPROVEN_BITWISE_ENV_VAR`) for its engines (so does an MoE model with
+"qwen3_moe"), and the report records it. Every row names the runner the engine ran (`runner`).
 
 `--scorer verl` scores with verl 0.9.1's own compute_log_prob code instead
 (`benchmarks/verl_scorer.VerlActorScorer`): the HF model converted by `make_bitwise`, verl's
@@ -72,13 +73,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from benchmarks.rollout.checkpoints import QWEN3_30B_A3B  # noqa: E402
 
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
-from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR, bitwise_proven  # noqa: E402
 
 MODELS = ("smollm2", "qwen3-8b-4l")
 #: Mixture-of-Experts models (random init, random token prompts): Qwen3-30B-A3B's shape cut to 4
 #: decoder layers (all 128 experts, top-8), and a tiny Qwen3-MoE (64 experts, top-4). Not in the
-#: default --models: the bitwise MoE runs only under the lab switch (`--models` naming one sets
-#: FP8_ALIGN_UNPROVEN_BITWISE=qwen3_moe for the run; the report records it).
+#: default --models (`--out benchmarks/results/moe_bitwise.json` holds their rows).
 MOE_MODELS = ("qwen3-30b-a3b-4l", "qwen3-moe-tiny")
 MODEL_RUNNERS = ("v1", "v2")
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the trainer side: BitwiseForward, verl 0.9.1's compute_log_prob on the converted model, the bitwise "
                              "megatron-core GPTModel, or NeMo RL's Megatron log-prob unit on it")
     parser.add_argument("--model-runner", choices=MODEL_RUNNERS, default="v1",
-                        help="vLLM's model runner of the engines (v2: sets the lab switch FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
+                        help="vLLM's model runner of the engines (v2 where unproven on the installed vLLM: the lab switch "
+                             "FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = args.models.split(",")
@@ -330,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     # the lab switch, read by engine_kwargs and the engine's start check, here and in each --one child
     unproven = {part for part in os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "").split(",") if part}
     if args.model_runner == "v2":
-        unproven.add("v2_runner")
         os.environ[V2_MODEL_RUNNER_ENV_VAR] = "1"
-    if set(models) & set(MOE_MODELS):
+        if not bitwise_proven("v2_runner"):
+            unproven.add("v2_runner")
+    if set(models) & set(MOE_MODELS) and not bitwise_proven("qwen3_moe"):
         unproven.add("qwen3_moe")
     if unproven:
         os.environ[UNPROVEN_BITWISE_ENV_VAR] = ",".join(sorted(unproven))

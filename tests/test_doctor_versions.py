@@ -31,6 +31,16 @@ def test_hopper_with_everything_can_run_the_whole_recipe():
     assert all(o.usable for o in report.options), format_report(report)
 
 
+@pytest.mark.parametrize(("vllm", "said"), [("0.22.0", "yes"), ("0.25.1", "vLLM 0.22 only")])
+def test_the_bitwise_line_says_where_its_v2_runner_and_moe_proofs_hold(vllm: str, said: str) -> None:
+    """The V2 runner and Qwen3-MoE of the bitwise mode are proven on 0.22 only: the doctor's bitwise
+    line names each with its answer for the installed release."""
+    [bitwise] = [o for o in build_report(replace(H100, vllm=vllm)).options if o.name.startswith("on_policy='bitwise'")]
+    assert bitwise.usable
+    assert f"on the V2 model runner (dense models, raw log-probs, TP 1): {said}" in bitwise.reason, bitwise.reason
+    assert f"for Qwen3-MoE (V1 model runner, TP 1): {said}" in bitwise.reason, bitwise.reason
+
+
 @pytest.mark.parametrize(
     ("change", "option", "reason"),
     [
@@ -95,7 +105,7 @@ def test_the_feature_table_in_the_docs_is_the_codes() -> None:
     from pathlib import Path
 
     from fp8_align.versions import FEATURE_SERIES, TESTED_VLLM_SERIES, series_text
-    from fp8_align.vllm_plugin import on_policy, patches
+    from fp8_align.vllm_plugin import engine_args, on_policy, patches
     from fp8_align.vllm_plugin.kv import flashinfer_scales, probe, xqa_decode
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "vllm_versions.md").read_text()
@@ -103,7 +113,8 @@ def test_the_feature_table_in_the_docs_is_the_codes() -> None:
     table = [line for line in section.splitlines() if line.startswith("|")]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
     assert [(name, series) for name, series, *_ in rows] == [(f"`{name}`", series_text(s)) for name, s in FEATURE_SERIES.items()]
+    proven = [FEATURE_SERIES[feature] for feature in engine_args.PROVEN_BITWISE_FEATURES.values()]
     gates = [patches.PATCHED_SERIES, patches.KV_SCALES_SERIES, probe.PROBE_VERSIONS, on_policy.BITWISE_SERIES,
-             xqa_decode.XQA_SERIES, flashinfer_scales.LIVE_SCALES_SERIES]  # fmt: skip
+             *proven, xqa_decode.XQA_SERIES, flashinfer_scales.LIVE_SCALES_SERIES]  # fmt: skip
     assert gates == list(FEATURE_SERIES.values())
     assert all(set(series) <= set(TESTED_VLLM_SERIES) for series in FEATURE_SERIES.values())

@@ -11,6 +11,8 @@ import torch
 
 from fp8_align.versions import (
     BITWISE_FEATURE,
+    BITWISE_MOE_FEATURE,
+    BITWISE_V2_FEATURE,
     FEATURE_SERIES,
     installed_vllm_version,
     is_tested_vllm,
@@ -159,7 +161,11 @@ def _bitwise_usable(facts: EnvironmentFacts) -> tuple[bool, str]:
         return False, f"runs on vLLM {series_text(series)}; the installed vLLM is {facts.vllm or 'none'}"
     if facts.triton is None:
         return False, "Triton not installed (the bitwise kernels are Triton kernels)"
-    return True, f"CUDA sm{cc[0]}{cc[1]}, vLLM {facts.vllm}, Triton {facts.triton}"
+    extensions = "; ".join(
+        f"{feature}: {'yes' if vllm_series(facts.vllm) in FEATURE_SERIES[feature] else 'vLLM ' + series_text(FEATURE_SERIES[feature]) + ' only'}"
+        for feature in (BITWISE_V2_FEATURE, BITWISE_MOE_FEATURE)
+    )
+    return True, f"CUDA sm{cc[0]}{cc[1]}, vLLM {facts.vllm}, Triton {facts.triton}; {extensions}"
 
 
 def _training_reason(facts: EnvironmentFacts, hopper: bool) -> str:

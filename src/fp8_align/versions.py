@@ -18,6 +18,10 @@ TESTED_VLLM_SERIES: dict[tuple[int, int], str] = {
 }
 #: `FEATURE_SERIES`' entry of the bitwise mode (its engine gate and `fp8-align doctor` read it).
 BITWISE_FEATURE = "on_policy='bitwise' (CUDA)"
+#: Its entry for the bitwise engine on vLLM's V2 model runner (asked for with VLLM_USE_V2_MODEL_RUNNER=1).
+BITWISE_V2_FEATURE = "on_policy='bitwise' on the V2 model runner (dense models, raw log-probs, TP 1)"
+#: Its entry for the bitwise Mixture-of-Experts layer (Qwen3-MoE).
+BITWISE_MOE_FEATURE = "on_policy='bitwise' for Qwen3-MoE (V1 model runner, TP 1)"
 #: Which fp8_align feature runs on which vLLM release series: the one table the gates read (each
 #: module names its entry) and docs/vllm_versions.md shows (tests/test_doctor_versions.py keeps
 #: them equal). Where a feature's series were checked is said at its gate.
@@ -30,6 +34,10 @@ FEATURE_SERIES: dict[str, tuple[tuple[int, int], ...]] = {
     "calibrate_kv_scales (engine-side K/V calibration)": tuple(TESTED_VLLM_SERIES),
     # FP8Config(on_policy="bitwise"), with a BF16 or FP8 KV cache (vllm_plugin.on_policy.BITWISE_SERIES)
     BITWISE_FEATURE: ((0, 22), (0, 25)),
+    # its V2-runner and MoE proofs (benchmarks/results/on_policy_bitwise_v2.json, moe_bitwise.json;
+    # vllm_plugin.engine_args.bitwise_proven)
+    BITWISE_V2_FEATURE: ((0, 22),),
+    BITWISE_MOE_FEATURE: ((0, 22),),
     # fp8_align's own route of FP8-KV decode to FlashInfer's XQA (vllm_plugin.kv.xqa_decode.XQA_SERIES)
     "kv_decode_kernel='xqa' route (CUDA, Hopper)": ((0, 22),),
     # pushed K/V scales read live by FLASHINFER's XQA decode graphs (vllm_plugin.kv.flashinfer_scales)

@@ -6,19 +6,23 @@ import os
 from typing import Any
 
 from fp8_align.config import FP8Config
+from fp8_align.versions import BITWISE_MOE_FEATURE, BITWISE_V2_FEATURE, FEATURE_SERIES, installed_vllm_version, series_text, vllm_series
 
 #: Set by `engine_kwargs` for `on_policy="bitwise"`: vLLM's batch-invariant mode (read by the engine
 #: and its workers when they start, so it must be in this process's environment before `LLM(...)`).
 BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"
-#: Set to "0" by `engine_kwargs` for `on_policy="bitwise"`: vLLM's V1 model runner, whose sampler the
-#: bitwise proofs cover (0.25 makes V2 the default for dense models, quantized or not).
+#: vLLM's switch of its V2 model runner. `engine_kwargs` sets it to "0" for `on_policy="bitwise"` unless
+#: the user asked for V2 ("1") on a release where the bitwise V2 proof exists (0.25 makes V2 the
+#: default for dense models, quantized or not).
 V2_MODEL_RUNNER_ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
 #: Lab switch for a GPU proof run: a comma-separated list of `UNPROVEN_BITWISE_FEATURES` the bitwise
-#: engine then runs although no proof of them is in benchmarks/results/ (never for RL runs).
+#: engine then runs although no proof of them on the installed vLLM is in benchmarks/results/
+#: (never for RL runs).
 UNPROVEN_BITWISE_ENV_VAR = "FP8_ALIGN_UNPROVEN_BITWISE"
-#: What `UNPROVEN_BITWISE_ENV_VAR` may name: "v2_runner", vLLM's V2 model runner (its sampler's
-#: temperature and log-softmax kernels); "qwen3_moe", the bitwise Mixture-of-Experts layer.
-UNPROVEN_BITWISE_FEATURES = ("v2_runner", "qwen3_moe")
+#: The bitwise engine's features proven release by release -> their `versions.FEATURE_SERIES` entry:
+#: "v2_runner", vLLM's V2 model runner (its sampler's temperature and log-softmax kernels);
+#: "qwen3_moe", the bitwise Mixture-of-Experts layer. `UNPROVEN_BITWISE_ENV_VAR` may name these.
+PROVEN_BITWISE_FEATURES = {"v2_runner": BITWISE_V2_FEATURE, "qwen3_moe": BITWISE_MOE_FEATURE}
 #: Engine arguments of `on_policy="bitwise"` (what `vllm_plugin.on_policy` checks at engine start).
 BITWISE_ENGINE_KWARGS = {"attention_backend": "TRITON_ATTN", "enable_prefix_caching": False, "disable_cascade_attn": True}
 
@@ -33,13 +37,31 @@ def quantization_config_dict(cfg: FP8Config) -> dict[str, Any]:
 
 
 def unproven_bitwise_features() -> frozenset[str]:
-    """The features `UNPROVEN_BITWISE_ENV_VAR` lets a bitwise engine run before their GPU proof;
-    ValueError naming any entry that is not in `UNPROVEN_BITWISE_FEATURES`."""
+    """The features `UNPROVEN_BITWISE_ENV_VAR` lets a bitwise engine run without their GPU proof on the
+    installed vLLM; ValueError naming any entry that is not a `PROVEN_BITWISE_FEATURES` key."""
     named = frozenset(part.strip() for part in os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "").split(",") if part.strip())
-    unknown = sorted(named - set(UNPROVEN_BITWISE_FEATURES))
+    unknown = sorted(named - set(PROVEN_BITWISE_FEATURES))
     if unknown:
-        raise ValueError(f"{UNPROVEN_BITWISE_ENV_VAR} names {unknown}; it takes a comma-separated list of {UNPROVEN_BITWISE_FEATURES}")
+        raise ValueError(f"{UNPROVEN_BITWISE_ENV_VAR} names {unknown}; it takes a comma-separated list of {tuple(PROVEN_BITWISE_FEATURES)}")
     return named
+
+
+def bitwise_proven(feature: str) -> bool:
+    """True when the bitwise engine's `feature` (a `PROVEN_BITWISE_FEATURES` key) has its GPU proof on
+    the installed vLLM's release series (`versions.FEATURE_SERIES`); False elsewhere and without vLLM."""
+    version = installed_vllm_version()
+    return version is not None and vllm_series(version) in FEATURE_SERIES[PROVEN_BITWISE_FEATURES[feature]]
+
+
+def bitwise_runs(feature: str) -> bool:
+    """True when a bitwise engine may run `feature`: proven on the installed vLLM (`bitwise_proven`),
+    or named by the lab switch `UNPROVEN_BITWISE_ENV_VAR`."""
+    return bitwise_proven(feature) or feature in unproven_bitwise_features()
+
+
+def proven_series_text(feature: str) -> str:
+    """The release series (e.g. '0.22') where `feature` of the bitwise engine was proven."""
+    return series_text(FEATURE_SERIES[PROVEN_BITWISE_FEATURES[feature]])
 
 
 def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, Any]:
@@ -51,9 +73,9 @@ def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, A
     key by key). With `cfg.precision == "bf16"` no quantization is requested at all, except with
     `cfg.on_policy == "bitwise"`, which also needs fp8_align in a BF16 engine: then the kwargs hold
     `BITWISE_ENGINE_KWARGS` and this function sets VLLM_BATCH_INVARIANT=1 and
-    VLLM_USE_V2_MODEL_RUNNER=0 in `os.environ`; it raises ValueError when the environment already
-    asks for the V2 model runner (VLLM_USE_V2_MODEL_RUNNER other than 0), unless
-    `UNPROVEN_BITWISE_ENV_VAR` names "v2_runner" (then the runner is left to the environment).
+    VLLM_USE_V2_MODEL_RUNNER=0 in `os.environ`. A user's VLLM_USE_V2_MODEL_RUNNER=1 is kept where
+    the bitwise V2 proof covers the installed vLLM (`bitwise_runs("v2_runner")`); elsewhere it
+    raises ValueError. With the lab switch naming "v2_runner" the runner is left to the environment.
     """
     cfg = FP8Config() if cfg is None else cfg
     kwargs: dict[str, Any] = {}
@@ -63,12 +85,14 @@ def engine_kwargs(cfg: FP8Config | None = None, **overrides: Any) -> dict[str, A
         if cfg.kv_cache_dtype == "fp8":
             kwargs["kv_cache_dtype"] = "fp8"
     if cfg.on_policy == "bitwise":
-        if "v2_runner" not in unproven_bitwise_features():
-            if os.environ.get(V2_MODEL_RUNNER_ENV_VAR, "0") != "0":
-                raise ValueError(
-                    f"on_policy='bitwise' runs vLLM's V1 model runner, but {V2_MODEL_RUNNER_ENV_VAR}="
-                    f"{os.environ[V2_MODEL_RUNNER_ENV_VAR]!r} asks for V2; unset it or set it to 0"
-                )
+        asks_v2 = os.environ.get(V2_MODEL_RUNNER_ENV_VAR, "0") != "0"
+        if asks_v2 and not bitwise_runs("v2_runner"):
+            raise ValueError(
+                f"{V2_MODEL_RUNNER_ENV_VAR}={os.environ[V2_MODEL_RUNNER_ENV_VAR]!r} asks for vLLM's V2 model runner, but the "
+                f"bitwise mode's V2 proof covers vLLM {proven_series_text('v2_runner')}, not the installed "
+                f"{installed_vllm_version()}: unset it or set it to 0 (the V1 runner)"
+            )
+        if not asks_v2 and "v2_runner" not in unproven_bitwise_features():
             os.environ[V2_MODEL_RUNNER_ENV_VAR] = "0"
         os.environ[BATCH_INVARIANT_ENV_VAR] = "1"
         kwargs.update(BITWISE_ENGINE_KWARGS)

@@ -12,9 +12,13 @@ runs the same kernels in the trainer.
 
 Qwen3-MoE's sparse blocks run fp8_align's bitwise MoE (`bitwise_qwen3_moe_forward`): the router's
 BF16 linear, `bitwise_moe_route` and `bitwise.moe.moe_experts` over the block-FP8 experts that
-fp8_align's MoE method stored, at tensor parallel size 1 without expert parallelism. That path is
-tested on CPU only: an engine starts it only with `FP8_ALIGN_UNPROVEN_BITWISE=qwen3_moe` (the lab
-switch of the GPU proof run, `engine_args.UNPROVEN_BITWISE_ENV_VAR`).
+fp8_align's MoE method stored, at tensor parallel size 1 without expert parallelism, on the V1
+runner of the releases its GPU proof covers (`engine_args.bitwise_proven("qwen3_moe")`).
+
+The engine runs vLLM's V1 model runner, or the V2 runner where the user asks for it
+(VLLM_USE_V2_MODEL_RUNNER=1) and its proof covers the release (`bitwise_v2_problems`): dense
+models, one GPU, raw log-probs (`patches.bitwise_v2_fp32_logprobs` feeds V2's log-softmax the FP32
+logits the trainer's has).
 
 With `kv_cache_dtype="fp8"` the engine writes K/V as E4M3 codes with each layer's per-tensor
 scales (TRITON_ATTN's cache write), and `attend_over_fp8_cache` gives every attention layer
@@ -46,7 +50,16 @@ from fp8_align.layer_selection import num_routed_experts
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.versions import BITWISE_FEATURE, FEATURE_SERIES, installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.compat import batch_invariant_linear, routed_experts_module
-from fp8_align.vllm_plugin.engine_args import BATCH_INVARIANT_ENV_VAR, BITWISE_ENGINE_KWARGS, UNPROVEN_BITWISE_ENV_VAR, unproven_bitwise_features
+from fp8_align.vllm_plugin.engine_args import (
+    BATCH_INVARIANT_ENV_VAR,
+    BITWISE_ENGINE_KWARGS,
+    UNPROVEN_BITWISE_ENV_VAR,
+    V2_MODEL_RUNNER_ENV_VAR,
+    bitwise_proven,
+    bitwise_runs,
+    proven_series_text,
+    unproven_bitwise_features,
+)
 
 #: vLLM series whose batch-invariant mode, TRITON_ATTN kernel and model code (Llama, Qwen2, Qwen3
 #: forwards; RMSNorm, SiluAndMul, RotaryEmbedding layers) the bitwise engine was built and proven on.
@@ -82,12 +95,8 @@ def bitwise_engine_problems(vllm_config: Any, cfg: FP8Config) -> list[str]:
     if version is None or vllm_series(version) not in BITWISE_SERIES:
         tested = ", ".join(f"{a}.{b}" for a, b in BITWISE_SERIES)
         problems.append(f"it is built on vLLM {tested}'s batch-invariant kernels and model code; the installed vLLM is {version}")
-    elif vllm_config.use_v2_model_runner and "v2_runner" not in unproven_bitwise_features():
-        problems.append(
-            "the engine runs vLLM's V2 model runner, whose sampler divides by the temperature and takes the log-softmax "
-            "in kernels of its own; the bitwise proofs cover the V1 runner (set VLLM_USE_V2_MODEL_RUNNER=0; "
-            f"{UNPROVEN_BITWISE_ENV_VAR}=v2_runner is the switch of the GPU proof run)"
-        )
+    elif vllm_config.use_v2_model_runner:
+        problems += bitwise_v2_problems(vllm_config)
     if not envs.VLLM_BATCH_INVARIANT:
         problems.append(f"{BATCH_INVARIANT_ENV_VAR}=1 must be set before the engine starts (engine_kwargs(cfg) sets it)")
     backend = getattr(vllm_config.attention_config, "backend", None)
@@ -129,6 +138,31 @@ def bitwise_engine_problems(vllm_config: Any, cfg: FP8Config) -> list[str]:
     return problems + bitwise_moe_problems(text_config, parallel, cfg)
 
 
+def bitwise_v2_problems(vllm_config: Any) -> list[str]:
+    """The reasons a bitwise engine cannot run on vLLM's V2 model runner with `vllm_config`; empty
+    where its proof covers it: the installed release, a dense model at tensor parallel size 1, raw
+    log-probs. The lab switch (`UNPROVEN_BITWISE_ENV_VAR` naming "v2_runner") lets every case past."""
+    if "v2_runner" in unproven_bitwise_features():
+        return []
+    switch = f"set {V2_MODEL_RUNNER_ENV_VAR}=0 for the V1 runner"
+    if not bitwise_proven("v2_runner"):
+        return [
+            f"the engine runs vLLM's V2 model runner, whose sampler computes log-probs in kernels of its own; the bitwise "
+            f"V2 proof covers vLLM {proven_series_text('v2_runner')}, not the installed {installed_vllm_version()} ({switch})"
+        ]
+    problems = []
+    if str(vllm_config.model_config.logprobs_mode).startswith("processed"):
+        problems.append(
+            f"logprobs_mode {vllm_config.model_config.logprobs_mode!r} on the V2 runner: its sampler divides by the temperature "
+            f"with Triton's approximate division, which the trainer does not reproduce (use 'raw_logprobs', or {switch})"
+        )
+    if num_routed_experts(vllm_config.model_config.hf_text_config) is not None:
+        problems.append(f"a Mixture-of-Experts model on the V2 runner: the bitwise MoE proof covers the V1 runner ({switch})")
+    if vllm_config.parallel_config.tensor_parallel_size != 1:
+        problems.append(f"tensor_parallel_size > 1 on the V2 runner: the bitwise V2 proof covers one GPU ({switch})")
+    return problems
+
+
 def bitwise_moe_problems(text_config: Any, parallel_config: Any, cfg: FP8Config) -> list[str]:
     """The reasons a bitwise engine cannot run the Mixture-of-Experts model of `text_config` (an HF
     text config) with vLLM's `parallel_config` and `cfg`; empty for a dense model or one it can."""
@@ -145,10 +179,10 @@ def bitwise_moe_problems(text_config: Any, parallel_config: Any, cfg: FP8Config)
         problems.append(f"tensor_parallel_size must be 1 for a Mixture-of-Experts model (got {parallel_config.tensor_parallel_size})")
     if cfg.precision != "fp8":
         problems.append(f"precision must be 'fp8' for a Mixture-of-Experts model (got {cfg.precision!r}): the bitwise MoE runs block-FP8 experts")
-    if "qwen3_moe" not in unproven_bitwise_features():
+    if not bitwise_runs("qwen3_moe"):
         problems.append(
-            f"the bitwise MoE path is CPU-tested but not yet proven on a GPU; {UNPROVEN_BITWISE_ENV_VAR}=qwen3_moe lets the engine "
-            "start for that proof run"
+            f"the bitwise MoE path is proven on vLLM {proven_series_text('qwen3_moe')}, not the installed {installed_vllm_version()}; "
+            f"{UNPROVEN_BITWISE_ENV_VAR}=qwen3_moe lets the engine start for a proof run"
         )
     return problems
 
