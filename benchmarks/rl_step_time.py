@@ -286,7 +286,8 @@ def _forward_backward(policy: GRPOPolicy, packed: PackedSequences, group: list[i
 def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]:
     """The trainer's kernels on the first micro-batch of `packed` (GPU kernels; on a CPU, the CPU
     ops): its log-probs without grad (the trainer_logprobs phase's work) and forward + backward of
-    their sum (the train phase's; no optimizer step, the gradients dropped). Per part: the
+    their sum (the train phase's; no optimizer step, the gradients dropped), inside the trainer's
+    `frozen_weights` block as in the step (the bitwise trainer's FP8 weights quantized before). Per part: the
     micro-batch's tokens, the summed self time (ms) and the `top` entries by it (name, calls, ms),
     `wall_ms` (the median of 3 runs, the device drained at each end: kernels well under it mean the
     device waits on the host) and `host_top`, the `top` Python functions by their own host time
@@ -298,18 +299,19 @@ def profile_trainer(policy: GRPOPolicy, packed: Any, top: int) -> dict[str, Any]
     parts: dict[str, Any] = {}
     for part, run in (("logprobs", _logprobs_without_grad), ("forward_backward", _forward_backward)):
         work = functools.partial(run, policy, packed, group)
-        work()  # this micro-batch's kernels compiled and tuned before the recording
-        _drain(policy.device)
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as recording:
-            work()
+        with policy.frozen_weights():  # as the step's micro-batches after its first: the weights quantized already
+            work()  # this micro-batch's kernels compiled and tuned (and its FP8 weights quantized) before the recording
             _drain(policy.device)
-        self_us = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total, e.count) for e in recording.key_averages()}
-        ranked = sorted(self_us.items(), key=lambda item: item[1][0], reverse=True)
-        parts[part] = {
-            "tokens": tokens, "self_ms": sum(us for us, _ in self_us.values()) / 1e3,
-            "top": [{"name": name[:160], "calls": calls, "ms": us / 1e3} for name, (us, calls) in ranked[:top]],
-            "wall_ms": statistics.median(_wall_ms(work, policy.device) for _ in range(3)), "host_top": host_functions(work, policy.device, top),
-        }  # fmt: skip
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as recording:
+                work()
+                _drain(policy.device)
+            self_us = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total, e.count) for e in recording.key_averages()}
+            ranked = sorted(self_us.items(), key=lambda item: item[1][0], reverse=True)
+            parts[part] = {
+                "tokens": tokens, "self_ms": sum(us for us, _ in self_us.values()) / 1e3,
+                "top": [{"name": name[:160], "calls": calls, "ms": us / 1e3} for name, (us, calls) in ranked[:top]],
+                "wall_ms": statistics.median(_wall_ms(work, policy.device) for _ in range(3)), "host_top": host_functions(work, policy.device, top),
+            }  # fmt: skip
     return parts
 
 

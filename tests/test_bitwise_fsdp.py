@@ -3,7 +3,9 @@
 layer's forward and gradients reduce-scattered after its backward. On every rank the converted
 model's log-probs equal the unsharded converted model's bit for bit, and so does every
 parameter's gradient (both ranks score the same sequences, so the averaged BF16 gradient is the
-unsharded one exactly). Runs the CPU reference ops; the sharding plumbing is what is checked.
+unsharded one exactly); inside `frozen_fp8_weights` (two micro-batches, each all-gathered and
+resharded) the log-probs are those bits again. Runs the CPU reference ops; the sharding plumbing is
+what is checked.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fp8_align.config import FP8Config
-from fp8_align.hf_training import make_bitwise
+from fp8_align.hf_training import frozen_fp8_weights, make_bitwise
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES, completion_logprobs_from_logits, packed_inputs, packed_rows
 from tests.ranks import spawn_ranks
@@ -47,8 +49,13 @@ def _rank(rank: int, port: int, out: Path) -> None:
         unsharded.sum().backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         want = {name: p.grad for name, p in reference.named_parameters()}
+        with frozen_fp8_weights(model):  # micro-batches between two optimizer steps: all-gathered, resharded
+            frozen = [_completion_logprobs(model) for _ in range(2)]
+            for logprobs in frozen:
+                logprobs.sum().backward()
         torch.save({
             "logprobs_equal": torch.equal(sharded.detach(), unsharded.detach()),
+            "frozen_logprobs_equal": all(torch.equal(logprobs.detach(), unsharded.detach()) for logprobs in frozen),
             "unequal_grads": sorted(name for name in want if not torch.equal(grads[name], want[name])),
             "names_equal": grads.keys() == want.keys(),
         }, out / f"rank{rank}.pt")  # fmt: skip
@@ -59,5 +66,6 @@ def _rank(rank: int, port: int, out: Path) -> None:
 def test_fsdp2_sharded_model_gives_the_unsharded_bits_and_gradients(tmp_path: Path) -> None:
     for rank, result in enumerate(spawn_ranks(_rank, WORLD_SIZE, tmp_path)):
         assert result["logprobs_equal"], rank
+        assert result["frozen_logprobs_equal"], rank
         assert result["names_equal"], rank
         assert result["unequal_grads"] == [], (rank, result["unequal_grads"])

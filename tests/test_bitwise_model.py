@@ -283,3 +283,51 @@ def test_bitwise_forward_packs_its_sequences_without_reading_positions_back(monk
         monkeypatch.setattr(convert, "_packed_layout", lambda *args: pytest.fail("the layout was rebuilt from the positions"))
         handed = forward.hidden_states(SEQUENCES)
     assert torch.equal(handed, rebuilt)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_frozen_fp8_weights_quantize_once_with_the_same_bits(tensor_parallel_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `frozen_fp8_weights` the FP8 stacked layers are quantized at the block's first forward
+    only (counted at `quantize_stacked`), and the log-probs and every gradient are the same bits as
+    without the block; a weight changed in place inside the block raises RuntimeError at the next
+    forward, and after the block the changed weight is used; a nested block and an unconverted model
+    raise ValueError."""
+    from fp8_align.hf_training import bitwise_modules, frozen_fp8_weights, stacked
+
+    model = tiny_hf_model("qwen3")
+    make_bitwise(model, FP8Config(on_policy="bitwise", precision="fp8"), tensor_parallel_size=tensor_parallel_size)
+    quantized: list[int] = []
+    quantize_stacked = stacked.quantize_stacked
+
+    def counting(layers: list, *args: object) -> list:
+        quantized.append(len(layers))
+        return quantize_stacked(layers, *args)
+
+    monkeypatch.setattr(stacked, "quantize_stacked", counting)
+    monkeypatch.setattr(bitwise_modules, "quantize_stacked", counting)
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        quantized.clear()
+        logprobs = completion_logprobs_from_logits(model(**packed_inputs(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, packed_rows(SEQUENCES))
+        return logprobs.detach(), _gradients(model, logprobs.sum()), sum(quantized)
+
+    plain_logprobs, plain_grads, per_forward = run()
+    assert per_forward == 4 * model.config.num_hidden_layers  # q|k|v, o, gate|up, down of each layer
+    with frozen_fp8_weights(model):
+        for expected in (per_forward, 0):
+            logprobs, grads, count = run()
+            assert count == expected
+            assert torch.equal(logprobs, plain_logprobs)
+            assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[name], plain_grads[name]) for name in grads)
+        with pytest.raises(ValueError, match="already inside"):
+            with frozen_fp8_weights(model):
+                pass
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="changed in place inside frozen_fp8_weights"):
+            run()
+    changed_logprobs, _, count = run()
+    assert count == per_forward and not torch.equal(changed_logprobs, plain_logprobs)
+    with pytest.raises(ValueError, match="not converted by make_bitwise"):
+        with frozen_fp8_weights(tiny_hf_model("qwen3")):
+            pass

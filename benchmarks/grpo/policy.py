@@ -13,6 +13,8 @@ completion tokens, rows aligned at the first completion token (the `fp8_align.me
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +167,11 @@ class GRPOPolicy:
         padded = pad_sequence(bitwise.token_logprobs(sequences, prompts), batch_first=True)  # 0.0 past each completion
         return F.pad(padded, (0, packed.targets.shape[1] - padded.shape[1]))
 
+    def frozen_weights(self) -> contextlib.AbstractContextManager[None]:
+        """A block between two optimizer steps: the bitwise trainer quantizes each FP8 weight once in
+        it (`BitwiseForward.frozen_weights`); the other trainers quantize at every forward as before."""
+        return self.bitwise.frozen_weights() if self.bitwise is not None else contextlib.nullcontext()
+
     def micro_batch_rows(self, rows: Sequence[int], packed: PackedSequences) -> list[list[int]]:
         """`rows` split into the trainer's micro-batches (at most `max_tokens_per_forward` tokens each, in order)."""
         lengths = (packed.prompt_lengths + packed.completion_lengths).tolist()
@@ -177,9 +184,10 @@ class GRPOPolicy:
         out = torch.zeros(packed.targets.shape, dtype=torch.float32, device=self.device)
         groups = self.micro_batch_rows(list(range(packed.num_sequences)), packed)
         _reset(progress, len(groups))
-        for group in groups:
-            out[host_to_device(torch.tensor(group), self.device)] = self.logprobs(packed, group)
-            _advance(progress)
+        with self.frozen_weights():
+            for group in groups:
+                out[host_to_device(torch.tensor(group), self.device)] = self.logprobs(packed, group)
+                _advance(progress)
         return out
 
     @torch.no_grad()
@@ -224,18 +232,19 @@ class GRPOPolicy:
             if tokens == 0:
                 continue
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-            for group in minibatch_groups:
-                index = host_to_device(torch.tensor(group), self.device)
-                logprobs = self.logprobs(packed, group)
-                if not norms:  # no optimizer step yet: the weights the batch was sampled at
-                    gap = torch.where(mask[index], (logprobs.detach() - old_logprobs[index]).abs(), 0.0)
-                    on_policy_gap = torch.maximum(on_policy_gap, gap.amax())
-                per_token, clipped = clipped_policy_loss(logprobs, old_logprobs[index], advantages[index], clip_eps)
-                loss = importance_weighted_loss(per_token, is_weights[index], mask[index], "token-mean", normalizer=tokens)
-                loss.backward()
-                total += loss.detach().float()
-                clipped_tokens += (clipped & mask[index]).sum()
-                _advance(progress)
+            with self.frozen_weights():  # the weights change only at the optimizer step below
+                for group in minibatch_groups:
+                    index = host_to_device(torch.tensor(group), self.device)
+                    logprobs = self.logprobs(packed, group)
+                    if not norms:  # no optimizer step yet: the weights the batch was sampled at
+                        gap = torch.where(mask[index], (logprobs.detach() - old_logprobs[index]).abs(), 0.0)
+                        on_policy_gap = torch.maximum(on_policy_gap, gap.amax())
+                    per_token, clipped = clipped_policy_loss(logprobs, old_logprobs[index], advantages[index], clip_eps)
+                    loss = importance_weighted_loss(per_token, is_weights[index], mask[index], "token-mean", normalizer=tokens)
+                    loss.backward()
+                    total += loss.detach().float()
+                    clipped_tokens += (clipped & mask[index]).sum()
+                    _advance(progress)
             norms.append(self._optimizer_step())
             losses.append(total)
         valid = int(packed.mask.sum())

@@ -8,7 +8,7 @@
 """
 
 from fp8_align.hf_training.bitwise import BitwiseForward
-from fp8_align.hf_training.convert import make_bitwise, set_kv_scales
+from fp8_align.hf_training.convert import frozen_fp8_weights, make_bitwise, set_kv_scales
 from fp8_align.hf_training.linear import FORWARD_KERNELS, STACKED_PROJECTIONS, Fp8TrainingLinear, apply_fp8_training, stacked_shard_sizes
 from fp8_align.hf_training.stack_patches import patch_stack_logprobs, unpatch_stack_logprobs
 from fp8_align.hf_training.stacked import UnsupportedModelError
@@ -20,6 +20,7 @@ __all__ = [
     "Fp8TrainingLinear",
     "UnsupportedModelError",
     "apply_fp8_training",
+    "frozen_fp8_weights",
     "make_bitwise",
     "patch_stack_logprobs",
     "set_kv_scales",

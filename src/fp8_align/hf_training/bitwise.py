@@ -10,6 +10,7 @@ checks the plumbing.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping, Sequence
 
@@ -19,7 +20,7 @@ from torch import nn
 from fp8_align.config import FP8Config
 from fp8_align.hf_training.attention import KVCacheScales, host_to_device
 from fp8_align.hf_training.bitwise_modules import BitwiseContext
-from fp8_align.hf_training.convert import make_bitwise, set_kv_scales, use_packed_layout
+from fp8_align.hf_training.convert import frozen_fp8_weights, make_bitwise, set_kv_scales, use_packed_layout
 from fp8_align.hf_training.engine_ops import EngineKernels, completion_logprobs
 from fp8_align.hf_training.inputs import check_prompt_lens, check_sequences, check_temperature
 from fp8_align.hf_training.stacked import check_bitwise_model
@@ -81,6 +82,11 @@ class BitwiseForward:
         (`convert.set_kv_scales`: ValueError for a BF16-cache config, KVScaleError naming the layer
         or value otherwise; the scales in use do not change then)."""
         set_kv_scales(self.converted, scales)
+
+    def frozen_weights(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose forwards quantize each FP8 weight once (`convert.frozen_fp8_weights`): wrap
+        the micro-batches between two optimizer steps, or a log-prob pass."""
+        return frozen_fp8_weights(self.converted)
 
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Final normed hidden states [sum(len), hidden] (BF16) of the packed `sequences` (token-id

@@ -24,7 +24,8 @@ from fp8_align.hf_training.engine_ops import (
     silu_and_mul_gradient_fn, without_autocast,
 )  # fmt: skip
 from fp8_align.hf_training.stacked import (
-    StackedLinear, all_reduce_sum, quantize_stacked, stacked_product, vocab_parallel_embedding, vocab_parallel_logits,
+    Fp8Weights, FrozenFp8Weights, StackedLinear, all_reduce_sum, quantize_stacked, stacked_product, vocab_parallel_embedding,
+    vocab_parallel_logits,
 )  # fmt: skip
 from fp8_align.quant.moe import quantize_experts
 from fp8_align.rounding import Rounding
@@ -51,6 +52,16 @@ class BitwiseContext:
     kv_scales: dict[int, KVCacheScales] | None = None
     #: The packed layout of the forward in progress (`bitwise_attention` builds it once per forward).
     layout_cache: dict[str, Any] = field(default_factory=dict)
+    #: Inside `convert.frozen_fp8_weights`: the FP8 stacked layers' codes, computed once (else None:
+    #: every forward quantizes the current weights).
+    frozen_weights: FrozenFp8Weights | None = None
+
+    def fp8_weights(self, layers: list[StackedLinear], device: torch.device) -> list[Fp8Weights]:
+        """Per FP8 layer of `layers`, per engine rank, its codes and scale grids of the current
+        weights (`quantize_stacked`; held from an earlier forward inside `frozen_fp8_weights`)."""
+        if self.frozen_weights is None:
+            return quantize_stacked(layers, self.tensor_parallel_size, self.rounding, device)
+        return self.frozen_weights.quantized(layers, self.tensor_parallel_size, self.rounding, device)
 
     @property
     def fp8_backward(self) -> bool:
@@ -144,7 +155,7 @@ def stacked_output(context: BitwiseContext, layer: StackedLinear, x: torch.Tenso
     if context.tensor_parallel_size != 1:
         raise ValueError(f"stacked_output is one engine rank's product; this context emulates {context.tensor_parallel_size} ranks (use stacked_outputs)")
     x2 = x.reshape(-1, x.shape[-1])
-    fp8_weights = quantize_stacked([layer], 1, context.rounding, x.device)[0] if layer.fp8 else None
+    fp8_weights = context.fp8_weights([layer], x.device)[0] if layer.fp8 else None
     out = stacked_product(layer, x2, 0, 1, fp8_weights, context.rounding, context.fp8_gemm, context.kernels, context.fp8_backward)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -156,7 +167,7 @@ def stacked_outputs(context: BitwiseContext, layer: StackedLinear, x: torch.Tens
     per rank the product of its input columns, the partial sums added as the engine's all-reduce."""
     tp = context.tensor_parallel_size
     x2 = x.reshape(-1, x.shape[-1])
-    fp8_weights = quantize_stacked([layer], tp, context.rounding, x.device)[0] if layer.fp8 else None
+    fp8_weights = context.fp8_weights([layer], x.device)[0] if layer.fp8 else None
 
     def product(rank: int, rank_input: torch.Tensor) -> torch.Tensor:
         return stacked_product(layer, rank_input, rank, tp, fp8_weights, context.rounding, context.fp8_gemm, context.kernels, context.fp8_backward)
@@ -204,7 +215,7 @@ class BitwiseMLP(nn.Module):
         tp = ctx.tensor_parallel_size
         gate_up = StackedLinear((self.gate_proj, self.up_proj), (self.gate_proj.out_features, self.up_proj.out_features), self.fp8, False)
         down = StackedLinear((self.down_proj,), (self.down_proj.out_features,), self.down_fp8, True)
-        quantized = iter(quantize_stacked([layer for layer in (gate_up, down) if layer.fp8], tp, ctx.rounding, x.device))
+        quantized = iter(ctx.fp8_weights([layer for layer in (gate_up, down) if layer.fp8], x.device))
         gate_up_fp8, down_fp8 = (next(quantized) if layer.fp8 else None for layer in (gate_up, down))
         x2 = x.reshape(-1, x.shape[-1])
         partials = []

@@ -17,7 +17,8 @@ positions must be 0..n-1, as the engine numbers them. Backward: the standard BF1
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from fp8_align.hf_training.bitwise_modules import (
 )  # fmt: skip
 from fp8_align.hf_training.engine_ops import fp8_gemm_for, inverse_rope_table, kernels_for, without_autocast
 from fp8_align.hf_training.linear import STACKED_PROJECTIONS
-from fp8_align.hf_training.stacked import UnsupportedModelError, check_bitwise_model, check_tensor_parallel_size
+from fp8_align.hf_training.stacked import FrozenFp8Weights, UnsupportedModelError, check_bitwise_model, check_tensor_parallel_size
 from fp8_align.quant import DEFAULT_BLOCK_SIZE
 
 #: The name `make_bitwise` registers `bitwise_attention` under (transformers' attention and mask interfaces).
@@ -294,3 +295,24 @@ def set_kv_scales(model: nn.Module, scales: Mapping[int, Mapping[str, float]]) -
         raise ValueError("set_kv_scales: the model is not converted by make_bitwise")
     device = next(model.parameters()).device
     context.kv_scales = kv_scales_on_device(context.cfg.kv_cache_dtype, scales, context.num_layers, device, "make_bitwise model")
+
+
+@contextlib.contextmanager
+def frozen_fp8_weights(model: nn.Module) -> Iterator[None]:
+    """Within the block, the FP8 linears of `model` (converted by `make_bitwise`) quantize each weight
+    once and reuse its codes: for the forwards between two optimizer steps (the micro-batches of one
+    step, a log-prob pass), with the same bits as quantizing at every forward. Holds one byte per FP8
+    weight (and its scales) until the block ends. A forward after a weight was changed in place
+    inside the block raises RuntimeError; an unconverted model or a block inside another one raises
+    ValueError. Routed experts (MoE) are still quantized at every forward."""
+    context: BitwiseContext | None = getattr(model, CONTEXT_ATTRIBUTE, None)
+    if context is None:
+        raise ValueError("frozen_fp8_weights: the model is not converted by make_bitwise")
+    if context.frozen_weights is not None:
+        raise ValueError("frozen_fp8_weights: already inside a frozen_fp8_weights block of this model")
+    context.frozen_weights = FrozenFp8Weights()
+    try:
+        yield
+    finally:
+        context.frozen_weights = None
+

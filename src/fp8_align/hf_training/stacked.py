@@ -152,6 +152,39 @@ def quantize_stacked(layers: Sequence[StackedLinear], tensor_parallel_size: int,
     return found
 
 
+class FrozenFp8Weights:
+    """FP8 stacked layers' codes (`quantize_stacked`) computed once while their weights are promised
+    unchanged (`convert.frozen_fp8_weights`), keyed by each layer's HF linears. A layer's codes are
+    reused while its linears hold the same weight tensors at the same version; a weight changed in
+    place since (an optimizer step inside the block) raises RuntimeError; a linear that holds another
+    tensor object than before (a sharding wrapper that swaps its parameters) has its codes computed
+    again."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], Fp8Weights]] = {}
+
+    def quantized(self, layers: Sequence[StackedLinear], tensor_parallel_size: int, rounding: Rounding, device: torch.device) -> list[Fp8Weights]:
+        """`quantize_stacked(layers, ...)`, the layers not held yet in one grouped launch."""
+        keys = [tuple(id(m) for m in layer.modules) for layer in layers]
+        missing = [i for i, (key, layer) in enumerate(zip(keys, layers)) if not self._holds(key, layer)]
+        fresh = quantize_stacked([layers[i] for i in missing], tensor_parallel_size, rounding, device)
+        for i, found in zip(missing, fresh):
+            weights = tuple(m.weight for m in layers[i].modules)
+            self._entries[keys[i]] = (weights, tuple(w._version for w in weights), found)
+        return [self._entries[key][2] for key in keys]
+
+    def _holds(self, key: tuple[int, ...], layer: StackedLinear) -> bool:
+        entry = self._entries.get(key)
+        if entry is None or any(held is not m.weight for held, m in zip(entry[0], layer.modules)):
+            return False
+        if entry[1] != tuple(m.weight._version for m in layer.modules):
+            raise RuntimeError(
+                "a weight of an FP8 linear changed in place inside frozen_fp8_weights(...): its FP8 codes would be stale; "
+                "end the block before the optimizer step or weight load and open a new one after it"
+            )
+        return True
+
+
 def stacked_product(
     layer: StackedLinear, x: torch.Tensor, rank: int, tensor_parallel_size: int, fp8_weights: Fp8Weights | None,
     rounding: Rounding, fp8_gemm: Fp8Gemm, kernels: EngineKernels, fp8_backward: bool,
