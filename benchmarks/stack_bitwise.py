@@ -3,12 +3,13 @@ RL's DTensor policy, TRL 1.16.0's GRPOTrainer or a megatron-core trainer against
 bitwise engine, with the stack's own weight sync between its policy steps.
 
     python benchmarks/stack_bitwise.py --out REPORT.json [--stack verl|openrlhf|nemo_rl|trl|megatron]
+        [--model qwen3-8b-4l|qwen3-30b-a3b-4l|qwen3-moe-tiny]
         [--variants fp8,fp8_pow2] [--kv-cache-dtype fp8|auto] [--steps 3] [--temperatures 0.6,1.0]
         [--batch-size 64] [--max-tokens 64] [--lr 1e-3] [--linear-backward bf16|fp8] [--work /root/stack_bitwise_work]
     python benchmarks/stack_bitwise.py --out benchmarks/results/stack_bitwise.json --collect REPORT.json...
 
-Per variant one process: a random-init Qwen3-8B shape cut to 4 layers
-(`on_policy_bitwise.prepare_model`), one `FP8Config(on_policy="bitwise")` engine on GPU 0 that
+Per variant one process: a random-init Qwen3-8B shape cut to 4 layers, or with `--model` a Qwen3-MoE
+one (`on_policy_bitwise.prepare_model`; not with TRL), one `FP8Config(on_policy="bitwise")` engine on GPU 0 that
 returns the stack's `logprobs_mode` and runs the stack's own worker extension; with an FP8 KV cache
 its scales are calibrated once by the engine and given to the trainer. The trainer is the model
 converted by `make_bitwise` with the stack's log-prob function patched (`patch_stack_logprobs`):
@@ -68,11 +69,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
-from benchmarks.on_policy_bitwise import VARIANTS, _device_and_versions, _metrics, prepare_model  # noqa: E402
+from benchmarks.on_policy_bitwise import MOE_MODELS, VARIANTS, _device_and_versions, _metrics, prepare_model  # noqa: E402
 from fp8_align.hf_training import make_bitwise, patch_stack_logprobs, unpatch_stack_logprobs  # noqa: E402
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, bitwise_proven  # noqa: E402
 
-MODEL = "qwen3-8b-4l"
+#: The models `--model` takes: the 4-layer Qwen3-8B shape (default), or a Qwen3-MoE one
+#: (`on_policy_bitwise.MOE_MODELS`; the engine runs `moe_backend="triton"`).
+MODELS = ("qwen3-8b-4l", *MOE_MODELS)
 MAX_MODEL_LEN = 1024
 #: Share of GPU memory the engine takes; the trainer (model, gradients, AdamW state) lives beside it.
 GPU_MEMORY_UTILIZATION = 0.4
@@ -199,7 +203,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
     from fp8_align import FP8Config
     from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs, refit_weights
 
-    path, probes, fillers = prepare_model(MODEL, args.work)
+    path, probes, fillers = prepare_model(args.model, args.work)
     prompts = (probes + fillers)[: args.batch_size]
     job_id = f"fp8align{os.getpid()}"
     os.environ["VERL_RAY_JOB_ID"] = job_id  # names verl's ZMQ socket; the engine's workers inherit it
@@ -222,6 +226,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         llm = LLM(
             model=str(path), skip_tokenizer_init=True, max_num_seqs=args.batch_size, max_model_len=MAX_MODEL_LEN,
             gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=STACKS[stack].logprobs_mode,
+            **({"moe_backend": "triton"} if args.model in MOE_MODELS else {}),
             **({"worker_extension_cls": STACKS[stack].worker_extension} if STACKS[stack].worker_extension else {}), **engine_kwargs(cfg),
         )  # fmt: skip
     scales = None
@@ -338,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON report: rows per step and a summary row per variant")
     parser.add_argument("--stack", choices=sorted(STACKS), default="verl")
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="random-init model (on_policy_bitwise.prepare_model)")
     parser.add_argument("--variants", default="fp8,fp8_pow2")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="fp8")
     parser.add_argument("--steps", type=int, default=3, help="policy steps (each followed by verl's sync and a new rollout)")
@@ -363,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--temperatures: {error}")  # includes greedy (0): a policy step trains on samples
     if args.stack == "trl" and (len(args.temperatures) != 1 or args.kv_cache_dtype != "auto"):
         parser.error("--stack trl: one temperature (TRL fixes it at construction) and --kv-cache-dtype auto (the mode TRL's engine patch takes)")
+    if args.stack == "trl" and args.model in MOE_MODELS:
+        parser.error("--stack trl: a dense model (TRL builds its engine itself, without the MoE backend the bitwise MoE reads)")
     if STACKS[args.stack].temperature_one_only and args.temperatures != [1.0]:
         parser.error(f"--stack {args.stack}: --temperatures 1.0 only (docs/on_policy.md: its actor multiplies by 1/T on CUDA)")
     unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
@@ -371,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.batch_size < 4:
         parser.error("--steps must be at least 1 and --batch-size at least 4 (the 4 probe prompts)")
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.model in MOE_MODELS and not bitwise_proven("qwen3_moe"):  # the lab switch where no MoE proof covers the vLLM
+        os.environ[UNPROVEN_BITWISE_ENV_VAR] = "qwen3_moe"
     if args.one:
         args.out.write_text(json.dumps(run_variant(args.stack, args.one, args.kv_cache_dtype, args)))
         return 0
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = args.kv_cache_dtype if VARIANTS[variant].get("precision") == "fp8" else "auto"
         part, log = args.work / f"{args.stack}_{variant}.json", args.work / f"{args.stack}_{variant}.log"
         part.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--out", str(part), "--stack", args.stack, "--one", variant, "--kv-cache-dtype", kv, "--steps", str(args.steps),
+        cmd = [sys.executable, __file__, "--out", str(part), "--stack", args.stack, "--model", args.model, "--one", variant, "--kv-cache-dtype", kv, "--steps", str(args.steps),
                "--temperatures", ",".join(map(str, args.temperatures)), "--batch-size", str(args.batch_size),
                "--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--linear-backward", args.linear_backward,
                "--work", str(args.work)]  # fmt: skip
@@ -395,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"] += result["rows"]
         report["kv_scales"][variant] = result["kv_scales"]
         report["summary"].append({
-            "stack": args.stack, "vllm": versions["vllm"], "variant": variant, "kv_cache_dtype": kv, "model": MODEL,
+            "stack": args.stack, "vllm": versions["vllm"], "variant": variant, "kv_cache_dtype": kv, "model": args.model,
             "steps": args.steps, "linear_backward": args.linear_backward, "temperatures": args.temperatures,
             "tokens": sum(r["tokens"] for r in result["rows"]),
             "max_abs_dlogp": max(r["max_abs_dlogp"] for r in result["rows"]), "device": versions["device"],

@@ -128,6 +128,8 @@ def test_verl_policy_steps_keep_the_converted_model_on_the_engines_bits(unpatche
         (["--stack", "openrlhf"], "--temperatures 1.0 only"),
         (["--stack", "trl", "--kv-cache-dtype", "auto"], "--stack trl: one temperature"),
         (["--stack", "trl", "--temperatures", "1.0"], "--kv-cache-dtype auto"),
+        (["--stack", "trl", "--temperatures", "1.0", "--kv-cache-dtype", "auto", "--model", "qwen3-moe-tiny"], "--stack trl: a dense model"),
+        (["--model", "qwen3-moe"], "--model: invalid choice"),
     ],
 )
 def test_stack_bitwise_refuses_settings_it_cannot_run(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
