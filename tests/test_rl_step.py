@@ -33,6 +33,8 @@ def test_rl_step_variants_name_their_model_runner() -> None:
     fp8, runner = parse_variant("fp8_bitwise_kv@v1")
     assert fp8 is not None and fp8.on_policy == "bitwise" and fp8.kv_cache_dtype == "fp8" and runner == "v1"
     assert parse_variant("fp8_fast@v2")[1] == "v2"
+    fp8, runner = parse_variant("fp8_bitwise_kv_fp8_backward@v2")  # the same engine, its trainer's backward in block FP8
+    assert fp8 is not None and (fp8.on_policy, fp8.kv_cache_dtype, fp8.bitwise_linear_backward, runner) == ("bitwise", "fp8", "fp8", "v2")
     for bad in ("bf16@v3", "fp8_fast@", "int8", "@v1"):
         with pytest.raises(ValueError, match="unknown variant"):
             parse_variant(bad)
