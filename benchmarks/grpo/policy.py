@@ -14,7 +14,6 @@ completion tokens, rows aligned at the first completion token (the `fp8_align.me
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path

@@ -315,4 +315,3 @@ def frozen_fp8_weights(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         context.frozen_weights = None
-

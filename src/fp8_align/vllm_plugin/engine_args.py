@@ -15,8 +15,8 @@ BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"
 #: the user asked for V2 ("1") on a release where the bitwise V2 proof exists (0.25 makes V2 the
 #: default for dense models, quantized or not).
 V2_MODEL_RUNNER_ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
-#: Lab switch for a GPU proof run: a comma-separated list of `UNPROVEN_BITWISE_FEATURES` the bitwise
-#: engine then runs although no proof of them on the installed vLLM is in benchmarks/results/
+#: Lab switch for a GPU proof run: a comma-separated list of `PROVEN_BITWISE_FEATURES` keys the
+#: bitwise engine then runs although no proof of them on the installed vLLM is in benchmarks/results/
 #: (never for RL runs).
 UNPROVEN_BITWISE_ENV_VAR = "FP8_ALIGN_UNPROVEN_BITWISE"
 #: The bitwise engine's features proven release by release -> their `versions.FEATURE_SERIES` entry:
