@@ -76,6 +76,9 @@ def test_compile_cache_patch_keys_on_the_config_and_undoes():
     second = SimpleNamespace(quant_config=SimpleNamespace(fp8_config=FP8Config(num_first_layers_in_bf16=1)))
     assert wrapped(plain) == "base123456"
     assert len({wrapped(first), wrapped(second), wrapped(plain)}) == 3 and len(wrapped(first)) == 10
+    # vLLM 0.33's compute_hash(include_version=...) (FlashInfer's autotune cache calls it so): passed through
+    versioned = patches._hash_with_fp8_align_config(lambda self, include_version=True: f"base{int(include_version)}23456")
+    assert versioned(plain, include_version=False) == "base023456" and versioned(first) != versioned(first, include_version=False)
 
     from vllm.model_executor.model_loader import base_loader
 

@@ -137,12 +137,13 @@ class MethodPatch:
         return module if self.cls is None else getattr(module, self.cls)
 
 
-def _hash_with_fp8_align_config(compute_hash: Callable[[Any], str]) -> Callable[[Any], str]:
-    """`VllmConfig.compute_hash` that also covers the engine's FP8Config (10 hex chars, as vLLM's)."""
+def _hash_with_fp8_align_config(compute_hash: Callable[..., str]) -> Callable[..., str]:
+    """`VllmConfig.compute_hash` that also covers the engine's FP8Config (10 hex chars, as vLLM's);
+    other arguments pass through (0.33's `include_version`)."""
 
     @functools.wraps(compute_hash)
-    def patched(self: Any) -> str:
-        base = compute_hash(self)
+    def patched(self: Any, *args: Any, **kwargs: Any) -> str:
+        base = compute_hash(self, *args, **kwargs)
         fp8_config: FP8Config | None = getattr(self.quant_config, "fp8_config", None)
         if fp8_config is None:
             return base
