@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from benchmarks.rollout.checkpoints import QWEN3_30B_A3B  # noqa: E402
 
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
-from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR, bitwise_proven  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR, lab_switch_unless_proven  # noqa: E402
 
 MODELS = ("smollm2", "qwen3-8b-4l")
 #: Mixture-of-Experts models (random init, random token prompts): Qwen3-30B-A3B's shape cut to 4
@@ -329,15 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("batch sizes other than 1 must be at least 4 (the 4 probes share the batch)")
     args.work.mkdir(parents=True, exist_ok=True)
     # the lab switch, read by engine_kwargs and the engine's start check, here and in each --one child
-    unproven = {part for part in os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "").split(",") if part}
     if args.model_runner == "v2":
         os.environ[V2_MODEL_RUNNER_ENV_VAR] = "1"
-        if not bitwise_proven("v2_runner"):
-            unproven.add("v2_runner")
-    if set(models) & set(MOE_MODELS) and not bitwise_proven("qwen3_moe"):
-        unproven.add("qwen3_moe")
-    if unproven:
-        os.environ[UNPROVEN_BITWISE_ENV_VAR] = ",".join(sorted(unproven))
+        lab_switch_unless_proven("v2_runner")
+    if set(models) & set(MOE_MODELS):
+        lab_switch_unless_proven("qwen3_moe")
     if args.one:
         result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer)
         args.out.write_text(json.dumps(result))

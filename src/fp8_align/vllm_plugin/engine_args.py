@@ -59,6 +59,15 @@ def bitwise_runs(feature: str) -> bool:
     return bitwise_proven(feature) or feature in unproven_bitwise_features()
 
 
+def lab_switch_unless_proven(feature: str) -> bool:
+    """For a GPU proof run: name `feature` in the lab switch `UNPROVEN_BITWISE_ENV_VAR` (beside the
+    features it names already) unless it is proven on the installed vLLM; True when it had to."""
+    if bitwise_proven(feature):
+        return False
+    os.environ[UNPROVEN_BITWISE_ENV_VAR] = ",".join(sorted(unproven_bitwise_features() | {feature}))
+    return True
+
+
 def proven_series_text(feature: str) -> str:
     """The release series (e.g. '0.22') where `feature` of the bitwise engine was proven."""
     return series_text(FEATURE_SERIES[PROVEN_BITWISE_FEATURES[feature]])
