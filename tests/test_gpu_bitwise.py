@@ -13,6 +13,7 @@ and engine-vs-trainer agreement are exact. The whole-engine proof is benchmarks/
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -412,9 +413,40 @@ def test_bf16_gradients_are_the_models_own_on_cuda() -> None:
     assert max(errors.values()) < 0.05, errors
 
 
+def test_frozen_fp8_weights_give_the_same_bits_on_cuda() -> None:
+    """`BitwiseForward.frozen_weights()` on CUDA: the second forward of the block reuses the codes of
+    the first, and both give the log-probs and every gradient of forwards that quantize each time,
+    bit for bit (the CPU test, tests/test_bitwise_model.py, counts the quantizations)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fp8_align.hf_training import BitwiseForward
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=64, vocab_size=2000, max_position_embeddings=1024)  # fmt: skip
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).cuda()
+    forward = BitwiseForward(model, FP8Config(on_policy="bitwise", kv_cache_dtype="fp8"))
+    forward.set_kv_scales({layer: {"k_scale": 0.02, "v_scale": 0.01} for layer in range(2)})
+    sequences, prompt_lens = [torch.randint(0, 2000, (n,)).tolist() for n in (40, 200, 7)], [5, 50, 2]
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logprobs = torch.cat(forward.token_logprobs(sequences, prompt_lens))
+        logprobs.sum().backward()
+        return logprobs.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    plain_logprobs, plain_grads = run()
+    with forward.frozen_weights():
+        for _ in range(2):  # the first forward quantizes, the second reuses
+            logprobs, grads = run()
+            assert torch.equal(logprobs, plain_logprobs)
+            assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("grad", [False, True], ids=["logprobs", "forward_backward"])
-def test_bitwise_trainer_does_not_sync_the_host(kv_cache_dtype: str, grad: bool) -> None:
+@pytest.mark.parametrize("frozen", [False, True], ids=["quantized", "frozen"])
+def test_bitwise_trainer_does_not_sync_the_host(kv_cache_dtype: str, grad: bool, frozen: bool) -> None:
     """The bitwise trainer's log-probs (and their backward) queue GPU work without waiting for it: a
     device sync inside a micro-batch leaves the GPU idle while the host prepares the next kernels
     (the RL step's bitwise trainer ran 35 ms of kernels in 99 ms, results_log session 40). Every
@@ -422,7 +454,7 @@ def test_bitwise_trainer_does_not_sync_the_host(kv_cache_dtype: str, grad: bool)
     for it; the first call (kernel selection, Triton compiles) runs before. One sync is transformers':
     its causal-mask builder reads back whether `position_ids` hold packed sequences (masking_utils'
     `find_packed_sequence_indices`, H100 session 41), before the first layer; none may come from
-    anywhere else."""
+    anywhere else, inside `frozen_weights()` too (its in-place check reads only host counters)."""
     import warnings
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -444,16 +476,17 @@ def test_bitwise_trainer_does_not_sync_the_host(kv_cache_dtype: str, grad: bool)
             if grad:
                 logprobs.sum().backward()
 
-    run()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    with forward.frozen_weights() if frozen else contextlib.nullcontext():
+        run()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
     syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
     others = [site for site in syncs if not site.startswith("masking_utils.py:")]
     assert not others and len(syncs) <= 1, f"{len(syncs)} device syncs: {syncs}"

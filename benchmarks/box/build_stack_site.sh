@@ -15,7 +15,7 @@ work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 binary=(--only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 pip download --no-deps -q -d "$work" "${binary[@]}" \
-  verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.3.0 codetiming==1.4.0 orjson==3.13.0 pylatexenc==2.11
+  verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.3.0 codetiming==1.4.0 orjson==3.13.0 pylatexenc==2.11 trl==1.16.0
 pip download --no-deps -q -d "$work" --no-binary antlr4-python3-runtime antlr4-python3-runtime==4.9.3 openrlhf==0.11.2
 rm -rf "$dest"; mkdir -p "$dest"
 for wheel in "$work"/*.whl; do python3 -m zipfile -e "$wheel" "$dest"; done

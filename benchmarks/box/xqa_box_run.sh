@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl | openrlhf | nemo_rl | stack-proof
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl | openrlhf | nemo_rl | stack-proof[#ARGS_VAR]
 #        | pytest=FILE[@EXPR] (one GPU test file, or its tests matching the pytest -k EXPR; no SmolLM2 staged: the tests that build their own models)
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
@@ -33,7 +33,8 @@
 # nemo_rl: NeMo RL's DTensor-policy pins (transformers 5.5.4: NeMo RL refuses >= 5.12) unpacked from the carried
 # .whl/nemo_rl_site.tar.zst (benchmarks/box/build_stack_site.sh) and the vendored tests/third_party/nemo_rl_dtensor, first on
 # PYTHONPATH for the stages after it (stack-proof with STACK_ARGS="--stack nemo_rl ..."); last in a chain.
-# stack-proof: benchmarks/stack_bitwise.py on GPU 0 (a stack's actor, policy steps and sync against a bitwise engine; $STACK_ARGS).
+# stack-proof[#NAME]: benchmarks/stack_bitwise.py on GPU 0 (a stack's actor, policy steps and sync against a bitwise engine; $STACK_ARGS,
+# or $NAME with reports named after it, so one chain runs two stacks).
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
 # bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
 # output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
@@ -215,12 +216,15 @@ while [ $# -gt 0 ]; do
         --work /root/bitwise_work ${PROOF_ARGS:-} > "$out/on_policy_bitwise.log" 2>&1
       echo "rc=$?"; tail -30 "$out/on_policy_bitwise.log"
       tail -c 20000 /root/bitwise_work/*.log > "$out/bitwise_engine_logs.txt" 2>/dev/null; true ;;
-    stack-proof)
+    stack-proof|stack-proof#*)
+      # stack-proof#NAME: the arguments from $NAME instead of $STACK_ARGS, reports named after it (two stacks in one chain)
+      args_var=STACK_ARGS; tag=""
+      [[ "$stage" == *#* ]] && { args_var="${stage#*#}"; tag="_$args_var"; [ -n "${!args_var:-}" ] || { echo "$stage: \$$args_var is empty"; exit 2; }; }
       # shellcheck disable=SC2086
-      CUDA_VISIBLE_DEVICES=0 python3 benchmarks/stack_bitwise.py --out "$out/stack_bitwise.json" --work /root/stack_work ${STACK_ARGS:-} \
-        > "$out/stack_bitwise.log" 2>&1
-      echo "rc=$?"; tail -12 "$out/stack_bitwise.log"
-      tail -c 20000 /root/stack_work/*.log > "$out/stack_engine_logs.txt" 2>/dev/null; true ;;
+      CUDA_VISIBLE_DEVICES=0 python3 benchmarks/stack_bitwise.py --out "$out/stack_bitwise$tag.json" --work "/root/stack_work$tag" ${!args_var:-} \
+        > "$out/stack_bitwise$tag.log" 2>&1
+      echo "rc=$?"; tail -12 "$out/stack_bitwise$tag.log"
+      tail -c 20000 "/root/stack_work$tag"/*.log > "$out/stack_engine_logs$tag.txt" 2>/dev/null; true ;;
     tests-fi|tests-mla)
       # one test file alone (tests takes ~14 minutes on vLLM 0.25: give its slowest file a GPU of its own)
       file=tests/test_gpu_flashinfer_scales.py; [ "$stage" = tests-mla ] && file=tests/test_gpu_mla.py
