@@ -104,6 +104,8 @@ STACKS = {
 }
 #: Stacks whose own log-prob code is not re-scored unpatched at step 0 (stack_bitwise's docstring says why).
 NO_UNPATCHED_PROBE = ("megatron", "trl")
+#: Mismatching tokens a row keeps (`first_mismatches`): where engine and stack part, for the results log.
+MISMATCHES_KEPT = 16
 #: NeMo RL's refit buffer (it sizes it from free memory, NRL_REFIT_BUFFER_MEMORY_RATIO).
 NEMO_RL_BUFFER_BYTES = 512 * 2**20
 #: NeMo RL's `policy.max_total_sequence_length` here: the longest prompt (400) and its completion fit.
@@ -163,6 +165,21 @@ def nemo_rl_sync(llm: Any, model: Any) -> None:
     thread.join(timeout=300)
     if thread.is_alive() or errors or updated != [True]:
         raise RuntimeError(f"NeMo RL's refit did not finish: workers {updated}, trainer {errors or ('still running' if thread.is_alive() else 'done')}")
+
+
+def first_mismatches(
+    sequences: list[list[int]], prompt_lens: list[int], engine: list[list[float]], scored: list[Any], limit: int = MISMATCHES_KEPT
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The first `limit` completion tokens whose engine and stack log-probs differ, in sequence order:
+    {sequence, prompt_len, position (in the completion), token, engine, stack}; [] when all agree."""
+    found: list[dict[str, Any]] = []
+    for index, (seq, prompt_len, mine, theirs) in enumerate(zip(sequences, prompt_lens, engine, scored, strict=True)):
+        for position, (a, b) in enumerate(zip(mine, theirs.tolist(), strict=True)):
+            if a != b:
+                found.append({"sequence": index, "prompt_len": prompt_len, "position": position, "token": seq[prompt_len + position], "engine": a, "stack": b})
+                if len(found) == limit:
+                    return found
+    return found
 
 
 def score(actor: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[Any]:
@@ -262,7 +279,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
         eos = model.config.eos_token_id
         actor = NemoRLPolicyScorer(model, eos if isinstance(eos, int) else 0, NEMO_RL_MAX_SEQUENCE, MICRO_BATCH)
     optimizer = None if stack == "megatron" else torch.optim.AdamW(model.parameters(), lr=args.lr)  # Megatron's: the actor's own
-    start = {name: p.detach().clone() for name, p in model.named_parameters() if p.dim() == 2}
+    start = {name: p.detach().clone() for name, p in model.named_parameters() if p.dim() >= 2}  # 3-D: the fused routed experts
     rows: list[dict[str, Any]] = []
     for step in range(args.steps + 1):
         batches = []
@@ -290,6 +307,7 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
                 "logprobs_mode": STACKS[stack].logprobs_mode, "sequences": len(sequences), "tokens": len(flat_engine),
                 "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_verl)),
+                "first_mismatches": first_mismatches(sequences, prompt_lens, engine, scored),
                 **({"unpatched_max_abs_dlogp": unpatched} if step == 0 and stack not in NO_UNPATCHED_PROBE else {}),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
@@ -322,14 +340,14 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
 def collect(reports: list[Path]) -> dict[str, Any]:
     """One summary over several runs' reports: every summary row, with the report it came from, its
     date and `unpatched_max_abs_dlogp` (the largest of its step-0 rows). Raises ValueError for a
-    report with failures or two rows for one (stack, vllm, variant)."""
+    report with failures or two rows for one (stack, vllm, variant, model)."""
     rows, seen = [], set()
     for path in reports:
         report = json.loads(path.read_text())
         if report["failures"]:
             raise ValueError(f"{path}: {len(report['failures'])} failed variants")
         for row in report["summary"]:
-            key = (row["stack"], row["vllm"], row["variant"])
+            key = (row["stack"], row["vllm"], row["variant"], row["model"])
             if key in seen:
                 raise ValueError(f"{path}: a second row for {key}")
             seen.add(key)

@@ -7,7 +7,8 @@ show what the patch changes) and builds TRL's own `GRPOTrainer` around the
 model: without vLLM (the batches come from the caller, as the engine's rollouts would), or with
 `colocate_engine` (GRPOConfig fields over this file's, e.g. `vllm_gpu_memory_utilization` and
 `per_device_train_batch_size`, which sets the engine's `max_num_seqs`) in TRL's colocate mode, where TRL builds its own
-engine through `patch_trl_engine(cfg)` (`engine`) and syncs it with its own `sync_weights` (`sync`).
+engine through `patch_trl_engine(cfg)` (`engine`) and syncs it with its own `sync_weights` (`sync`), with
+`vllm_importance_sampling_correction` off (what a bitwise engine makes exactly 1).
 Then:
 - `token_logprobs(sequences, prompt_lens)`: the batch as TRL's `_generate_and_score_completions`
   hands it on (prompts left-padded, completions right-padded, their masks) through the trainer's
@@ -67,7 +68,10 @@ class TrlGRPOScorer:
         settings = {
             "output_dir": self._output_dir.name, "temperature": temperature, "per_device_train_batch_size": 2,
             "num_generations": 2, "max_grad_norm": MAX_GRAD_NORM, "bf16": True, "use_cpu": cpu, "report_to": "none", "save_strategy": "no",
-            "use_vllm": colocate_engine is not None, **({"vllm_mode": "colocate", **colocate_engine} if colocate_engine is not None else {}),
+            "use_vllm": colocate_engine is not None,
+            # off: the bitwise engine's log-probs are the trainer's, so TRL's correction would be exp(0) = 1 on every token
+            # (docs/on_policy.md, "TRL"); on, its compute_loss reads a ratio its rollout builds, which the caller's batches lack
+            **({"vllm_mode": "colocate", "vllm_importance_sampling_correction": False, **colocate_engine} if colocate_engine is not None else {}),
         }  # fmt: skip
         args = GRPOConfig(**settings)
         # a fingerprint given: datasets 5.2 cannot hash a pyarrow 26 table with dill 0.4 to make one
@@ -114,8 +118,13 @@ class TrlGRPOScorer:
     ) -> dict[str, float]:  # fmt: skip
         """One GRPO update over the batch: TRL's `compute_loss` per micro-batch (`num_items_in_batch`:
         the whole batch's completion tokens), backward, `clip_grad_norm_` to `MAX_GRAD_NORM`, the
-        optimizer step. Returns {"loss": summed loss, "grad_norm": norm before clipping}."""
+        optimizer step. Returns {"loss": summed loss, "grad_norm": norm before clipping}. Raises
+        ValueError when the trainer corrects for the engine with importance sampling (TRL builds that
+        ratio in its rollout, which this batch does not come from)."""
         self._check(temperature)
+        if self.trainer.use_vllm and self.trainer.vllm_importance_sampling_correction:
+            raise ValueError("vllm_importance_sampling_correction is on: TRL's compute_loss needs the ratio its own rollout builds; "
+                             "build the scorer with it off (the bitwise engine's log-probs are the trainer's)")
         tokens = torch.tensor(float(sum(len(seq) - p for seq, p in zip(sequences, prompt_lens, strict=True))), device=self.device)
         optimizer.zero_grad()
         total = 0.0

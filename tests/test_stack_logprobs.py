@@ -152,13 +152,13 @@ def test_stack_bitwise_advantages_are_batch_normalized() -> None:
 def test_stack_bitwise_collect_keeps_each_runs_rows_and_refuses_failed_or_doubled_ones(tmp_path: Path) -> None:
     """`stack_bitwise.py --collect` writes the summary of several runs' reports (the GPU proof's
     results/stack_bitwise.json): their summary rows, each with its report, date and the step-0
-    unpatched gap; a report with failures, or a second row for one (stack, vllm, variant), raises."""
+    unpatched gap; a report with failures, or a second row for one (stack, vllm, variant, model), raises."""
     from benchmarks import stack_bitwise
 
     def report(name: str, stack: str, failures: list[dict[str, Any]] | None = None) -> Path:
         rows = [{"variant": "fp8", "step": step, "unpatched_max_abs_dlogp": 2e-6 * (step == 0)} for step in range(2)]
         rows[1].pop("unpatched_max_abs_dlogp")
-        summary = [{"stack": stack, "vllm": "0.25.1", "variant": "fp8", "tokens": 8, "max_abs_dlogp": 0.0}]
+        summary = [{"stack": stack, "vllm": "0.25.1", "variant": "fp8", "model": "qwen3-8b-4l", "tokens": 8, "max_abs_dlogp": 0.0}]
         path = tmp_path / name
         path.write_text(json.dumps({"date_utc": "2026-11-29", "summary": summary, "rows": rows, "failures": failures or []}))
         return path
@@ -212,3 +212,18 @@ def test_openrlhf_policy_steps_keep_the_converted_model_on_the_engines_bits(open
     (tests/policy_steps.py)."""
     base, actor = openrlhf_actor
     assert_policy_steps_keep_the_engines_bits(actor, base, actor.model, CFG, temperature=1.0, micro_batch_size=2)
+
+
+def test_stack_bitwise_rows_name_where_engine_and_stack_part() -> None:
+    """`first_mismatches` lists the completion tokens whose engine and stack log-probs differ, in
+    sequence order, with the token id read after the prompt, and stops at its limit."""
+    from benchmarks.stack_bitwise import first_mismatches
+
+    sequences, prompt_lens = [[5, 6, 7, 8], [1, 2, 3]], [2, 1]
+    engine = [[-0.5, -1.0], [-2.0, -3.0]]
+    assert first_mismatches(sequences, prompt_lens, engine, [torch.tensor(e) for e in engine]) == []
+    stack = [torch.tensor([-0.5, -1.25]), torch.tensor([-2.5, -3.5])]
+    found = first_mismatches(sequences, prompt_lens, engine, stack)
+    assert [(m["sequence"], m["position"], m["token"], m["engine"], m["stack"]) for m in found] == [
+        (0, 1, 8, -1.0, -1.25), (1, 0, 2, -2.0, -2.5), (1, 1, 3, -3.0, -3.5)]  # fmt: skip
+    assert len(first_mismatches(sequences, prompt_lens, engine, stack, limit=2)) == 2

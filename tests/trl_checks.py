@@ -230,13 +230,19 @@ def test_trls_log_probs_of_a_converted_policy_are_the_engines(temperature: float
 
 def test_trl_policy_steps_keep_the_converted_policy_on_the_engines_bits(tokenizer: Any, unpatched: None) -> None:
     """Three of TRL's GRPO updates (its `compute_loss`, micro-batches of 2) keep its patched
-    log-probs on the engine's bits (tests/policy_steps.py)."""
+    log-probs on the engine's bits (tests/policy_steps.py). A trainer that corrects for the engine
+    with importance sampling (TRL's colocate default; here its two settings set on this engine-less
+    trainer, since a CPU engine refuses the bitwise mode) is refused: its loss reads a ratio that
+    only TRL's own rollout builds (the GPU run of session 44 hit it as a KeyError)."""
     from benchmarks.trl_scorer import TrlGRPOScorer
 
     base = tiny_hf_model("qwen3")
     trained = copy.deepcopy(base)
     scorer = TrlGRPOScorer(trained, BITWISE, tokenizer, 0.6)
     assert_policy_steps_keep_the_engines_bits(scorer, base, trained, BITWISE, temperature=0.6, micro_batch_size=2)
+    scorer.trainer.use_vllm = scorer.trainer.vllm_importance_sampling_correction = True
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction is on"):
+        scorer.policy_step(SEQUENCES, PROMPT_LENS, 0.6, [torch.zeros(len(s) - p) for s, p in zip(SEQUENCES, PROMPT_LENS)], [1.0] * len(SEQUENCES), torch.optim.SGD(trained.parameters(), lr=0.0))
 
 
 def test_the_trl_log_prob_patch_refuses_what_it_cannot_do(tokenizer: Any, unpatched: None, monkeypatch: pytest.MonkeyPatch) -> None:
