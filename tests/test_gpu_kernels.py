@@ -595,3 +595,33 @@ def test_engine_kernel_training_linear_does_not_sync_the_host(in_features: int, 
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_engine_kernel_training_linears_frozen_give_the_same_bits() -> None:
+    """`frozen_fp8_weights` over `Fp8TrainingLinear(forward_kernel="engine")` layers on CUDA: the
+    second forward of the block reuses the first one's codes, and both give the outputs and weight
+    gradients of quantizing at every forward, bit for bit, without a host sync inside the block
+    (the CPU test, tests/test_hf_training.py, counts the quantizations)."""
+    from fp8_align.hf_training import Fp8TrainingLinear, frozen_fp8_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 4096, bias=False), torch.nn.Linear(4096, 2048, bias=False)).to("cuda", torch.bfloat16)
+    for i in range(2):
+        model[i] = Fp8TrainingLinear(model[i], FP8Config(), "engine", f"proj{i}")
+    x = _activations(3072, 2048, seed=7)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        out = model(x)
+        out.float().square().sum().backward()
+        return out.detach(), [layer.weight.grad.clone() for layer in model]
+
+    plain_out, plain_grads = run()
+    with frozen_fp8_weights(model):
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, grads = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, plain_out) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))

@@ -83,6 +83,58 @@ def test_apply_fp8_training_follows_the_layer_rule_and_matches_the_emulated_mode
     assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in trained.named_parameters() if "proj" in n)
 
 
+def test_frozen_fp8_weights_quantize_the_aligned_linears_once_with_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`frozen_fp8_weights` on a model given the aligned forward by `apply_fp8_training`: inside the
+    block each FP8 linear quantizes its weight at the block's first forward only (counted at the
+    quantizer), and the logits and every gradient are the bits of quantizing at every forward; a
+    weight changed in place inside the block raises RuntimeError, after the block the changed weight
+    is used; a nested block and a model with no FP8 linear raise ValueError."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8_align.hf_training import frozen_fp8_weights, linear
+
+    checkpoint = make_tiny_llama(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    names = apply_fp8_training(model, FP8Config())
+    quantized: list[int] = []
+    quantize = linear.quantize_weight_blockwise
+
+    def counting(weight: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        quantized.append(1)
+        return quantize(weight, **kwargs)
+
+    monkeypatch.setattr(linear, "quantize_weight_blockwise", counting)
+    ids = torch.randint(0, 512, (2, 9))
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        quantized.clear()
+        model.zero_grad()
+        logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(quantized)
+
+    plain_logits, plain_grads, per_forward = run()
+    assert per_forward == len(names)
+    with frozen_fp8_weights(model):
+        for expected in (per_forward, 0):
+            logits, grads, count = run()
+            assert count == expected
+            assert torch.equal(logits, plain_logits)
+            assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+        with pytest.raises(ValueError, match="already inside"):
+            with frozen_fp8_weights(model):
+                pass
+        with torch.no_grad():
+            model.get_submodule(names[0]).weight.mul_(2)
+        with pytest.raises(RuntimeError, match="changed in place inside frozen_fp8_weights"):
+            run()
+    changed_logits, _, count = run()
+    assert count == per_forward and not torch.equal(changed_logits, plain_logits)
+    with pytest.raises(ValueError, match="not converted by make_bitwise or apply_fp8_training"):
+        with frozen_fp8_weights(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)):
+            pass
+
+
 def test_fused_moe_experts_are_refused() -> None:
     experts = nn.Module()
     experts.gate_up_proj = nn.Parameter(torch.zeros(4, 256, 128))

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from fp8_align.error_bench.scoring import micro_batches
 from fp8_align.config import FP8Config
-from fp8_align.hf_training import BitwiseForward, apply_fp8_training
+from fp8_align.hf_training import BitwiseForward, apply_fp8_training, frozen_fp8_weights
 from fp8_align.hf_training.attention import host_to_device
 from fp8_align.is_correction import importance_weighted_loss
 from fp8_align.megatron_ext.calibration import KVScaleCalibrator
@@ -167,9 +167,11 @@ class GRPOPolicy:
         return F.pad(padded, (0, packed.targets.shape[1] - padded.shape[1]))
 
     def frozen_weights(self) -> contextlib.AbstractContextManager[None]:
-        """A block between two optimizer steps: the bitwise trainer quantizes each FP8 weight once in
-        it (`BitwiseForward.frozen_weights`); the other trainers quantize at every forward as before."""
-        return self.bitwise.frozen_weights() if self.bitwise is not None else contextlib.nullcontext()
+        """A block between two optimizer steps: the FP8 trainers quantize each FP8 weight once in it
+        (`frozen_fp8_weights`: the bitwise one's stacked layers, the aligned one's linears); BF16 has none."""
+        if self.bitwise is not None:
+            return self.bitwise.frozen_weights()
+        return frozen_fp8_weights(self.model) if self.fp8_layers else contextlib.nullcontext()
 
     def micro_batch_rows(self, rows: Sequence[int], packed: PackedSequences) -> list[list[int]]:
         """`rows` split into the trainer's micro-batches (at most `max_tokens_per_forward` tokens each, in order)."""

@@ -34,7 +34,7 @@ from fp8_align.hf_training.bitwise_modules import (
     VocabParallelEmbedding, engine_attention,
 )  # fmt: skip
 from fp8_align.hf_training.engine_ops import fp8_gemm_for, inverse_rope_table, kernels_for, without_autocast
-from fp8_align.hf_training.linear import STACKED_PROJECTIONS
+from fp8_align.hf_training.linear import STACKED_PROJECTIONS, Fp8TrainingLinear
 from fp8_align.hf_training.stacked import FrozenFp8Weights, UnsupportedModelError, check_bitwise_model, check_tensor_parallel_size
 from fp8_align.quant import DEFAULT_BLOCK_SIZE
 
@@ -299,15 +299,18 @@ def set_kv_scales(model: nn.Module, scales: Mapping[int, Mapping[str, float]]) -
 
 @contextlib.contextmanager
 def frozen_fp8_weights(model: nn.Module) -> Iterator[None]:
-    """Within the block, the FP8 linears of `model` (converted by `make_bitwise`) quantize each weight
-    once and reuse its codes: for the forwards between two optimizer steps (the micro-batches of one
-    step, a log-prob pass), with the same bits as quantizing at every forward. Holds one byte per FP8
-    weight (and its scales) until the block ends. A forward after a weight was changed in place
-    inside the block raises RuntimeError; an unconverted model or a block inside another one raises
-    ValueError. Routed experts (MoE) are still quantized at every forward."""
+    """Within the block, the FP8 linears of `model` (converted by `make_bitwise`, or given the aligned
+    FP8 forward by `apply_fp8_training`) quantize each weight once and reuse its codes: for the
+    forwards between two optimizer steps (the micro-batches of one step, a log-prob pass), with the
+    same bits as quantizing at every forward. Holds one byte per FP8 weight (and its scales) until the
+    block ends. A forward after a weight was changed in place inside the block raises RuntimeError;
+    a model with neither conversion or a block inside another one raises ValueError. Routed experts
+    (MoE) are still quantized at every forward."""
     context: BitwiseContext | None = getattr(model, CONTEXT_ATTRIBUTE, None)
     if context is None:
-        raise ValueError("frozen_fp8_weights: the model is not converted by make_bitwise")
+        with _frozen_training_linears(model):
+            yield
+        return
     if context.frozen_weights is not None:
         raise ValueError("frozen_fp8_weights: already inside a frozen_fp8_weights block of this model")
     context.frozen_weights = FrozenFp8Weights()
@@ -315,3 +318,19 @@ def frozen_fp8_weights(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         context.frozen_weights = None
+
+
+@contextlib.contextmanager
+def _frozen_training_linears(model: nn.Module) -> Iterator[None]:
+    linears = [module for module in model.modules() if isinstance(module, Fp8TrainingLinear)]
+    if not linears:
+        raise ValueError("frozen_fp8_weights: the model is not converted by make_bitwise or apply_fp8_training")
+    if any(linear.frozen for linear in linears):
+        raise ValueError("frozen_fp8_weights: already inside a frozen_fp8_weights block of this model")
+    for linear in linears:
+        linear.frozen = True
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.unfreeze()

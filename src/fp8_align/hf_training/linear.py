@@ -4,7 +4,8 @@
 `fp8_align.layer_selection`, as `fp8_align.hf_emulation` and the vLLM plugin use) for an
 `Fp8TrainingLinear`. It keeps the original BF16 `weight` Parameter (so optimizers, state dicts and
 weight sync see the same tensors), and every forward quantizes the current weight in 128x128
-blocks and the input in 1x128 groups exactly as the vLLM plugin does with the weights it is sent,
+blocks (once per weight inside `convert.frozen_fp8_weights`) and the input in 1x128 groups exactly
+as the vLLM plugin does with the weights it is sent,
 then runs `fp8_align.quant.blockwise_fp8_linear`. The backward is BF16: gradients are those of
 `x @ w.T` with the BF16 weight (a straight-through estimator for both quantizers), which is what
 a BF16-backward FP8 recipe computes.
@@ -32,7 +33,6 @@ from fp8_align.config import FP8Config
 from fp8_align.hf_emulation import is_fused_experts, recipe_fp8_modules, replace_submodule
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
 from fp8_align.quant.dispatch import quantize_weight_into
-from fp8_align.rounding import Rounding
 from fp8_align.vllm_plugin.kernels.registry import select_kernel
 from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 
@@ -51,11 +51,10 @@ class _BlockFp8LinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        rounding: Rounding,
+        module: Fp8TrainingLinear,
     ) -> torch.Tensor:
-        codes, scale_inv = quantize_weight_blockwise(
-            weight.detach(), pow2_scale=rounding.weight_pow2, scale_rule=rounding.scale_rule
-        )
+        rounding = module.rounding
+        codes, scale_inv = module.fp8_weight()
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return blockwise_fp8_linear(
@@ -95,9 +94,7 @@ class _EngineKernelLinearFunction(torch.autograd.Function):
         module: Fp8TrainingLinear,
     ) -> torch.Tensor:
         rounding = module.rounding
-        # no finiteness check: it is a device sync per layer and micro-batch, which left the GPU idle
-        # between layers; a NaN/Inf weight gives NaN outputs, and the engine's weight sync refuses it
-        codes, scale_inv = quantize_weight_into(weight.detach(), rounding.weight_pow2, check_finite=False, scale_rule=rounding.scale_rule)
+        codes, scale_inv = module.fp8_weight()
         layer = SimpleNamespace(
             weight=codes, weight_scale_inv=scale_inv, params_dtype=x.dtype,
             fp8_align=Fp8AlignLayerState("linear", module.name, rounding, shard_sizes=[codes.shape[0]]),
@@ -118,8 +115,9 @@ class Fp8TrainingLinear(nn.Module):
     """nn.Linear replacement holding the same `weight` / `bias` Parameters, block-FP8 forward.
 
     Input [..., in_features] in the weight's dtype (BF16 for a BF16 model) -> [..., out_features]
-    in the input's dtype. The FP8 codes are recomputed from the current weight at every forward,
-    so after an optimizer step the layer computes what a vLLM engine sent that weight computes.
+    in the input's dtype. The FP8 codes are recomputed from the current weight at every forward
+    (once per block inside `frozen_fp8_weights`), so after an optimizer step the layer computes what
+    a vLLM engine sent that weight computes.
     The "engine" forward does not sync the host (a NaN/Inf weight gives NaN outputs, as in
     `BitwiseForward`); the "emulation" forward raises ValueError on one.
     `forward_kernel` "engine" runs the vLLM plugin's GPU kernels (module docstring); then
@@ -146,6 +144,36 @@ class Fp8TrainingLinear(nn.Module):
         self.shard_sizes = tuple(shard_sizes or (linear.out_features,))
         self._cfg = cfg
         self._kernels: dict[tuple[torch.device, torch.dtype], object] = {}
+        #: inside `frozen_fp8_weights`: codes kept with the weight tensor and its version they came from
+        self.frozen = False
+        self._held: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+
+    def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current weight's block-FP8 codes [N, K] and inverse scales [N/128, K/128] (FP32): at every
+        call, or while `frozen` once per weight version, reused after (RuntimeError when the weight
+        changed in place since). The "engine" forward's quantizer does not check finiteness (a device
+        sync per layer and micro-batch; a NaN/Inf weight gives NaN outputs, and the engine's weight
+        sync refuses it); the "emulation" one raises ValueError."""
+        weight = self.weight
+        if self.frozen and self._held is not None and self._held[0] is weight:
+            if self._held[1] != weight._version:
+                raise RuntimeError(
+                    f"{self.name}: its weight changed in place inside frozen_fp8_weights(...): the FP8 codes would be stale; "
+                    "end the block before the optimizer step or weight load and open a new one after it"
+                )
+            return self._held[2], self._held[3]
+        rounding = self.rounding
+        if self.forward_kernel == "engine":
+            codes, scale_inv = quantize_weight_into(weight.detach(), rounding.weight_pow2, check_finite=False, scale_rule=rounding.scale_rule)
+        else:
+            codes, scale_inv = quantize_weight_blockwise(weight.detach(), pow2_scale=rounding.weight_pow2, scale_rule=rounding.scale_rule)
+        if self.frozen:
+            self._held = (weight, weight._version, codes, scale_inv)
+        return codes, scale_inv
+
+    def unfreeze(self) -> None:
+        """Leave the frozen state and drop the held codes."""
+        self.frozen, self._held = False, None
 
     def engine_kernel(self, device: torch.device, dtype: torch.dtype) -> object:
         """The backend the vLLM plugin selects for this layer's stacked shape on `device`."""
@@ -160,7 +188,7 @@ class Fp8TrainingLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.forward_kernel == "engine":
             return _EngineKernelLinearFunction.apply(x, self.weight, self.bias, self)
-        return _BlockFp8LinearFunction.apply(x, self.weight, self.bias, self.rounding)
+        return _BlockFp8LinearFunction.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
         return (
