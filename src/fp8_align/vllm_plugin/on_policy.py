@@ -49,7 +49,7 @@ from fp8_align.config import FP8Config
 from fp8_align.layer_selection import num_routed_experts
 from fp8_align.quant import FP8_DTYPE
 from fp8_align.versions import BITWISE_FEATURE, FEATURE_SERIES, installed_vllm_version, vllm_series
-from fp8_align.vllm_plugin.compat import batch_invariant_linear, routed_experts_module
+from fp8_align.vllm_plugin.compat import batch_invariant_linear, routed_experts_module, triton_kv_cache_views
 from fp8_align.vllm_plugin.engine_args import (
     BATCH_INVARIANT_ENV_VAR,
     BITWISE_ENGINE_KWARGS,
@@ -271,7 +271,7 @@ def bitwise_fp8_attention_forward(
     attn_metadata: Any, output: torch.Tensor, output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """vLLM `TritonAttentionImpl.forward` on fp8_align's `fp8_cache_attention`: query [T, Hq, D]
-    BF16, kv_cache [blocks, 2, block_size, Hk, D] E4M3 codes (or bytes holding them), output
+    BF16, kv_cache in TRITON_ATTN's layout (`compat.triton_kv_cache_views`) of E4M3 codes (or bytes holding them), output
     [T, Hq, D] written for the batch's `num_actual_tokens` and returned; the layer's `_k_scale` /
     `_v_scale` are read on the device at every call (pushed scales apply at the next step)."""
     if output_scale is not None or output_block_scale is not None:
@@ -280,7 +280,7 @@ def bitwise_fp8_attention_forward(
         return output.fill_(0)
     if query.dtype != torch.bfloat16:
         raise BitwiseModeError(f"on_policy='bitwise' attends with BF16 queries over the FP8 cache (got {query.dtype})")
-    key_cache, value_cache = kv_cache.unbind(1)
+    key_cache, value_cache = triton_kv_cache_views(kv_cache, self.head_size)
     if key_cache.dtype != torch.float8_e4m3fn:
         key_cache, value_cache = key_cache.view(torch.float8_e4m3fn), value_cache.view(torch.float8_e4m3fn)
     tokens = attn_metadata.num_actual_tokens
