@@ -46,7 +46,10 @@ AdamW at `--lr`) on the first temperature's batch, with the trainer's log-probs 
 ids in a completion), and the stack's sync of the new weights. `--linear-backward fp8`: the trainer's FP8
 linears' backward in block FP8 (`FP8Config(bitwise_linear_backward="fp8")`; the summary rows say which).
 At step 0 each row also has `unpatched_max_abs_dlogp`: the same batch through the stack's own
-log-prob code, the patch undone for that one scoring.
+log-prob code, the patch undone for that one scoring; TRL's rows instead have
+`bitwise_forward_max_abs_dlogp` (and its first mismatches): the batch through fp8_align's own
+`BitwiseForward` on a fresh copy of the checkpoint, in TRL's process. Every row keeps its first
+mismatching tokens (`first_mismatches`).
 The report has those rows and one summary row per (stack, vllm, variant) with `tokens` (all steps)
 and `max_abs_dlogp` (the largest of any step), device and versions (the stack's and transformers').
 """
@@ -182,6 +185,23 @@ def first_mismatches(
     return found
 
 
+def bitwise_forward_logprobs(path: Path, cfg: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[Any]:
+    """Per sequence, FP32 completion log-probs of the checkpoint at `path` through `BitwiseForward` (a
+    fresh copy on GPU 0, freed after): the engine's bits by the other stacks' proofs, so a stack that
+    differs from the engine where this agrees has the difference in its own code."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fp8_align.hf_training import BitwiseForward
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+    with torch.no_grad():
+        scored = BitwiseForward(model, cfg).token_logprobs(sequences, prompt_lens, temperature=temperature)
+    del model
+    torch.cuda.empty_cache()
+    return scored
+
+
 def score(actor: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> list[Any]:
     """The stack unit's completion log-probs of `sequences`, `SCORE_BATCH` sequences per call."""
     scored: list[Any] = []
@@ -302,13 +322,18 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
                 unpatch_stack_logprobs(stack)
                 unpatched = _metrics(flat_engine, [x for lp in score(actor, sequences, prompt_lens, temperature) for x in lp.tolist()])[0]
                 patch_stack_logprobs(stack)
+            probe = {}
+            if step == 0 and stack == "trl":  # fp8_align's own scorer in the same process: TRL's code or the engine in its process?
+                plain = bitwise_forward_logprobs(path, cfg, sequences, prompt_lens, temperature)
+                probe = {"bitwise_forward_max_abs_dlogp": _metrics(flat_engine, [x for lp in plain for x in lp.tolist()])[0],
+                         "bitwise_forward_first_mismatches": first_mismatches(sequences, prompt_lens, engine, plain)}  # fmt: skip
             rows.append({
                 "stack": stack, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "step": step, "temperature": temperature,
                 "logprobs_mode": STACKS[stack].logprobs_mode, "sequences": len(sequences), "tokens": len(flat_engine),
                 "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_verl)),
                 "first_mismatches": first_mismatches(sequences, prompt_lens, engine, scored),
-                **({"unpatched_max_abs_dlogp": unpatched} if step == 0 and stack not in NO_UNPATCHED_PROBE else {}),
+                **({"unpatched_max_abs_dlogp": unpatched} if step == 0 and stack not in NO_UNPATCHED_PROBE else {}), **probe,
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
             batches.append((sequences, prompt_lens, completions, scored))
