@@ -26,6 +26,7 @@ from fp8_align.config import FP8Config
 from fp8_align.hf_training import BitwiseForward, UnsupportedModelError, make_bitwise, set_kv_scales
 from fp8_align.vllm_plugin.kv.scales import KVScaleError
 from tests.bitwise_reference import ExplicitBitwiseForward
+from tests.frozen_checks import assert_frozen_block_contract
 from tests.model_factory import tiny_hf_model
 from tests.packed_sequences import PROMPT_LENS, SEQUENCES, completion_logprobs_from_logits, packed_inputs, packed_rows
 
@@ -311,23 +312,8 @@ def test_frozen_fp8_weights_quantize_once_with_the_same_bits(tensor_parallel_siz
         logprobs = completion_logprobs_from_logits(model(**packed_inputs(SEQUENCES)).logits[0], SEQUENCES, PROMPT_LENS, packed_rows(SEQUENCES))
         return logprobs.detach(), _gradients(model, logprobs.sum()), sum(quantized)
 
-    plain_logprobs, plain_grads, per_forward = run()
-    assert per_forward == 4 * model.config.num_hidden_layers  # q|k|v, o, gate|up, down of each layer
-    with frozen_fp8_weights(model):
-        for expected in (per_forward, 0):
-            logprobs, grads, count = run()
-            assert count == expected
-            assert torch.equal(logprobs, plain_logprobs)
-            assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[name], plain_grads[name]) for name in grads)
-        with pytest.raises(ValueError, match="already inside"):
-            with frozen_fp8_weights(model):
-                pass
-        with torch.no_grad():
-            model.model.layers[0].mlp.down_proj.weight.mul_(2)
-        with pytest.raises(RuntimeError, match="changed in place inside frozen_fp8_weights"):
-            run()
-    changed_logprobs, _, count = run()
-    assert count == per_forward and not torch.equal(changed_logprobs, plain_logprobs)
+    # q|k|v, o, gate|up, down of each layer
+    assert_frozen_block_contract(model, run, 4 * model.config.num_hidden_layers, model.model.layers[0].mlp.down_proj.weight)
     with pytest.raises(ValueError, match="not converted by make_bitwise"):
         with frozen_fp8_weights(tiny_hf_model("qwen3")):
             pass

@@ -13,6 +13,7 @@ from fp8_align import FP8Config
 from fp8_align.hf_emulation import Fp8EmulatedLinear, apply_fp8_emulation
 from fp8_align.hf_training import Fp8TrainingLinear, apply_fp8_training
 from fp8_align.quant import blockwise_fp8_linear, quantize_weight_blockwise
+from tests.frozen_checks import assert_frozen_block_contract
 from tests.model_factory import make_tiny_llama
 
 
@@ -113,23 +114,7 @@ def test_frozen_fp8_weights_quantize_the_aligned_linears_once_with_the_same_bits
         logits.float().logsumexp(-1).sum().backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(quantized)
 
-    plain_logits, plain_grads, per_forward = run()
-    assert per_forward == len(names)
-    with frozen_fp8_weights(model):
-        for expected in (per_forward, 0):
-            logits, grads, count = run()
-            assert count == expected
-            assert torch.equal(logits, plain_logits)
-            assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
-        with pytest.raises(ValueError, match="already inside"):
-            with frozen_fp8_weights(model):
-                pass
-        with torch.no_grad():
-            model.get_submodule(names[0]).weight.mul_(2)
-        with pytest.raises(RuntimeError, match="changed in place inside frozen_fp8_weights"):
-            run()
-    changed_logits, _, count = run()
-    assert count == per_forward and not torch.equal(changed_logits, plain_logits)
+    assert_frozen_block_contract(model, run, len(names), model.get_submodule(names[0]).weight)
     with pytest.raises(ValueError, match="not converted by make_bitwise or apply_fp8_training"):
         with frozen_fp8_weights(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)):
             pass

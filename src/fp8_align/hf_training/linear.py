@@ -24,6 +24,7 @@ rest of the model still run HF's code. Default "emulation": the pure-torch refer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
@@ -40,6 +41,21 @@ from fp8_align.vllm_plugin.layer_state import Fp8AlignLayerState
 #: names in shard order.
 STACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FORWARD_KERNELS = ("emulation", "engine")
+
+
+def codes_still_hold(held: Sequence[torch.Tensor], versions: Sequence[int], weights: Sequence[torch.Tensor], where: str) -> bool:
+    """Inside `frozen_fp8_weights`: whether FP8 codes computed from the `held` weight tensors at
+    `versions` still belong to `weights` (the tensors the layer holds now): False when it holds other
+    tensor objects (compute again), True when the same ones at the same versions; RuntimeError
+    naming `where` when one changed in place since (the codes would be stale)."""
+    if any(old is not new for old, new in zip(held, weights, strict=True)):
+        return False
+    if tuple(versions) != tuple(w._version for w in weights):
+        raise RuntimeError(
+            f"{where}: a weight changed in place inside frozen_fp8_weights(...): its FP8 codes would be stale; "
+            "end the block before the optimizer step or weight load and open a new one after it"
+        )
+    return True
 
 
 class _BlockFp8LinearFunction(torch.autograd.Function):
@@ -155,12 +171,7 @@ class Fp8TrainingLinear(nn.Module):
         sync per layer and micro-batch; a NaN/Inf weight gives NaN outputs, and the engine's weight
         sync refuses it); the "emulation" one raises ValueError."""
         weight = self.weight
-        if self.frozen and self._held is not None and self._held[0] is weight:
-            if self._held[1] != weight._version:
-                raise RuntimeError(
-                    f"{self.name}: its weight changed in place inside frozen_fp8_weights(...): the FP8 codes would be stale; "
-                    "end the block before the optimizer step or weight load and open a new one after it"
-                )
+        if self.frozen and self._held is not None and codes_still_hold((self._held[0],), (self._held[1],), (weight,), self.name):
             return self._held[2], self._held[3]
         rounding = self.rounding
         if self.forward_kernel == "engine":

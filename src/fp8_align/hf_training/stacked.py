@@ -19,6 +19,7 @@ from fp8_align.bitwise import MODEL_TYPES, TENSOR_PARALLEL_SIZES
 from fp8_align.config import FP8Config
 from fp8_align.layer_selection import num_routed_experts
 from fp8_align.hf_training.engine_ops import EngineKernels, Fp8Gemm, StackedFp8Linear, engine_op, linear_vjp
+from fp8_align.hf_training.linear import codes_still_hold
 from fp8_align.quant.dispatch import quantize_weights_into
 from fp8_align.quant.shards import empty_shard_outputs, shard_slices
 from fp8_align.rounding import Rounding
@@ -175,14 +176,7 @@ class FrozenFp8Weights:
 
     def _holds(self, key: tuple[int, ...], layer: StackedLinear) -> bool:
         entry = self._entries.get(key)
-        if entry is None or any(held is not m.weight for held, m in zip(entry[0], layer.modules)):
-            return False
-        if entry[1] != tuple(m.weight._version for m in layer.modules):
-            raise RuntimeError(
-                "a weight of an FP8 linear changed in place inside frozen_fp8_weights(...): its FP8 codes would be stale; "
-                "end the block before the optimizer step or weight load and open a new one after it"
-            )
-        return True
+        return entry is not None and codes_still_hold(entry[0], entry[1], [m.weight for m in layer.modules], "an FP8 stacked layer")
 
 
 def stacked_product(
