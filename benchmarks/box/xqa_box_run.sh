@@ -36,8 +36,9 @@
 # stack-proof[#NAME]: benchmarks/stack_bitwise.py on GPU 0 (a stack's actor, policy steps and sync against a bitwise engine; $STACK_ARGS,
 # or $NAME with reports named after it, so one chain runs two stacks).
 # model: SmolLM2 reassembled once (benchmarks/box/gpu_model_setup.sh; before a par whose chains use it).
-# bitwise=STAGES: benchmarks/box/bitwise_box_run.sh setup STAGES (comma-separated) in this chain,
-# output under bitwise[_gpuN]/ (e.g. bitwise=tests,grpo on one GPU beside rollouts on the others).
+# bitwise=STAGES: benchmarks/box/bitwise_box_run.sh kit STAGES (comma-separated) in this chain, output under
+# bitwise[_gpuN]/; stages that need SmolLM2 come after this chain's `model` stage (e.g. model bitwise=tests,grpo
+# on one GPU beside rollouts on the others; bitwise=mcore,megatron-tests needs no model).
 # Rollouts (rollout-VARIANTS@BACKEND: on one GPU with that attention backend, a report of its own):
 # Qwen3-8B shape, $ROLLOUT_ARGS (default: both shapes, vLLM's V2 model runner for every
 # variant), variants joined into one report under /root/rollout_work (the same machine across
@@ -158,7 +159,8 @@ while [ $# -gt 0 ]; do
         || exit 1 ;;
     bitwise=*)
       IFS=, read -r -a bitwise_stages <<< "${stage#bitwise=}"
-      OUT="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}" bash benchmarks/box/bitwise_box_run.sh setup "${bitwise_stages[@]}"; true ;;
+      OUT="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}" bash benchmarks/box/bitwise_box_run.sh kit "${bitwise_stages[@]}"
+      tail -5 "$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}"/pytest_*.txt 2>/dev/null; true ;;
     dg-prepare*) model="${stage#dg-prepare}"; model="${model#=}"; dg_prepare "${model:-qwen3-8b}" || exit 1 ;;
     dg-probe)
       DG_JIT_CACHE_DIR=/root/dg_probe_cache python3 benchmarks/box/deepgemm_grouped_probe.py "$out/deepgemm_grouped_probe.json" \
