@@ -217,10 +217,14 @@ FP8_TILINGS = [ATTENTION_TILING] + [
 ]  # fmt: skip
 
 
-def fp8_attention_part(tilings: list[AttentionTiling], batch: int = 512, contexts: tuple[int, ...] = (512, 1536), prefill_seqs: int = 16) -> list[dict[str, Any]]:
-    """Decode over a paged E4M3 cache (Qwen3-8B heads, 16-token blocks scattered) per tiling, and the
-    prefill of `prefill_seqs` whole sequences of the same context over the same cache."""
-    heads, kv_heads, dim, block = 32, 8, 128, 16
+def fp8_attention_part(
+    tilings: list[AttentionTiling], heads: int = 32, kv_heads: int = 8, batch: int = 512, contexts: tuple[int, ...] = (512, 1536),
+    prefill_seqs: int = 16,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Decode over a paged E4M3 cache (`heads` query heads over `kv_heads` of 128 dimensions, by default
+    Qwen3-8B's; 16-token blocks scattered) per tiling, and the prefill of `prefill_seqs` whole
+    sequences of the same context over the same cache."""
+    dim, block = 128, 16
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device="cuda").manual_seed(2)
     for context in contexts:
@@ -239,7 +243,8 @@ def fp8_attention_part(tilings: list[AttentionTiling], batch: int = 512, context
         starts_fill = torch.arange(prefill_seqs + 1, dtype=torch.int32, device="cuda") * context
         bytes_read = 2 * batch * context * kv_heads * dim
         for tiling in tilings:
-            setting = {"kernel": "fp8_cache_attention", "batch": batch, "context": context, **tiling.__dict__, "current": tiling == ATTENTION_TILING}
+            setting = {"kernel": "fp8_cache_attention", "heads": heads, "kv_heads": kv_heads, "batch": batch, "context": context,
+                       **tiling.__dict__, "current": tiling == ATTENTION_TILING}  # fmt: skip
 
             def call(query: torch.Tensor, starts: torch.Tensor, seqs: int, _tiling: AttentionTiling = tiling) -> torch.Tensor:
                 return fp8_cache_attention(query, cache_k, cache_v, table[:seqs], starts, lens[:seqs], dim**-0.5, scale, scale,
@@ -266,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-caches", default="bf16,fp8", help="attention: KV-cache dtypes, bf16 and/or fp8")
     parser.add_argument("--attention-settings", choices=("all", "current"), default="all", help="attention: TRITON_ATTN launch settings")
     parser.add_argument("--fp8-tilings", choices=("all", "current"), default="all", help="fp8_attention: fp8_cache_attention tilings")
+    parser.add_argument("--fp8-heads", default="32,8", metavar="Q,KV",
+                        help="fp8_attention: query and KV heads (Qwen3-8B's 32,8 by default; Qwen3-1.7B's 16,8)")
     args = parser.parse_args(argv)
+    heads, kv_heads = (int(n) for n in args.fp8_heads.split(","))
+    if heads % kv_heads:
+        parser.error(f"--fp8-heads {args.fp8_heads}: the query heads must be a multiple of the KV heads")
     import vllm
 
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     tiles = TILES if args.tiles == "all" else TILES[:1]
     settings = ATTENTION_SETTINGS if args.attention_settings == "all" else ATTENTION_SETTINGS[:1]
     attention = functools.partial(attention_part, kv_caches=tuple(args.kv_caches.split(",")), settings=settings)
-    fp8_attention = functools.partial(fp8_attention_part, FP8_TILINGS if args.fp8_tilings == "all" else FP8_TILINGS[:1])
+    fp8_attention = functools.partial(fp8_attention_part, FP8_TILINGS if args.fp8_tilings == "all" else FP8_TILINGS[:1], heads, kv_heads)
     for part, fn in (("gemm", functools.partial(gemm_part, tiles)), ("attention", attention), ("fp8_attention", fp8_attention)):
         if part in args.parts:
             report[part] = fn()

@@ -11,7 +11,8 @@
 #        | kernels[=all|=attention] (benchmarks/bitwise_kernels.py: CUTLASS, DeepGEMM and the current Triton tile checked
 #          for M-invariance and timed, TRITON_ATTN's decode over a BF16 and an FP8 cache, fp8_cache_attention's
 #          current tiling; =all: every GEMM tile configuration, TRITON_ATTN launch setting and fp8_cache_attention
-#          tiling; =attention: the attention parts only, every fp8_cache_attention tiling)
+#          tiling; =attention: the attention parts only, every fp8_cache_attention tiling; $BITWISE_KERNELS_ARGS: more
+#          arguments, e.g. --fp8-heads 16,8 for Qwen3-1.7B's heads)
 #        | trainer-kernels (benchmarks/trainer_kernels.py -> $out/trainer_kernels.json; $TRAINER_KERNELS_ARGS, e.g. --parts linear_backward)
 #        | kit (the vLLM bundle alone) | megatron-cost (after te-build, te-wait: benchmarks/megatron_bitwise_cost.py, power-of-two
 #          and FP32 scales -> $out/megatron_bitwise_cost_{pow2,fp32}.json; $MEGATRON_COST_ARGS: more arguments, e.g. --profile) | megatron-tests (tests/test_gpu_megatron_bitwise.py; with two GPUs also tests/test_gpu_megatron_bitwise_tp.py) | mcore (megatron-core from the carried .whl/megatron_core-*.whl into /tmp/mcore_site, on PYTHONPATH)
@@ -75,7 +76,8 @@ for stage in "$@"; do
         kernels=attention) kernel_args=(--parts attention,fp8_attention --attention-settings current --fp8-tilings all) ;;
         *) kernel_args=(--tiles current --attention-settings current --fp8-tilings current) ;;
       esac
-      python3 benchmarks/bitwise_kernels.py --out "$out/bitwise_kernels.json" "${kernel_args[@]}" > "$out/bitwise_kernels.log" 2>&1
+      # shellcheck disable=SC2086
+      python3 benchmarks/bitwise_kernels.py --out "$out/bitwise_kernels.json" "${kernel_args[@]}" ${BITWISE_KERNELS_ARGS:-} > "$out/bitwise_kernels.log" 2>&1
       echo "rc=$?"; grep -hE "cutlass|deepgemm|\"fp8\"|fp8_cache_attention" "$out/bitwise_kernels.log" | cut -c1-300 | head -60 ;;
     ncu)  # Nsight Compute on one decode launch of fp8_cache_attention (batch 512, 512 tokens): stalls, occupancy, DRAM
       ncu -k regex:_fp8_cache_attention_kernel --launch-skip 2 --launch-count 1 --kill on --set full -f -o "$out/fp8_attention" \
