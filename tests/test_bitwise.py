@@ -179,7 +179,7 @@ def test_engine_problems_name_the_v2_model_runner(tiny_llama: Path, v2_runner: s
     processed = _engine_config(tiny_llama, logprobs_mode="processed_logprobs")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_runner)
     problems = "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))
-    assert ("the bitwise V2 proof covers vLLM 0.22, not the installed" in problems) == (v2_runner == "1"), problems
+    assert ("the bitwise V2 proof covers vLLM 0.22, 0.25, not the installed" in problems) == (v2_runner == "1"), problems
     assert "vLLM's batch-invariant kernels" not in problems, problems
     monkeypatch.setitem(versions.FEATURE_SERIES, versions.BITWISE_V2_FEATURE, (series,))
     assert "V2" not in "\n".join(on_policy.bitwise_engine_problems(config, BITWISE))

@@ -34,9 +34,9 @@ FEATURE_SERIES: dict[str, tuple[tuple[int, int], ...]] = {
     "calibrate_kv_scales (engine-side K/V calibration)": tuple(TESTED_VLLM_SERIES),
     # FP8Config(on_policy="bitwise"), with a BF16 or FP8 KV cache (vllm_plugin.on_policy.BITWISE_SERIES)
     BITWISE_FEATURE: ((0, 22), (0, 25)),
-    # its V2-runner and MoE proofs (benchmarks/results/on_policy_bitwise_v2.json, moe_bitwise.json;
+    # its V2-runner and MoE proofs (benchmarks/results/on_policy_bitwise_v2.json and _v2_vllm0251.json, moe_bitwise.json;
     # vllm_plugin.engine_args.bitwise_proven)
-    BITWISE_V2_FEATURE: ((0, 22),),
+    BITWISE_V2_FEATURE: ((0, 22), (0, 25)),
     BITWISE_MOE_FEATURE: ((0, 22),),
     # fp8_align's own route of FP8-KV decode to FlashInfer's XQA (vllm_plugin.kv.xqa_decode.XQA_SERIES)
     "kv_decode_kernel='xqa' route (CUDA, Hopper)": ((0, 22),),
