@@ -152,8 +152,11 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
 def run_one(
     model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path,
     logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1, scorer: str = "bitwise_forward",
+    extra_engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows."""
+    """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows.
+    `extra_engine_kwargs` go to `vllm.LLM` last (e.g. {"max_num_batched_tokens": 4096}: the engine's
+    scheduling under which the proof runs)."""
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -172,7 +175,7 @@ def run_one(
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=logprobs_mode,
         # MoE: a backend whose setup keeps fp8_align's expert codes and scale grids where the bitwise block reads them
         **({"moe_backend": "triton"} if model_name in MOE_MODELS else {}),
-        **engine_kwargs(cfg, tensor_parallel_size=tensor_parallel_size),
+        **engine_kwargs(cfg, tensor_parallel_size=tensor_parallel_size, **(extra_engine_kwargs or {})),
     )  # fmt: skip
     engine_start_s = time.perf_counter() - start
     runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
@@ -307,8 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-runner", choices=MODEL_RUNNERS, default="v1",
                         help="vLLM's model runner of the engines (v2 where unproven on the installed vLLM: the lab switch "
                              "FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
+    parser.add_argument("--engine-kwargs", default="{}", metavar="JSON",
+                        help='more vllm.LLM arguments for every engine, e.g. \'{"max_num_batched_tokens": 4096}\' (TRL\'s engine step)')
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        extra_engine_kwargs = json.loads(args.engine_kwargs)
+    except json.JSONDecodeError as error:
+        parser.error(f"--engine-kwargs: not JSON ({error})")
+    if not isinstance(extra_engine_kwargs, dict):
+        parser.error(f"--engine-kwargs: a JSON object of vllm.LLM arguments expected, got {args.engine_kwargs!r}")
     models = args.models.split(",")
     if args.one is None and set(models) - set(MODELS + MOE_MODELS):
         parser.error(f"unknown --models {sorted(set(models) - set(MODELS + MOE_MODELS))}; known: {', '.join(MODELS + MOE_MODELS)}")
@@ -335,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     if set(models) & set(MOE_MODELS):
         lab_switch_unless_proven("qwen3_moe")
     if args.one:
-        result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer)
+        result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer,
+                         extra_engine_kwargs)  # fmt: skip
         args.out.write_text(json.dumps(result))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions(),
-                              "unproven_bitwise": os.environ.get(UNPROVEN_BITWISE_ENV_VAR, "")}  # fmt: skip
+                              "unproven_bitwise": os.environ.get(UNPROVEN_BITWISE_ENV_VAR, ""), "engine_kwargs": extra_engine_kwargs}  # fmt: skip
     if args.scorer in ("megatron", "nemo_rl_megatron"):
         report["megatron_core"] = importlib.metadata.version("megatron-core")
     report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
@@ -356,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
                "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
                "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size), "--scorer", args.scorer,
-               "--model-runner", args.model_runner]  # fmt: skip
+               "--model-runner", args.model_runner, "--engine-kwargs", args.engine_kwargs]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():

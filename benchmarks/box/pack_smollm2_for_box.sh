@@ -9,7 +9,7 @@ out="${1:-.gpumodel}"
 ckpt=$(.venv/bin/python -c "from fp8_align.error_bench.default_model import smollm2_checkpoint; print(smollm2_checkpoint())")
 rm -rf "$out" && mkdir -p "$out"
 zstd -19 -T0 -q "$ckpt/model.safetensors" -o "$out/model.safetensors.zst"
-split -b 48M -d -a 2 "$out/model.safetensors.zst" "$out/smol.zst.part_" && rm "$out/model.safetensors.zst"
+split -b 40M -d -a 2 "$out/model.safetensors.zst" "$out/smol.zst.part_" && rm "$out/model.safetensors.zst"
 tar -C "$ckpt" -cf "$out/meta.tar" chat_template.jinja config.json fp8_align_converted.json generation_config.json tokenizer.json tokenizer_config.json
 sha256sum "$ckpt/model.safetensors" | cut -c1-64 > "$out/model.sha256"
 ls -l "$out"
