@@ -575,3 +575,13 @@ def test_log_probs_at_a_temperature_are_vllms_processed_log_probs(temperature: f
         if temperature != 1.0:
             reciprocal = Sampler.compute_logprobs(logits * (1.0 / temperature)).gather(1, targets[:, None])[:, 0]
             assert not torch.equal(got, reciprocal)
+
+
+@pytest.mark.parametrize(("given", "said"), [("[4096]", "a JSON object of vllm.LLM arguments expected"), ("{max_num_batched_tokens: 4096}", "not JSON")])
+def test_the_proof_refuses_engine_kwargs_that_are_not_a_json_object(tmp_path: Path, given: str, said: str) -> None:
+    """benchmarks/on_policy_bitwise.py --engine-kwargs (the engine settings a proof runs under, e.g.
+    TRL's 4,096-token step) stops before any engine on anything but a JSON object."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "on_policy_bitwise.py"
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "r.json"), "--work", str(tmp_path), "--engine-kwargs", given],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2 and f"--engine-kwargs: {said}" in run.stderr, run.stderr[-2000:]
