@@ -274,8 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-heads", default="32,8", metavar="Q,KV",
                         help="fp8_attention: query and KV heads (Qwen3-8B's 32,8 by default; Qwen3-1.7B's 16,8)")
     args = parser.parse_args(argv)
-    heads, kv_heads = (int(n) for n in args.fp8_heads.split(","))
-    if heads % kv_heads:
+    try:
+        heads, kv_heads = (int(n) for n in args.fp8_heads.split(","))
+    except ValueError:
+        parser.error(f"--fp8-heads {args.fp8_heads}: two integers, Q,KV, expected")
+    if kv_heads < 1 or heads % kv_heads:
         parser.error(f"--fp8-heads {args.fp8_heads}: the query heads must be a multiple of the KV heads")
     import vllm
 
