@@ -152,11 +152,12 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
 def run_one(
     model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path,
     logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1, scorer: str = "bitwise_forward",
-    extra_engine_kwargs: dict[str, Any] | None = None,
+    extra_engine_kwargs: dict[str, Any] | None = None, attention_tiling: str = "tile64",
 ) -> dict[str, Any]:  # fmt: skip
     """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows.
     `extra_engine_kwargs` go to `vllm.LLM` last (e.g. {"max_num_batched_tokens": 4096}: the engine's
-    scheduling under which the proof runs)."""
+    scheduling under which the proof runs); `attention_tiling` is both sides'
+    `FP8Config.bitwise_attention_tiling` with an FP8 KV cache."""
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -168,7 +169,8 @@ def run_one(
 
     path, probes, fillers = prepare_model(model_name, work)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # calibrate_kv_scales: collective_rpc with functions
-    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, **VARIANTS[variant])
+    tiling = {"bitwise_attention_tiling": attention_tiling} if kv_cache_dtype == "fp8" else {}
+    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, **VARIANTS[variant], **tiling)
     start = time.perf_counter()
     llm = LLM(
         model=str(path), skip_tokenizer_init=True, max_num_seqs=512, max_model_len=MAX_MODEL_LEN,
@@ -245,7 +247,7 @@ def run_one(
                 "model": model_name, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling,
                 "temperature": temperature, "logprobs_mode": logprobs_mode, "trainer_temperature": scored_at, "batch_size": size,
                 "tensor_parallel_size": tensor_parallel_size, "scorer": scorer, "runner": runner,
-                "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
+                "attention_tiling": cfg.bitwise_attention_tiling if kv_cache_dtype == "fp8" else None, "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
             })  # fmt: skip
             if unsharded is not None:
@@ -312,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                              "FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
     parser.add_argument("--engine-kwargs", default="{}", metavar="JSON",
                         help='more vllm.LLM arguments for every engine, e.g. \'{"max_num_batched_tokens": 4096}\' (TRL\'s engine step)')
+    parser.add_argument("--attention-tiling", choices=("tile64", "tile128_split"), default="tile64",
+                        help="FP8Config.bitwise_attention_tiling of the FP8-KV-cache engines and their trainer")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -347,11 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         lab_switch_unless_proven("qwen3_moe")
     if args.one:
         result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer,
-                         extra_engine_kwargs)  # fmt: skip
+                         extra_engine_kwargs, args.attention_tiling)  # fmt: skip
         args.out.write_text(json.dumps(result))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions(),
-                              "unproven_bitwise": os.environ.get(UNPROVEN_BITWISE_ENV_VAR, ""), "engine_kwargs": extra_engine_kwargs}  # fmt: skip
+                              "unproven_bitwise": os.environ.get(UNPROVEN_BITWISE_ENV_VAR, ""), "engine_kwargs": extra_engine_kwargs,
+                              "attention_tiling": args.attention_tiling}  # fmt: skip
     if args.scorer in ("megatron", "nemo_rl_megatron"):
         report["megatron_core"] = importlib.metadata.version("megatron-core")
     report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
                "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
                "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size), "--scorer", args.scorer,
-               "--model-runner", args.model_runner, "--engine-kwargs", args.engine_kwargs]  # fmt: skip
+               "--model-runner", args.model_runner, "--engine-kwargs", args.engine_kwargs, "--attention-tiling", args.attention_tiling]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():

@@ -44,6 +44,7 @@ Variants: bf16 (BF16 engine and trainer), fp8_fast (the fast mode: `FP8Config(kv
 kv_decode_kernel="xqa")`, DeepGEMM on `--deepgemm-cache`; the trainer in the aligned block-FP8
 recipe with the engine's GEMM kernels, `apply_fp8_training(forward_kernel="engine")`),
 fp8_bitwise_kv (`FP8Config(on_policy="bitwise", kv_cache_dtype="fp8")`, `BitwiseForward`),
+fp8_bitwise_kv_tile128 (the same with `bitwise_attention_tiling="tile128_split"`, engine and trainer),
 fp8_bitwise_kv_fp8_backward (the same with `bitwise_linear_backward="fp8"`: the trainer's FP8
 linears' backward in block FP8, its log-probs the same bits), and
 fp8_kv / fp8 (the fast mode's linears and trainer with vLLM's own FP8-KV decode, or a BF16 KV
@@ -103,6 +104,8 @@ VARIANTS: dict[str, FP8Config | None] = {
     "bf16": None,
     "fp8_fast": FP8Config(kv_cache_dtype="fp8", kv_decode_kernel="xqa"),
     "fp8_bitwise_kv": FP8Config(on_policy="bitwise", kv_cache_dtype="fp8"),
+    # the same with the FP8-cache attention tiling that decodes fastest on an H100 (both sides run it)
+    "fp8_bitwise_kv_tile128": FP8Config(on_policy="bitwise", kv_cache_dtype="fp8", bitwise_attention_tiling="tile128_split"),
     # its trainer's FP8 linears' backward in block FP8 (TransformerEngine's recipe; the engine is the same)
     "fp8_bitwise_kv_fp8_backward": FP8Config(on_policy="bitwise", kv_cache_dtype="fp8", bitwise_linear_backward="fp8"),
     # the fast mode's FP8 linears with vLLM's own decode (FP8 KV) or a BF16 KV cache: these run on a CPU too

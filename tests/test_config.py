@@ -46,6 +46,9 @@ def test_rounding_carries_the_pow2_flags_and_the_scale_rule_as_one_frozen_value(
         ({"use_weight_pow2_scale": True}, "rounds weight and activation scales the same way"),
         ({"fp8": None, "fp8_param": True}, "fp8_param=True"),
         ({"scale_rule": "te"}, "scale_rule: Input should be 'amax_over_max' or 'transformer_engine'"),
+        ({"bitwise_attention_tiling": "tile128_split", "kv_cache_dtype": "fp8"}, "needs on_policy='bitwise' and kv_cache_dtype='fp8'"),
+        ({"bitwise_attention_tiling": "tile128_split", "on_policy": "bitwise"}, "got on_policy='bitwise', kv_cache_dtype='auto'"),
+        ({"bitwise_attention_tiling": "tile32"}, "bitwise_attention_tiling: Input should be 'tile64' or 'tile128_split'"),
     ],
 )
 def test_invalid_configs_raise_actionable_errors(kwargs, message):

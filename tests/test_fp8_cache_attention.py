@@ -3,9 +3,9 @@ Triton interpreter (TRITON_INTERPRET=1, set before Triton is imported, hence the
 
 What the interpreter can show: the kernel's paging, causal masks, head grouping (a power-of-two
 group and a group of 3), sequence lookup and both ways of taking the head dimension
-(`AttentionTiling.split_head`) and the trainer's tiling with more rows per program
-(`TRAINER_TILING`, whose prefill rows equal the engine tiling's here) are right (every row close
-to the FP32 reference), a
+(`AttentionTiling.split_head`), and each of `FP8Config.bitwise_attention_tiling`'s tilings for
+the engine and the trainer (`ATTENTION_TILINGS`, `TRAINER_TILINGS`: the trainer's prefill rows
+equal the engine's here) are right (every row close to the FP32 reference), a
 token's row has the same bits in a whole prefill, in any chunk of a chunked prefill and in a decode
 step beside other sequences (tests/fp8_attention_cases.py), and both scales are read. The
 interpreter's `tl.dot` is numpy's BLAS matmul, which rounds a row differently by its position in the
@@ -40,17 +40,19 @@ def dot_by_rows(self, a, b, d, input_precision, max_num_imprecise_acc):
 interpreter.InterpreterBuilder.create_dot = dot_by_rows
 import dataclasses
 from tests.fp8_attention_cases import check_case, make_case
-from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, TRAINER_TILING
+from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, ATTENTION_TILINGS, TRAINER_TILINGS
 from fp8_align.hf_training.attention import KVCacheScales
 
 for heads, kv_heads, dim in ((8, 2, 64), (9, 3, 32)):
     case = make_case([1, 5, 40, 70], heads, kv_heads, dim, "cpu")
-    print("max_error", check_case(case, chunk=7))
     split = check_case(case, chunk=7, tiling=dataclasses.replace(ATTENTION_TILING, split_head=not ATTENTION_TILING.split_head))
     print("max_error_other_split", split)
-    print("max_error_trainer", check_case(case, chunk=7, tiling=TRAINER_TILING))
     prefill = [(s, 0, n) for s, n in enumerate(case.lengths)]
-    print("trainer_equals_engine", int(torch.equal(case.attend(prefill, TRAINER_TILING), case.attend(prefill))))
+    for name in ATTENTION_TILINGS:
+        print("max_error", check_case(case, chunk=7, tiling=ATTENTION_TILINGS[name]))
+        print("max_error_trainer", check_case(case, chunk=7, tiling=TRAINER_TILINGS[name]))
+        equal = torch.equal(case.attend(prefill, TRAINER_TILINGS[name]), case.attend(prefill, ATTENTION_TILINGS[name]))
+        print("trainer_equals_engine", int(equal))
     picks = [(s, n - 1, 1) for s, n in enumerate(case.lengths)]
     base = case.attend(picks)
     for k_factor, v_factor in ((2.0, 1.0), (1.0, 2.0)):
@@ -69,8 +71,8 @@ def test_fp8_cache_attention_rows_are_invariant_and_close_to_the_reference() -> 
     values = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["max_error"], ["max_error_other_split"], ["max_error_trainer"], ["scale_moves"], ["trainer_equals_engine"])]
     errors = [float(v) for key, v in values if key.startswith("max_error")]
     moves = [float(v) for key, v in values if key == "scale_moves"]
-    assert len(errors) == 6 and len(moves) == 4, proc.stdout
-    assert [v for key, v in values if key == "trainer_equals_engine"] == ["1", "1"], proc.stdout
+    assert len(errors) == 10 and len(moves) == 4, proc.stdout
+    assert [v for key, v in values if key == "trainer_equals_engine"] == ["1"] * 4, proc.stdout
     print(proc.stdout)
     assert max(errors) < 0.05, errors  # measured 0.031: one BF16 step of the largest outputs (|V| up to 5)
     assert min(moves) > 0.1, moves  # doubling either scale changes outputs by far more than rounding

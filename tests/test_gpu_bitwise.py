@@ -174,22 +174,24 @@ def test_fp8_cache_attention_rows_are_invariant_and_close_to_the_reference(heads
     assert error < 2e-2
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (9, 3, 64), (16, 16, 64)])
-def test_trainer_tiling_gives_the_engine_tilings_rows(heads: int, kv_heads: int, head_size: int) -> None:
-    """The trainer's prefill tiling (`TRAINER_TILING`, more query rows per program) gives every
-    token's row the bits the engine's tiling gives it, in a whole-sequence prefill of fragmented
-    sequences (which decode and chunked prefill equal under the engine's tiling: the test above),
-    and its own rows are invariant too."""
-    from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, TRAINER_TILING
+@pytest.mark.parametrize("tiling", ["tile64", "tile128_split"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(32, 8, 128), (16, 8, 128), (9, 3, 64), (16, 16, 64)])
+def test_trainer_tiling_gives_the_engine_tilings_rows(heads: int, kv_heads: int, head_size: int, tiling: str) -> None:
+    """For each `FP8Config.bitwise_attention_tiling`, the engine's tiling (`ATTENTION_TILINGS`) keeps
+    every token's row the same in prefill, chunked prefill and decode, and the trainer's prefill
+    tiling (`TRAINER_TILINGS`; for "tile64" more query rows per program) gives every row the
+    engine's bits in a whole-sequence prefill of fragmented sequences, its own rows invariant too."""
+    from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILINGS, TRAINER_TILINGS
     from tests.fp8_attention_cases import check_case, make_case
 
-    assert TRAINER_TILING != ATTENTION_TILING
+    engine, trainer = ATTENTION_TILINGS[tiling], TRAINER_TILINGS[tiling]
     case = make_case([1, 5, 77, 300, 129, 1100, 2048], heads, kv_heads, head_size, "cuda", seed=3)
     prefill = [(s, 0, n) for s, n in enumerate(case.lengths)]
-    engine_rows, trainer_rows = case.attend(prefill, ATTENTION_TILING), case.attend(prefill, TRAINER_TILING)
+    engine_rows, trainer_rows = case.attend(prefill, engine), case.attend(prefill, trainer)
     differing = (engine_rows.view(torch.int16) != trainer_rows.view(torch.int16)).any(dim=-1).sum().item()
     assert differing == 0, f"{differing} of {engine_rows.shape[0]} rows differ"
-    check_case(case, chunk=37, tiling=TRAINER_TILING)
+    assert check_case(case, chunk=37, tiling=engine) < 2e-2
+    assert check_case(case, chunk=37, tiling=trainer) < 2e-2
 
 
 def _decode_step(

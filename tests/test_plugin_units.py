@@ -209,14 +209,16 @@ def test_bitwise_fp8_kv_engine_attends_with_fp8_aligns_kernel_until_undone():
     """`bitwise_fp8_attention`: on the attention layers of a bitwise FP8-cache engine, vLLM's own
     `TritonAttentionImpl` (built here as vLLM builds it; the layers are vLLM's `Attention` class
     built without its `__init__`, which needs a CUDA backend to create a query quantizer at all)
-    gets fp8_align's forward and loses the FP8 query quantizer, idempotently; `undo_patches()` gives
-    both back; a layer the kernel cannot serve (a sliding window, a BF16 cache) is refused by name."""
+    gets fp8_align's forward with the engine's tiling and loses the FP8 query quantizer, idempotently
+    (a second call with another tiling is refused); `undo_patches()` gives both back and drops the
+    tiling; a layer the kernel cannot serve (a sliding window, a BF16 cache) is refused by name."""
     import torch
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
+    from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, ATTENTION_TILINGS
     from fp8_align.vllm_plugin import patches
-    from fp8_align.vllm_plugin.on_policy import BitwiseModeError, attend_over_fp8_cache, bitwise_fp8_attention_forward
+    from fp8_align.vllm_plugin.on_policy import FP8_CACHE_TILING_ATTR, BitwiseModeError, attend_over_fp8_cache, bitwise_fp8_attention_forward
 
     def layer(**impl_kwargs) -> Attention:
         module = Attention.__new__(Attention)
@@ -232,14 +234,18 @@ def test_bitwise_fp8_kv_engine_attends_with_fp8_aligns_kernel_until_undone():
         model.add_module(f"attn{index}", module)
     quantizers = [module.query_quant for module in layers]
     class_forward = TritonAttentionImpl.forward
-    assert attend_over_fp8_cache(model) == 2
+    split = ATTENTION_TILINGS["tile128_split"]
+    assert attend_over_fp8_cache(model, split) == 2
     for module in layers:
         assert module.query_quant is None
         assert module.impl.forward.__func__ is bitwise_fp8_attention_forward and module.impl.forward.__self__ is module.impl
-    assert attend_over_fp8_cache(model) == 0
+        assert getattr(module.impl, FP8_CACHE_TILING_ATTR) == split
+    assert attend_over_fp8_cache(model, split) == 0
+    with pytest.raises(BitwiseModeError, match="attention layer attn0 runs the FP8-cache kernel with .* already, not"):
+        attend_over_fp8_cache(model, ATTENTION_TILING)
     patches.undo_patches()
     assert [module.query_quant for module in layers] == quantizers
-    assert all(module.impl.forward.__func__ is class_forward for module in layers)
+    assert all(module.impl.forward.__func__ is class_forward and not hasattr(module.impl, FP8_CACHE_TILING_ATTR) for module in layers)
 
     for bad, named in (({"sliding_window": 128}, "sliding_window"), ({"kv_cache_dtype": "auto"}, "kv_cache_dtype")):
         refused = torch.nn.Module()

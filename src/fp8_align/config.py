@@ -111,6 +111,16 @@ class FP8Config(BaseModel):
         "faster, gradients with FP8 rounding, every FP8 layer's sizes whole 128-blocks. The log-probs are the "
         "engine's either way. 'fp8' needs on_policy='bitwise', precision='fp8', fp8='e4m3' and fp8_recipe='blockwise'.",
     )
+    bitwise_attention_tiling: Literal["tile64", "tile128_split"] = Field(
+        default="tile64",
+        description="The launch constants of fp8_align's FP8-cache attention kernel in the bitwise mode with "
+        "kv_cache_dtype='fp8' (fp8_align.bitwise.fp8_cache_attention.ATTENTION_TILINGS). They fix the order of its sums, so "
+        "the engine and the trainer both read this field, and the log-probs' bits differ from one tiling to the other. "
+        "'tile64': 64-key tiles, 2 warps, 3 software-pipelining stages (the fastest rollout on an H200 at Qwen3-8B's heads). "
+        "'tile128_split': 128-key tiles, 4 warps, 3 stages, each product taken in two halves of the head dimension "
+        "(1.28x faster decode than 'tile64' at Qwen3-1.7B's heads on an H100, benchmarks/RESULTS.md). Needs "
+        "on_policy='bitwise' and kv_cache_dtype='fp8'.",
+    )
     strict: bool = Field(
         default=False,
         description="Refuse to start when a layer the recipe would run in FP8 has to stay BF16 "
@@ -242,6 +252,11 @@ class FP8Config(BaseModel):
                 "bitwise_linear_backward='fp8' runs the bitwise trainer's FP8 linears' backward in E4M3 block FP8; it needs "
                 "on_policy='bitwise', precision='fp8' and the E4M3 blockwise training recipe (fp8='e4m3', fp8_recipe='blockwise'); "
                 f"got on_policy={self.on_policy!r}, precision={self.precision!r}, fp8={self.fp8!r}, fp8_recipe={self.fp8_recipe!r}"
+            )
+        if self.bitwise_attention_tiling != "tile64" and (self.on_policy != "bitwise" or self.kv_cache_dtype != "fp8"):
+            raise ValueError(
+                f"bitwise_attention_tiling={self.bitwise_attention_tiling!r} tiles the bitwise mode's FP8-cache attention; it needs "
+                f"on_policy='bitwise' and kv_cache_dtype='fp8' (got on_policy={self.on_policy!r}, kv_cache_dtype={self.kv_cache_dtype!r})"
             )
         if self.fp8_param and self.fp8 is None:
             raise ValueError("fp8_param=True keeps training parameters in FP8 and needs fp8='e4m3' (training in FP8)")

@@ -45,15 +45,26 @@ class AttentionTiling:
     split_head: bool = False
 
 
-#: The tiling the bitwise engine runs, prefill and decode: the fastest rollout on the H200
-#: (benchmarks/results_log.md; benchmarks/bitwise_kernels.py sweeps the candidates).
-ATTENTION_TILING = AttentionTiling()
-#: The tiling the trainer's whole-sequence prefill over its paged copy runs (`paged_triton_attention`):
-#: the engine's with more query rows per program, so each K/V tile is loaded for more queries. Only
-#: the rows per program differ: with the engine's two warps Triton lays the MMA out with both warps
-#: along the keys for up to 64 rows, so each row's products, sums and rescales run in the engine's
-#: order (tests/test_gpu_bitwise.py checks every row's bits against ATTENTION_TILING's on the GPU).
-TRAINER_TILING = replace(ATTENTION_TILING, block_m=32)
+#: `FP8Config.bitwise_attention_tiling` -> the tiling the bitwise engine runs, prefill and decode
+#: (benchmarks/bitwise_kernels.py sweeps the candidates; benchmarks/results_log.md). "tile64": the
+#: fastest rollout on an H200 at Qwen3-8B's heads; "tile128_split": the fastest decode at Qwen3-1.7B's
+#: and Qwen3-8B's heads on an H100.
+ATTENTION_TILINGS: dict[str, AttentionTiling] = {
+    "tile64": AttentionTiling(),
+    "tile128_split": AttentionTiling(block_m=16, tile=128, num_warps=4, num_stages=3, split_head=True),
+}
+#: The default tiling (`FP8Config.bitwise_attention_tiling`'s default).
+ATTENTION_TILING = ATTENTION_TILINGS["tile64"]
+#: `FP8Config.bitwise_attention_tiling` -> the tiling the trainer's whole-sequence prefill over its
+#: paged copy runs (`paged_triton_attention`). For "tile64", the engine's with more query rows per
+#: program, so each K/V tile is loaded for more queries: with two warps Triton lays the MMA out with
+#: both warps along the keys for up to 64 rows, so each row's products, sums and rescales run in the
+#: engine's order (tests/test_gpu_bitwise.py checks every row's bits against the engine's on the
+#: GPU). Other tilings are taken as the engine runs them: a row's bits do not depend on where its
+#: query block starts (the kernel's invariance, which the engine's decode-equals-prefill proof shows).
+TRAINER_TILINGS: dict[str, AttentionTiling] = {**ATTENTION_TILINGS, "tile64": replace(ATTENTION_TILING, block_m=32)}
+#: The trainer's tiling for the default.
+TRAINER_TILING = TRAINER_TILINGS["tile64"]
 _LOG2E = math.log2(math.e)
 
 

@@ -23,9 +23,9 @@ from fp8_align.bitwise.reference import fp8_kv_cache_reference
 from fp8_align.vllm_plugin.kv.scales import KVScaleError, validate_kv_scales
 
 try:
-    from fp8_align.bitwise.fp8_cache_attention import TRAINER_TILING, fp8_cache_attention
+    from fp8_align.bitwise.fp8_cache_attention import TRAINER_TILINGS, fp8_cache_attention
 except ImportError:  # CPU builds of torch come without Triton; the CPU path runs attention_reference
-    fp8_cache_attention = TRAINER_TILING = None
+    fp8_cache_attention = TRAINER_TILINGS = None
 
 if TYPE_CHECKING:  # vLLM is imported only where its kernels run (CUDA)
     from fp8_align.vllm_plugin.compat import BatchInvariantKernels
@@ -190,12 +190,14 @@ def paged_triton_attention(
     batch: PackedBatch,
     head_size: int,
     kv_scales: KVCacheScales | None = None,
+    tiling: str = "tile64",
 ) -> torch.Tensor:
     """`attention_reference`'s contract computed by the kernel a bitwise engine runs: K/V written
     by vLLM's cache-write kernel into a paged cache of `ATTENTION_BLOCK_SIZE`-token blocks
     (`batch`'s layout), BF16 and attended by TRITON_ATTN's `unified_attention`, or with `kv_scales`
-    E4M3 codes attended by `fp8_cache_attention` (BF16 query, `TRAINER_TILING`: the engine's rows'
-    bits); every query of a sequence attends to its prefix, softmax scale D ** -0.5."""
+    E4M3 codes attended by `fp8_cache_attention` (BF16 query, `TRAINER_TILINGS[tiling]` for the
+    engine's `FP8Config.bitwise_attention_tiling`: the engine's rows' bits); every query of a
+    sequence attends to its prefix, softmax scale D ** -0.5."""
     tokens, device = q.shape[0], q.device
     heads, kv_heads = q.shape[-1] // head_size, k.shape[-1] // head_size
     blocks, seqs = batch.num_blocks, len(batch.seq_lens)
@@ -216,7 +218,8 @@ def paged_triton_attention(
         if fp8_cache_attention is None:
             raise RuntimeError("the FP8-cache attention kernel needs Triton on CUDA; install the triton that matches torch")
         fp8_cache_attention(
-            query, key_cache, value_cache, batch.block_table, batch.cu_seqlens, batch.lengths, head_size**-0.5, k_scale, v_scale, out, TRAINER_TILING
+            query, key_cache, value_cache, batch.block_table, batch.cu_seqlens, batch.lengths, head_size**-0.5, k_scale, v_scale, out,
+            TRAINER_TILINGS[tiling],
         )  # fmt: skip
         return out.reshape(tokens, heads * head_size)
     kernels.unified_attention(

@@ -176,7 +176,7 @@ def bitwise_context(model: nn.Module, cfg: FP8Config, tensor_parallel_size: int 
     rope = RopeSpec.from_hf_config(config)
     table = rope_table(rope, device)
     return BitwiseContext(
-        cfg=cfg, rounding=cfg.rounding, kernels=kernels_for(device),
+        cfg=cfg, rounding=cfg.rounding, kernels=kernels_for(device, cfg.bitwise_attention_tiling),
         fp8_gemm=fp8_gemm_for(cfg, device, [m.weight for m in map(model.get_submodule, sorted(fp8_names)) if isinstance(m, nn.Linear)]),
         tensor_parallel_size=tensor_parallel_size, head_size=head_size, rope=rope, table=table, inverse_table=inverse_rope_table(table),
         num_layers=config.num_hidden_layers, fp8_names=frozenset(fp8_names),

@@ -202,20 +202,23 @@ def reference_kernels() -> EngineKernels:
     return EngineKernels(F.linear, functools.partial(torch.log_softmax, dim=-1), attention_reference)
 
 
-def engine_kernels() -> EngineKernels:
+def engine_kernels(attention_tiling: str = "tile64") -> EngineKernels:
     """vLLM's own kernels of a batch-invariant CUDA engine (vLLM is required on CUDA); its linear
-    launched with wider tiles (`wide_linear`: the same bits)."""
+    launched with wider tiles (`wide_linear`: the same bits); FP8-cache attention with the trainer's
+    tiling for the engine's `FP8Config.bitwise_attention_tiling` (`attention_tiling`)."""
     from fp8_align.vllm_plugin.compat import batch_invariant_kernels
 
     kernels = batch_invariant_kernels()
-    return EngineKernels(kernels.wide_linear, functools.partial(kernels.log_softmax, dim=-1), functools.partial(paged_triton_attention, kernels))
+    attention = functools.partial(paged_triton_attention, kernels, tiling=attention_tiling)
+    return EngineKernels(kernels.wide_linear, functools.partial(kernels.log_softmax, dim=-1), attention)
 
 
 @functools.cache
-def kernels_for(device: torch.device) -> EngineKernels:
-    """The forwards a converted model on `device` runs: the engine's on CUDA, the references elsewhere
-    (one set per device, built once: a stack's patched log-prob function asks per micro-batch)."""
-    return engine_kernels() if device.type == "cuda" else reference_kernels()
+def kernels_for(device: torch.device, attention_tiling: str = "tile64") -> EngineKernels:
+    """The forwards a converted model on `device` runs: the engine's on CUDA (FP8-cache attention for
+    `FP8Config.bitwise_attention_tiling` `attention_tiling`), the references elsewhere (one set per
+    device and tiling, built once: a stack's patched log-prob function asks per micro-batch)."""
+    return engine_kernels(attention_tiling) if device.type == "cuda" else reference_kernels()
 
 
 def row_logprobs(logits: torch.Tensor, kernels: EngineKernels) -> torch.Tensor:

@@ -42,7 +42,7 @@ from vllm.platforms import current_platform
 
 import fp8_align.bitwise.ops  # noqa: F401  (registers torch.ops.fp8_align.bitwise_*)
 from fp8_align.bitwise import MODEL_TYPES, MOE_MODEL_TYPES, TENSOR_PARALLEL_SIZES
-from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
+from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILING, AttentionTiling, fp8_cache_attention
 from fp8_align.bitwise.moe import moe_experts
 from fp8_align.bitwise.reference import RopeSpec, UnsupportedRopeError, rope_table
 from fp8_align.config import FP8Config
@@ -74,6 +74,8 @@ FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 FP8_CACHE_IMPL = "TritonAttentionImpl"
 #: vLLM's BF16 linear of a batch-invariant CUDA engine (`compat.batch_invariant_linear`): the router's GEMM there.
 ROUTER_LINEAR = batch_invariant_linear()
+#: Attribute of an attention implementation `attend_over_fp8_cache` changed: the `AttentionTiling` it runs.
+FP8_CACHE_TILING_ATTR = "fp8_align_attention_tiling"
 #: Attention layers `attend_over_fp8_cache` changed -> the query quantizer vLLM had given them.
 _fp8_cache_layers: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -273,7 +275,8 @@ def bitwise_fp8_attention_forward(
     """vLLM `TritonAttentionImpl.forward` on fp8_align's `fp8_cache_attention`: query [T, Hq, D]
     BF16, kv_cache in TRITON_ATTN's layout (`compat.triton_kv_cache_views`) of E4M3 codes (or bytes holding them), output
     [T, Hq, D] written for the batch's `num_actual_tokens` and returned; the layer's `_k_scale` /
-    `_v_scale` are read on the device at every call (pushed scales apply at the next step)."""
+    `_v_scale` are read on the device at every call (pushed scales apply at the next step); the
+    kernel runs the tiling `attend_over_fp8_cache` gave this implementation."""
     if output_scale is not None or output_block_scale is not None:
         raise BitwiseModeError("on_policy='bitwise' attention writes BF16 outputs; a fused output quantization was asked for")
     if attn_metadata is None:  # vLLM's memory-profiling run
@@ -286,26 +289,34 @@ def bitwise_fp8_attention_forward(
     tokens = attn_metadata.num_actual_tokens
     fp8_cache_attention(
         query[:tokens], key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-        self.scale, layer._k_scale, layer._v_scale, output[:tokens],
+        self.scale, layer._k_scale, layer._v_scale, output[:tokens], getattr(self, FP8_CACHE_TILING_ATTR),
     )  # fmt: skip
     return output
 
 
-def attend_over_fp8_cache(model: torch.nn.Module) -> int:
+def attend_over_fp8_cache(model: torch.nn.Module, tiling: AttentionTiling = ATTENTION_TILING) -> int:
     """Instance patch `bitwise_fp8_attention` (vLLM 0.22 and 0.25, `BITWISE_SERIES`; FP8Config(on_policy=
     "bitwise", kv_cache_dtype="fp8")), on the attention layers of `model` before its first forward:
     `layer.impl.forward` (vLLM's `TritonAttentionImpl.forward`) becomes `bitwise_fp8_attention_forward`
     and `layer.query_quant` (the static FP8 query quantizer
     `vllm.model_executor.layers.attention.attention.Attention.__init__` gives layers whose backend
-    takes FP8 queries when the cache is FP8) becomes None, so torch.compile never traces it. Raises
-    BitwiseModeError for a layer the kernel cannot serve (another backend, sinks, ALiBi, a sliding
-    window, a soft cap, a non-FP8 cache). Returns how many layers changed; `restore_fp8_cache_attention`
+    takes FP8 queries when the cache is FP8) becomes None, so torch.compile never traces it; the
+    kernel runs `tiling` (the engine's `FP8Config.bitwise_attention_tiling` in
+    `fp8_cache_attention.ATTENTION_TILINGS`). Raises BitwiseModeError for a layer the kernel cannot
+    serve (another backend, sinks, ALiBi, a sliding window, a soft cap, a non-FP8 cache) or changed
+    already with another tiling. Returns how many layers changed; `restore_fp8_cache_attention`
     undoes it. Idempotent."""
     from vllm.model_executor.layers.attention.attention import Attention
 
     changed = 0
     for name, module in model.named_modules():
-        if not isinstance(module, Attention) or module in _fp8_cache_layers:
+        if not isinstance(module, Attention):
+            continue
+        if module in _fp8_cache_layers:
+            if getattr(module.impl, FP8_CACHE_TILING_ATTR) != tiling:
+                raise BitwiseModeError(
+                    f"attention layer {name} runs the FP8-cache kernel with {getattr(module.impl, FP8_CACHE_TILING_ATTR)} already, not {tiling}"
+                )
             continue
         impl = module.impl
         unsupported = {
@@ -320,6 +331,7 @@ def attend_over_fp8_cache(model: torch.nn.Module) -> int:
             )
         _fp8_cache_layers[module] = module.query_quant
         module.query_quant = None
+        setattr(impl, FP8_CACHE_TILING_ATTR, tiling)
         impl.forward = types.MethodType(bitwise_fp8_attention_forward, impl)
         changed += 1
     return changed
@@ -330,4 +342,5 @@ def restore_fp8_cache_attention() -> None:
     for module, quantizer in list(_fp8_cache_layers.items()):
         module.query_quant = quantizer
         vars(module.impl).pop("forward", None)
+        vars(module.impl).pop(FP8_CACHE_TILING_ATTR, None)
     _fp8_cache_layers.clear()

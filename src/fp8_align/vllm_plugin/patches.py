@@ -90,6 +90,7 @@ from typing import Any
 import torch
 from vllm.config import get_current_vllm_config_or_none
 
+from fp8_align.bitwise.fp8_cache_attention import ATTENTION_TILINGS
 from fp8_align.config import FP8Config
 from fp8_align.versions import FEATURE_SERIES, installed_vllm_version, vllm_series
 from fp8_align.vllm_plugin.engine_plan import plan_engine
@@ -171,7 +172,9 @@ def _install_sync_after_processing(process: Callable[..., None]) -> Callable[...
         if "bitwise_rope" in _applied:
             logger.info("fp8_align: FP32 RoPE table on %d rotary layers (on_policy='bitwise')", attach_rope_tables(model, model_config.hf_text_config))
         if fp8_config is not None and fp8_config.on_policy == "bitwise" and fp8_config.kv_cache_dtype == "fp8":
-            logger.info("fp8_align: bitwise FP8-cache attention in %d layers (bitwise_fp8_attention)", attend_over_fp8_cache(model))
+            tiling = ATTENTION_TILINGS[fp8_config.bitwise_attention_tiling]
+            logger.info("fp8_align: bitwise FP8-cache attention in %d layers (bitwise_fp8_attention, %s: %s)",
+                        attend_over_fp8_cache(model, tiling), fp8_config.bitwise_attention_tiling, tiling)  # fmt: skip
         if fp8_config is not None and plan_engine(model, fp8_config, vllm_config).xqa:
             _apply_patch(XQA_PATCH)
 
