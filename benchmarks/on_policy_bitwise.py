@@ -66,12 +66,13 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 from benchmarks.rollout.checkpoints import QWEN3_30B_A3B  # noqa: E402
 
+from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
 from fp8_align.vllm_plugin.engine_args import UNPROVEN_BITWISE_ENV_VAR, V2_MODEL_RUNNER_ENV_VAR, lab_switch_unless_proven  # noqa: E402
 
@@ -163,7 +164,6 @@ def run_one(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from fp8_align import FP8Config
     from fp8_align.hf_training import BitwiseForward
     from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs
 
@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                              "FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
     parser.add_argument("--engine-kwargs", default="{}", metavar="JSON",
                         help='more vllm.LLM arguments for every engine, e.g. \'{"max_num_batched_tokens": 4096}\' (TRL\'s engine step)')
-    parser.add_argument("--attention-tiling", choices=("tile64", "tile128_split"), default="tile64",
+    tiling_field = FP8Config.model_fields["bitwise_attention_tiling"]
+    parser.add_argument("--attention-tiling", choices=get_args(tiling_field.annotation), default=tiling_field.default,
                         help="FP8Config.bitwise_attention_tiling of the FP8-KV-cache engines and their trainer")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

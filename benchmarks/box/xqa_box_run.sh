@@ -159,8 +159,9 @@ while [ $# -gt 0 ]; do
         || exit 1 ;;
     bitwise=*)
       IFS=, read -r -a bitwise_stages <<< "${stage#bitwise=}"
-      OUT="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}" bash benchmarks/box/bitwise_box_run.sh kit "${bitwise_stages[@]}"
-      tail -5 "$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}"/pytest_*.txt 2>/dev/null; true ;;
+      bitwise_out="$out/bitwise${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}"
+      OUT="$bitwise_out" bash benchmarks/box/bitwise_box_run.sh kit "${bitwise_stages[@]}"
+      tail -5 "$bitwise_out"/pytest_*.txt 2>/dev/null; true ;;
     dg-prepare*) model="${stage#dg-prepare}"; model="${model#=}"; dg_prepare "${model:-qwen3-8b}" || exit 1 ;;
     dg-probe)
       DG_JIT_CACHE_DIR=/root/dg_probe_cache python3 benchmarks/box/deepgemm_grouped_probe.py "$out/deepgemm_grouped_probe.json" \
