@@ -153,32 +153,51 @@ def _metrics(engine: list[float], trainer: list[float]) -> tuple[float, float]:
 def run_one(
     model_name: str, variant: str, kv_cache_dtype: str, batch_sizes: list[int], max_tokens: int, work: Path,
     logprobs_mode: str, temperatures: list[float], tensor_parallel_size: int = 1, scorer: str = "bitwise_forward",
-    extra_engine_kwargs: dict[str, Any] | None = None, attention_tiling: str = "tile64",
+    extra_engine_kwargs: dict[str, Any] | None = None, attention_tiling: str = "tile64", trainer_kernels_first: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """One engine and the trainer forward for (model, variant, KV-cache dtype); returns its rows.
     `extra_engine_kwargs` go to `vllm.LLM` last (e.g. {"max_num_batched_tokens": 4096}: the engine's
     scheduling under which the proof runs); `attention_tiling` is both sides'
-    `FP8Config.bitwise_attention_tiling` with an FP8 KV cache."""
+    `FP8Config.bitwise_attention_tiling` with an FP8 KV cache. `trainer_kernels_first`: the trainer's
+    CUDA kernels are loaded before the engine's arguments set VLLM_BATCH_INVARIANT, as `make_bitwise`
+    does in TRL's process before TRL builds its engine (with an in-process engine, `external_launcher`)."""
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.utils.network_utils import get_open_port
 
     from fp8_align.hf_training import BitwiseForward
     from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs
 
     path, probes, fillers = prepare_model(model_name, work)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # calibrate_kv_scales: collective_rpc with functions
+    if (extra_engine_kwargs or {}).get("distributed_executor_backend") == "external_launcher":
+        # the engine in this process, as TRL's colocate mode builds it: torchrun's rank 0 of 1
+        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(get_open_port())}.items():  # fmt: skip
+            os.environ.setdefault(name, value)
+    flag_before_engine = None
+    if trainer_kernels_first:
+        from vllm.v1.attention.ops import triton_unified_attention
+
+        from fp8_align.hf_training.engine_ops import kernels_for
+
+        kernels_for(torch.device("cuda"))
+        flag_before_engine = triton_unified_attention.is_batch_invariant
     tiling = {"bitwise_attention_tiling": attention_tiling} if kv_cache_dtype == "fp8" else {}
     cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, **VARIANTS[variant], **tiling)
     start = time.perf_counter()
-    llm = LLM(
-        model=str(path), skip_tokenizer_init=True, max_num_seqs=512, max_model_len=MAX_MODEL_LEN,
-        gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0, logprobs_mode=logprobs_mode,
+    settings: dict[str, Any] = {
+        "max_num_seqs": 512, "max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "seed": 0,
         # MoE: a backend whose setup keeps fp8_align's expert codes and scale grids where the bitwise block reads them
         **({"moe_backend": "triton"} if model_name in MOE_MODELS else {}),
-        **engine_kwargs(cfg, tensor_parallel_size=tensor_parallel_size, **(extra_engine_kwargs or {})),
-    )  # fmt: skip
+        **(extra_engine_kwargs or {}),  # last: they replace this function's settings (e.g. TRL's max_num_seqs)
+    }  # fmt: skip
+    llm = LLM(
+        model=str(path), skip_tokenizer_init=True, logprobs_mode=logprobs_mode,
+        **engine_kwargs(cfg, tensor_parallel_size=tensor_parallel_size, **settings),
+    )
     engine_start_s = time.perf_counter() - start
     runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
     scales = None
@@ -249,6 +268,7 @@ def run_one(
                 "tensor_parallel_size": tensor_parallel_size, "scorer": scorer, "runner": runner,
                 "attention_tiling": cfg.bitwise_attention_tiling if kv_cache_dtype == "fp8" else None, "sequences": len(sequences), "tokens": len(flat_engine), "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_trainer)),
+                **({"unified_attention_flag_before_engine": flag_before_engine} if trainer_kernels_first else {}),
             })  # fmt: skip
             if unsharded is not None:
                 rows[-1]["max_abs_dlogp_unsharded_trainer"] = _metrics(flat_engine, _score(unsharded, sequences, prompt_lens, scored_at))[0]
@@ -313,10 +333,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's model runner of the engines (v2 where unproven on the installed vLLM: the lab switch "
                              "FP8_ALIGN_UNPROVEN_BITWISE=v2_runner)")
     parser.add_argument("--engine-kwargs", default="{}", metavar="JSON",
-                        help='more vllm.LLM arguments for every engine, e.g. \'{"max_num_batched_tokens": 4096}\' (TRL\'s engine step)')
+                        help='vllm.LLM arguments for every engine, over this script\'s own, e.g. TRL\'s colocate engine: '
+                             '\'{"max_num_batched_tokens": 4096, "max_num_seqs": 64, "distributed_executor_backend": "external_launcher"}\' '
+                             '(external_launcher: the engine in the scoring process, as rank 0 of 1)')
     tiling_field = FP8Config.model_fields["bitwise_attention_tiling"]
     parser.add_argument("--attention-tiling", choices=get_args(tiling_field.annotation), default=tiling_field.default,
                         help="FP8Config.bitwise_attention_tiling of the FP8-KV-cache engines and their trainer")
+    parser.add_argument("--trainer-kernels-first", action="store_true",
+                        help="load the trainer's CUDA kernels before each engine, as make_bitwise does in TRL's process")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "KV_CACHE_DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -352,12 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         lab_switch_unless_proven("qwen3_moe")
     if args.one:
         result = run_one(*args.one, batch_sizes, args.max_tokens, args.work, args.logprobs_mode, temperatures, args.tensor_parallel_size, args.scorer,
-                         extra_engine_kwargs, args.attention_tiling)  # fmt: skip
+                         extra_engine_kwargs, args.attention_tiling, args.trainer_kernels_first)  # fmt: skip
         args.out.write_text(json.dumps(result))
         return 0
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **_device_and_versions(),
                               "unproven_bitwise": os.environ.get(UNPROVEN_BITWISE_ENV_VAR, ""), "engine_kwargs": extra_engine_kwargs,
-                              "attention_tiling": args.attention_tiling}  # fmt: skip
+                              "attention_tiling": args.attention_tiling, "trainer_kernels_first": args.trainer_kernels_first}  # fmt: skip
     if args.scorer in ("megatron", "nemo_rl_megatron"):
         report["megatron_core"] = importlib.metadata.version("megatron-core")
     report.update(rows=[], invariance=[], engine_start_s={}, kv_scales={}, failures=[])
@@ -374,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--out", str(part), "--one", model, variant, kv, "--batch-sizes", args.batch_sizes,
                "--max-tokens", str(args.max_tokens), "--work", str(args.work), "--logprobs-mode", args.logprobs_mode,
                "--temperatures", args.temperatures, "--tensor-parallel-size", str(args.tensor_parallel_size), "--scorer", args.scorer,
-               "--model-runner", args.model_runner, "--engine-kwargs", args.engine_kwargs, "--attention-tiling", args.attention_tiling]  # fmt: skip
+               "--model-runner", args.model_runner, "--engine-kwargs", args.engine_kwargs, "--attention-tiling", args.attention_tiling,
+               *(["--trainer-kernels-first"] if args.trainer_kernels_first else [])]  # fmt: skip
         with log.open("w") as handle:
             code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
         if code or not part.is_file():

@@ -30,7 +30,7 @@ def _has_fp8_cuda() -> bool:
 
 
 #: The longest test files on the 2-core CI machine (CI's --durations), started first.
-LONGEST_FILES = ("test_vllm_serve.py", "test_vllm_plugin.py", "test_stack_sync_tp.py", "test_vllm_plugin_tp.py")
+LONGEST_FILES = ("test_vllm_serve.py", "test_trl.py", "test_vllm_plugin.py", "test_stack_sync_tp.py", "test_vllm_plugin_tp.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

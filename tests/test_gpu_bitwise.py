@@ -195,12 +195,14 @@ def test_trainer_tiling_gives_the_engine_tilings_rows(heads: int, kv_heads: int,
 
 
 def _decode_step(
-    kernels: Any, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: list[tuple[int, int]], head_size: int, scales: Any
-) -> torch.Tensor:
+    kernels: Any, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: list[tuple[int, int]], head_size: int, scales: Any,
+    split_threshold: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """One decode step as the engine runs it: each sequence's K/V prefix written by vLLM's cache
     write into paged blocks (here in reverse block order, as a fragmented cache would be; E4M3 with
     `scales`, attended by fp8_align's FP8-cache kernel, else BF16 and TRITON_ATTN), one query per
-    sequence."""
+    sequence. `split_threshold`: TRITON_ATTN's `seq_threshold_3D` and split-KV buffers, as its
+    metadata builder passes them (batches of at most that many sequences may take the 3D kernel)."""
     from fp8_align.bitwise.fp8_cache_attention import fp8_cache_attention
     from fp8_align.hf_training.attention import ATTENTION_BLOCK_SIZE
 
@@ -234,12 +236,59 @@ def _decode_step(
     if scales is not None:
         fp8_cache_attention(query, key_cache, value_cache, block_table, query_start, seq_lens, head_size**-0.5, k_scale, v_scale, out)
         return out.view(seqs, heads * head_size)
+    split: dict[str, Any] = {}
+    if split_threshold is not None:
+        from vllm.v1.attention.backends.triton_attn import NUM_PAR_SOFTMAX_SEGMENTS
+
+        segments, padded = NUM_PAR_SOFTMAX_SEGMENTS, 1 << (head_size - 1).bit_length()
+        split = {
+            "seq_threshold_3D": split_threshold, "num_par_softmax_segments": segments,
+            "softmax_segm_output": torch.empty(split_threshold, heads, segments, padded, dtype=torch.float32, device="cuda"),
+            "softmax_segm_max": torch.empty(split_threshold, heads, segments, dtype=torch.float32, device="cuda"),
+            "softmax_segm_expsum": torch.empty(split_threshold, heads, segments, dtype=torch.float32, device="cuda"),
+        }  # fmt: skip
     kernels.unified_attention(
         q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=query_start, max_seqlen_q=1, seqused_k=seq_lens,
         max_seqlen_k=max(n for _, n in picks), softmax_scale=head_size**-0.5, causal=True, window_size=(-1, -1),
         block_table=block_table, softcap=0, q_descale=None, k_descale=k_scale.expand(seqs, kv_heads), v_descale=v_scale.expand(seqs, kv_heads),
+        **split,
     )  # fmt: skip
     return out.view(seqs, heads * head_size)
+
+
+def test_small_decode_batches_are_the_trainers_rows_with_the_flag_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRITON_ATTN decodes a batch of at most `seq_threshold_3D` sequences (16 at 8 KV heads) with its
+    split-KV 3D kernel unless its module's import-time copy of VLLM_BATCH_INVARIANT is True. With the
+    copy False (the module imported before the variable was set: TRL's colocate engine after
+    `make_bitwise`, session 46) 10 sequences of 300-633 tokens decode to other rows than the
+    trainer's; with `bitwise_unified_attention_2d` applied, to the trainer's bit for bit; undone, the
+    copy is what it was."""
+    from vllm.v1.attention.ops import triton_unified_attention
+
+    from fp8_align.hf_training.attention import PackedBatch, paged_triton_attention
+    from fp8_align.vllm_plugin import patches
+    from fp8_align.vllm_plugin.compat import batch_invariant_kernels
+
+    kernels = batch_invariant_kernels()
+    heads, kv_heads, head_size = 32, 8, 128
+    lengths = [300 + 37 * i for i in range(10)]
+    tokens = sum(lengths)
+    q, k, v = _randn(tokens, heads * head_size, seed=20), _randn(tokens, kv_heads * head_size, seed=21), _randn(tokens, kv_heads * head_size, seed=22)
+    full = paged_triton_attention(kernels, q, k, v, PackedBatch.from_lengths(lengths, "cuda"), head_size)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    picks = list(zip(starts, lengths))
+    q_rows = torch.stack([q[s + n - 1] for s, n in picks])
+    expected = torch.stack([full[s + n - 1] for s, n in picks])
+    monkeypatch.setattr(triton_unified_attention, "is_batch_invariant", False)
+    stale = _decode_step(kernels, q_rows, k, v, picks, head_size, None, split_threshold=16)
+    assert not torch.equal(stale, expected), "the 3D kernel gave the 2D kernel's rows: the stale flag would not matter"
+    try:
+        assert "bitwise_unified_attention_2d" in patches.apply_patches(FP8Config(on_policy="bitwise"))
+        patched = _decode_step(kernels, q_rows, k, v, picks, head_size, None, split_threshold=16)
+    finally:
+        patches.undo_patches()
+    assert torch.equal(patched, expected)
+    assert triton_unified_attention.is_batch_invariant is False
 
 
 @pytest.mark.parametrize("rounding", ["fp32_scales", "pow2_scales", "te_rule"])

