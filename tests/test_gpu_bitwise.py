@@ -325,11 +325,12 @@ def test_transposed_quantizer_is_the_reference(m: int, k: int, rule: str) -> Non
         assert torch.equal(scales, ref_scales), pow2
 
 
-@pytest.mark.parametrize(("n", "k"), [(151936, 4096), (49152, 576), (1000, 4096), (24576, 4096), (4096, 12288)])
+@pytest.mark.parametrize(("n", "k"), [(151936, 4096), (49152, 576), (1000, 4096), (24576, 4096), (4096, 12288), (151936, 2048), (2048, 6144)])
 def test_wide_linear_gives_the_engines_linear_bits(n: int, k: int) -> None:
-    """The trainer's wide-tile launch of vLLM's batch-invariant matmul (`wide_linear`) gives the bits
-    of the engine's `linear_batch_invariant` for every row count (1 to 4,100, and 3-D input), output
-    layers and projections of the supported models, with and without bias."""
+    """The trainer's launch of vLLM's batch-invariant matmul (`wide_linear`: `trainer_bf16_tiles`)
+    gives the bits of the engine's `linear_batch_invariant` for every row count (1 to 4,100, and 3-D
+    input), output layers and projections of the supported models (Qwen3-1.7B's among them: shapes
+    vLLM 0.33 tunes on Hopper), with and without bias."""
     from fp8_align.vllm_plugin.compat import batch_invariant_kernels
 
     kernels = batch_invariant_kernels()

