@@ -31,7 +31,10 @@ converted by `make_bitwise` with the stack's log-prob function patched (`patch_s
   temperature (TRL fixes it at construction) and a BF16 KV cache; the checkpoint gets a word-level
   tokenizer of its vocabulary (TRL and its engine load one). No unpatched probe: TRL installs its
   head at construction, so undoing the patch afterwards changes nothing (tests/trl_checks.py
-  compares TRL's own head on CPU).
+  compares TRL's own head on CPU). `--variants fast,trl_bf16` (TRL only; beside a bitwise variant, e.g.
+  `fp8,fast,trl_bf16`): TRL builds the fast mode's engine (`patch_trl_engine(FP8Config())`) or its own
+  BF16 one, against TRL's own unconverted trainer and head: the mismatch TRL's importance-sampling
+  correction would correct (off here too), each row's `engine` says which.
 - megatron: `benchmarks/megatron_scorer.MegatronBitwiseActor`, the bitwise megatron-core GPTModel
   (`fp8_align.megatron_ext.bitwise`) under megatron-core's own DDP and optimizer,
   `processed_logprobs`, the weights synced as HF tensors by fp8_align's `refit_weights` (no worker
@@ -50,8 +53,8 @@ log-prob code, the patch undone for that one scoring; TRL's rows instead have
 `bitwise_forward_max_abs_dlogp` (and its first mismatches): the batch through fp8_align's own
 `BitwiseForward` on a fresh copy of the checkpoint, in TRL's process. Every row keeps its first
 mismatching tokens (`first_mismatches`).
-The report has those rows and one summary row per (stack, vllm, variant) with `tokens` (all steps)
-and `max_abs_dlogp` (the largest of any step), device and versions (the stack's and transformers').
+The report has those rows and one summary row per (stack, vllm, variant) with `tokens` (all steps),
+`max_abs_dlogp` (the largest of any step) and `mult_prob_error` (over all steps' tokens), device and versions (the stack's and transformers').
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `benchmarks.*`
 
 from benchmarks.on_policy_bitwise import MOE_MODELS, VARIANTS, _device_and_versions, _metrics, prepare_model  # noqa: E402
+from fp8_align.config import FP8Config  # noqa: E402
 from fp8_align.hf_training import make_bitwise, patch_stack_logprobs, unpatch_stack_logprobs  # noqa: E402
 from fp8_align.hf_training.inputs import check_temperature  # noqa: E402
 from fp8_align.vllm_plugin.engine_args import lab_switch_unless_proven  # noqa: E402
@@ -105,6 +109,9 @@ STACKS = {
     "trl": Stack(None, "processed_logprobs", False),
     "megatron": Stack(None, "processed_logprobs", False),
 }
+#: TRL's engines beside the bitwise one (`--stack trl` only): the fast mode and TRL's own BF16 engine,
+#: against TRL's own trainer, for their mismatch (name -> the config patch_trl_engine takes; None: unpatched).
+TRL_REFERENCE_ENGINES: dict[str, Any] = {"fast": FP8Config(), "trl_bf16": None}
 #: Stacks whose own log-prob code is not re-scored unpatched at step 0 (stack_bitwise's docstring says why).
 NO_UNPATCHED_PROBE = ("megatron", "trl")
 #: Mismatching tokens a row keeps (`first_mismatches`): where engine and stack part, for the results log.
@@ -237,7 +244,6 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from fp8_align import FP8Config
     from fp8_align.vllm_plugin import calibrate_kv_scales, engine_kv_scales, engine_kwargs, refit_weights
 
     path, probes, fillers = prepare_model(args.model, args.work)
@@ -245,7 +251,11 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
     job_id = f"fp8align{os.getpid()}"
     os.environ["VERL_RAY_JOB_ID"] = job_id  # names verl's ZMQ socket; the engine's workers inherit it
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # calibrate_kv_scales: collective_rpc with functions
-    cfg = FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, bitwise_linear_backward=args.linear_backward, **VARIANTS[variant])
+    cfg = (
+        TRL_REFERENCE_ENGINES[variant] if variant in TRL_REFERENCE_ENGINES
+        else FP8Config(on_policy="bitwise", kv_cache_dtype=kv_cache_dtype, bitwise_linear_backward=args.linear_backward, **VARIANTS[variant])
+    )  # fmt: skip
+    bitwise = cfg is not None and cfg.on_policy == "bitwise"
     actor: Any
     if stack == "trl":  # TRL builds its engine itself, around the trainer
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -323,12 +333,13 @@ def run_variant(stack: str, variant: str, kv_cache_dtype: str, args: argparse.Na
                 unpatched = _metrics(flat_engine, [x for lp in score(actor, sequences, prompt_lens, temperature) for x in lp.tolist()])[0]
                 patch_stack_logprobs(stack)
             probe = {}
-            if step == 0 and stack == "trl":  # fp8_align's own scorer in the same process: TRL's code or the engine in its process?
+            if step == 0 and stack == "trl" and bitwise:  # fp8_align's own scorer in the same process: TRL's code or the engine in its process?
                 plain = bitwise_forward_logprobs(path, cfg, sequences, prompt_lens, temperature)
                 probe = {"bitwise_forward_max_abs_dlogp": _metrics(flat_engine, [x for lp in plain for x in lp.tolist()])[0],
                          "bitwise_forward_first_mismatches": first_mismatches(sequences, prompt_lens, engine, plain)}  # fmt: skip
             rows.append({
-                "stack": stack, "variant": variant, "kv_cache_dtype": kv_cache_dtype, "step": step, "temperature": temperature,
+                "stack": stack, "variant": variant, "engine": "bitwise" if bitwise else variant, "kv_cache_dtype": kv_cache_dtype,
+                "step": step, "temperature": temperature,
                 "logprobs_mode": STACKS[stack].logprobs_mode, "sequences": len(sequences), "tokens": len(flat_engine),
                 "max_abs_dlogp": max_abs, "mult_prob_error": mult,
                 "tokens_with_nonzero_dlogp": sum(a != b for a, b in zip(flat_engine, flat_verl)),
@@ -416,9 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stack trl: a dense model (TRL builds its engine itself, without the MoE backend the bitwise MoE reads)")
     if STACKS[args.stack].temperature_one_only and args.temperatures != [1.0]:
         parser.error(f"--stack {args.stack}: --temperatures 1.0 only (docs/on_policy.md: its actor multiplies by 1/T on CUDA)")
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    known = {*VARIANTS, *TRL_REFERENCE_ENGINES} if args.stack == "trl" else set(VARIANTS)
+    unknown = sorted(set(args.variants.split(",")) - known)
     if unknown:
-        parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+        parser.error(f"unknown variants {unknown} for --stack {args.stack}; known: {sorted(known)}")
     if args.steps < 1 or args.batch_size < 4:
         parser.error("--steps must be at least 1 and --batch-size at least 4 (the 4 probe prompts)")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -431,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), **versions}
     report.update(summary=[], rows=[], kv_scales={}, failures=[])
     for variant in args.variants.split(","):
-        kv = args.kv_cache_dtype if VARIANTS[variant].get("precision") == "fp8" else "auto"
+        kv = args.kv_cache_dtype if VARIANTS.get(variant, {}).get("precision") == "fp8" else "auto"
         part, log = args.work / f"{args.stack}_{variant}.json", args.work / f"{args.stack}_{variant}.log"
         part.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--out", str(part), "--stack", args.stack, "--model", args.model, "--one", variant, "--kv-cache-dtype", kv, "--steps", str(args.steps),
@@ -451,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
             "stack": args.stack, "vllm": versions["vllm"], "variant": variant, "kv_cache_dtype": kv, "model": args.model,
             "steps": args.steps, "linear_backward": args.linear_backward, "temperatures": args.temperatures,
             "tokens": sum(r["tokens"] for r in result["rows"]),
-            "max_abs_dlogp": max(r["max_abs_dlogp"] for r in result["rows"]), "device": versions["device"],
+            "max_abs_dlogp": max(r["max_abs_dlogp"] for r in result["rows"]),
+            "mult_prob_error": sum(r["mult_prob_error"] * r["tokens"] for r in result["rows"]) / sum(r["tokens"] for r in result["rows"]),
+            "device": versions["device"],
             "versions": {**{k: versions[k] for k in ("torch", "cuda", "triton", "vllm")}, "transformers": result["transformers"],
                          args.stack: result["stack_version"]},
         })  # fmt: skip

@@ -1,14 +1,16 @@
 """Token log-probs and policy steps as TRL 1.16.0's GRPOTrainer computes them, for its policy
 converted by `make_bitwise`.
 
-`TrlGRPOScorer(model, cfg, tokenizer, temperature)` converts `model`, patches TRL's
+`TrlGRPOScorer(model, cfg, tokenizer, temperature)` with a bitwise `cfg` converts `model`, patches TRL's
 `add_fused_lm_head` (`patch_stack_logprobs("trl")`; `patch_logprobs=False` keeps TRL's own head, to
-show what the patch changes) and builds TRL's own `GRPOTrainer` around the
-model: without vLLM (the batches come from the caller, as the engine's rollouts would), or with
+show what the patch changes); with the fast mode's `cfg` or None it leaves the model and TRL's head
+as they are (TRL's own trainer, against an fp8_align fast engine or TRL's own BF16 one). Then it
+builds TRL's own `GRPOTrainer` around the model: without vLLM (the batches come from the caller, as the engine's rollouts would), or with
 `colocate_engine` (GRPOConfig fields over this file's, e.g. `vllm_gpu_memory_utilization` and
 `per_device_train_batch_size`, which sets the engine's `max_num_seqs`) in TRL's colocate mode, where TRL builds its own
-engine through `patch_trl_engine(cfg)` (`engine`) and syncs it with its own `sync_weights` (`sync`), with
-`vllm_importance_sampling_correction` off (what a bitwise engine makes exactly 1).
+engine through `patch_trl_engine(cfg)` (TRL's unpatched BF16 engine for `cfg` None; `engine`) and
+syncs it with its own `sync_weights` (`sync`), with `vllm_importance_sampling_correction` off (what a
+bitwise engine makes exactly 1; for the other engines the caller measures the mismatch it corrects).
 Then:
 - `token_logprobs(sequences, prompt_lens)`: the batch as TRL's `_generate_and_score_completions`
   hands it on (prompts left-padded, completions right-padded, their masks) through the trainer's
@@ -53,13 +55,14 @@ class TrlGRPOScorer:
     """TRL 1.16.0's GRPOTrainer over a converted policy (module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, cfg: FP8Config, tokenizer: Any, temperature: float, patch_logprobs: bool = True,
+        self, model: torch.nn.Module, cfg: FP8Config | None, tokenizer: Any, temperature: float, patch_logprobs: bool = True,
         colocate_engine: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
-        make_bitwise(model, cfg)
-        if patch_logprobs:
-            patch_stack_logprobs("trl")
-        if colocate_engine is not None:
+        if cfg is not None and cfg.on_policy == "bitwise":
+            make_bitwise(model, cfg)
+            if patch_logprobs:
+                patch_stack_logprobs("trl")
+        if colocate_engine is not None and cfg is not None:
             patch_trl_engine(cfg)
         cpu = next(model.parameters()).device.type == "cpu"
         # TRL's trainer needs an output directory and writes nothing there (save_strategy "no");

@@ -260,7 +260,7 @@ def test_small_decode_batches_are_the_trainers_rows_with_the_flag_patch(monkeypa
     """TRITON_ATTN decodes a batch of at most `seq_threshold_3D` sequences (16 at 8 KV heads) with its
     split-KV 3D kernel unless its module's import-time copy of VLLM_BATCH_INVARIANT is True. With the
     copy False (the module imported before the variable was set: TRL's colocate engine after
-    `make_bitwise`, session 46) 10 sequences of 300-633 tokens decode to other rows than the
+    `make_bitwise`) 10 sequences of 300-633 tokens decode to other rows than the
     trainer's; with `bitwise_unified_attention_2d` applied, to the trainer's bit for bit; undone, the
     copy is what it was."""
     from vllm.v1.attention.ops import triton_unified_attention

@@ -76,8 +76,7 @@ decodes batches of at most `seq_threshold_3D` sequences (16 at 8 KV heads) with 
 splits each sequence's keys into segments and sums their partial softmaxes: other sums than the
 2D kernel's, which the trainer runs. In a separate engine process the module is imported after
 `engine_kwargs` set the variable; in the trainer's process (TRL's colocate engine, built after
-`make_bitwise` loaded the trainer's kernels) it was imported before, and only the last decode step,
-when few sequences remain, differed (session 46).
+`make_bitwise` loaded the trainer's kernels) it is imported before.
 With an FP8 KV cache, the scoped instance patch `bitwise_fp8_attention`
 (`on_policy.attend_over_fp8_cache`, applied by the model-loading hook to that engine's attention
 layers) replaces each layer's `TritonAttentionImpl.forward` with fp8_align's FP8-cache kernel and
