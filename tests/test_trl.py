@@ -22,8 +22,8 @@ from tests.engines import SMOLLM2_HEAD_DIM, fp8_kv_unsupported_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_SITE = ROOT / ".cache" / "trl_site"
-#: The checks tests/trl_checks.py holds: the colocate run's three, the patch's refusals, the server command, the bitwise trainer side's four, the bitwise engine's gate and TRL's own bitwise engine start.
-CHECKS = 11
+#: The checks tests/trl_checks.py holds: the colocate run's three, the patch's refusals, the server command, the bitwise trainer side's four, the bitwise engine's gate, TRL's own bitwise engine start and the scorer's other engines.
+CHECKS = 12
 
 
 @pytest.mark.slow

@@ -228,6 +228,27 @@ def test_trls_log_probs_of_a_converted_policy_are_the_engines(temperature: float
     print(f"\nT={temperature}: TRL's own fused head off the engine's bits by up to {gap:.3g} nats; patched: 0")
 
 
+def test_the_scorer_leaves_trls_own_trainer_for_the_other_engines(tokenizer: Any, unpatched: None) -> None:
+    """For the fast mode's config and for TRL's own BF16 engine (None), the scorer
+    (benchmarks/stack_bitwise.py's `fast` and `trl_bf16` rows) leaves the policy unconverted and
+    TRL's head unpatched: no bitwise context on the model, and the same log-probs from both; a
+    bitwise config converts (the control: the same batch off those log-probs)."""
+    from benchmarks.trl_scorer import TrlGRPOScorer
+    from fp8_align.hf_training.convert import CONTEXT_ATTRIBUTE
+    from fp8_align.hf_training.stack_patches import is_patched
+
+    base = tiny_hf_model("qwen3")
+    even = [2] * len(SEQUENCES)
+    own = TrlGRPOScorer(copy.deepcopy(base), None, tokenizer, 1.0)
+    fast = TrlGRPOScorer(copy.deepcopy(base), FP8Config(), tokenizer, 1.0)
+    assert not hasattr(own.model, CONTEXT_ATTRIBUTE) and not hasattr(fast.model, CONTEXT_ATTRIBUTE) and not is_patched("trl")
+    reference = own.token_logprobs(SEQUENCES, even, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(fast.token_logprobs(SEQUENCES, even, 1.0), reference, strict=True))
+    converted = TrlGRPOScorer(copy.deepcopy(base), BITWISE, tokenizer, 1.0)
+    assert hasattr(converted.model, CONTEXT_ATTRIBUTE) and is_patched("trl")
+    assert not all(torch.equal(a, b) for a, b in zip(converted.token_logprobs(SEQUENCES, even, 1.0), reference, strict=True))
+
+
 def test_trl_policy_steps_keep_the_converted_policy_on_the_engines_bits(tokenizer: Any, unpatched: None) -> None:
     """Three of TRL's GRPO updates (its `compute_loss`, micro-batches of 2) keep its patched
     log-probs on the engine's bits (tests/policy_steps.py). A trainer that corrects for the engine
