@@ -3,7 +3,7 @@
 #   bash benchmarks/box/xqa_box_run.sh STAGE...
 #   STAGE: setup | dg-prepare[=MODEL] | dg-probe | tests | tests-moe | tests-fi | tests-mla | probe-nvcc | profile | engine-plan
 #        | fi-warm | moe-start | xqa-sweep | rollout-VARIANT[,VARIANT...][@BACKEND][#ARGS_VAR] | par=CHAIN+CHAIN... | bg | wait[=SECONDS]
-#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof[#ARGS_VAR] | verl | openrlhf | nemo_rl | stack-proof[#ARGS_VAR]
+#        | model | bitwise=STAGE[,STAGE...] | rl-step[=VARIANTS] | tests-tp[=FILE,...] | proof-tp | proof[#ARGS_VAR] | verl | trl | openrlhf | nemo_rl | stack-proof[#ARGS_VAR]
 #        | pytest=FILE[@EXPR] (one GPU test file, or its tests matching the pytest -k EXPR; no SmolLM2 staged: the tests that build their own models)
 # Needs the vLLM kit staged in /root/stage and .flashinfer_aot/ (benchmarks/box/build_flashinfer_aot.sh)
 # carried. setup installs the prebuilt XQA modules into FlashInfer's AOT directory and sets
@@ -29,6 +29,7 @@
 # runs several); the 4-layer Qwen3-8B shape needs no staged model.
 # verl: verl 0.9.1's FSDP engine importable for the stages after it (benchmarks/box/verl_deps_setup.sh: .whl/site carried,
 # .whl/verl_deps/verl_deps.part_NN staged), e.g. before proof with PROOF_ARGS="--scorer verl ..." or stack-proof.
+# trl: the same wheels for TRL's GRPOTrainer (stack-proof with --stack trl), checked by importing it: no Ray needed.
 # openrlhf: what OpenRLHF's Actor imports beyond .whl/site and verl's deps (deepspeed, flash-attn's padding helpers:
 # scripts/setup_cpu_env.sh builds .cache/openrlhf_site, copied to /root/openrlhf_site by an earlier call) on PYTHONPATH.
 # nemo_rl: NeMo RL's DTensor-policy pins (transformers 5.5.4: NeMo RL refuses >= 5.12) unpacked from the carried
@@ -146,6 +147,7 @@ while [ $# -gt 0 ]; do
     setup) [ "${FLASHINFER_JIT:-0}" = 1 ] && echo "FlashInfer JIT on: $(command -v nvcc)" || ls "$aot" ;;
     model) source benchmarks/box/gpu_model_setup.sh || exit 1 ;;
     verl) source benchmarks/box/verl_deps_setup.sh || exit 1 ;;
+    trl) DEPS_CHECK_MODULE=trl.trainer.grpo_trainer source benchmarks/box/verl_deps_setup.sh || exit 1 ;;
     openrlhf)
       [ -f /root/openrlhf_site/flash_attn/bert_padding.py ] || { echo "openrlhf: copy .cache/openrlhf_site to /root/openrlhf_site first"; exit 1; }
       export PYTHONPATH="$PYTHONPATH:/root/openrlhf_site"
